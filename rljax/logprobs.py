@@ -1,0 +1,150 @@
+"""Per-token logprobs and entropy from final hidden states, chunked.
+
+An RL step needs ``log pi(y_t)`` of the sampled tokens and (often) the
+entropy of ``pi`` at each position, but never the full ``B x T x V`` fp32
+logits: for a 150k vocabulary they dwarf the model's activations. Here logits
+are formed one time chunk at a time (``C`` positions), optionally one vocab
+chunk at a time with an online logsumexp, reduced to three numbers per token
+and discarded. ``jax.checkpoint`` on the chunk body makes the backward pass
+recompute a chunk's logits instead of storing them, so the peak extra memory is
+``B x C x V`` (or ``B x C x V_chunk``) floats in both passes.
+
+With ``z = softcap(h @ W) / temperature``:
+
+    logp_t    = z[y_t] - logsumexp(z)
+    entropy_t = logsumexp(z) - sum_v softmax(z)_v * z_v
+
+Gradients flow into ``hidden_BxTxD`` and ``w_DxV``; ``targets_BxT`` are ints.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG = -1e30
+
+
+def _check(hidden_BxTxD, w_DxV, targets_BxT, chunk_size, vocab_chunk_size,
+           temperature):
+  if hidden_BxTxD.ndim != 3:
+    raise ValueError(
+        f"hidden_BxTxD must have rank 3 [B, T, D]; got shape {hidden_BxTxD.shape}.")
+  if w_DxV.ndim != 2 or w_DxV.shape[0] != hidden_BxTxD.shape[-1]:
+    raise ValueError(
+        f"w_DxV must have shape [D={hidden_BxTxD.shape[-1]}, V]; got "
+        f"{w_DxV.shape}.")
+  if targets_BxT.shape != hidden_BxTxD.shape[:2]:
+    raise ValueError(
+        f"targets_BxT shape {targets_BxT.shape} must equal hidden_BxTxD's "
+        f"[B, T] = {hidden_BxTxD.shape[:2]}.")
+  if not jnp.issubdtype(targets_BxT.dtype, jnp.integer):
+    raise TypeError(f"targets_BxT must be integer; got {targets_BxT.dtype}.")
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size={chunk_size}: a positive integer is required.")
+  if vocab_chunk_size is not None and vocab_chunk_size < 1:
+    raise ValueError(
+        f"vocab_chunk_size={vocab_chunk_size}: a positive integer or None is "
+        "required.")
+  if isinstance(temperature, (int, float)) and temperature <= 0:
+    raise ValueError(
+        f"temperature={temperature}: a positive number is required.")
+
+
+def _scaled_logits(h_BxCxD, w_DxV, softcap, temperature):
+  z = jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxV.astype(h_BxCxD.dtype),
+                 preferred_element_type=jnp.float32)
+  if softcap is not None:
+    z = softcap * jnp.tanh(z / softcap)
+  return z / temperature
+
+
+def _full_vocab_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature):
+  z = _scaled_logits(h_BxCxD, w_DxV, softcap, temperature)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  z_y = jnp.take_along_axis(z, y_BxC[..., None], axis=-1)[..., 0]
+  p = jnp.exp(z - lse[..., None])
+  return z_y - lse, lse - jnp.sum(p * z, axis=-1)
+
+
+def _vocab_chunked_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
+                         vocab_chunk_size):
+  d, v = w_DxV.shape
+  n = -(-v // vocab_chunk_size)
+  w = jnp.pad(w_DxV, ((0, 0), (0, n * vocab_chunk_size - v)))
+  w_NxDxVc = w.reshape(d, n, vocab_chunk_size).transpose(1, 0, 2)
+  b, c = y_BxC.shape
+
+  @jax.checkpoint
+  def body(carry, inputs):
+    m, s, t, z_y = carry
+    i, w_chunk = inputs
+    cols = i * vocab_chunk_size + jnp.arange(vocab_chunk_size)
+    z = _scaled_logits(h_BxCxD, w_chunk, softcap, temperature)
+    z = jnp.where(cols < v, z, _NEG)
+    m_new = jnp.maximum(m, jnp.max(z, axis=-1))
+    e = jnp.exp(z - m_new[..., None])
+    alpha = jnp.exp(m - m_new)
+    s = s * alpha + jnp.sum(e, -1)
+    t = t * alpha + jnp.sum(e * jnp.where(cols < v, z, 0.0), -1)
+    hit = y_BxC[..., None] == cols
+    z_y = z_y + jnp.sum(jnp.where(hit, z, 0.0), -1)
+    return (m_new, s, t, z_y), None
+
+  zeros = jnp.zeros((b, c), jnp.float32)
+  init = (jnp.full((b, c), _NEG, jnp.float32), zeros, zeros, zeros)
+  (m, s, t, z_y), _ = jax.lax.scan(body, init, (jnp.arange(n), w_NxDxVc))
+  lse = m + jnp.log(s)
+  return z_y - lse, lse - t / s
+
+
+def token_logprobs(
+    hidden_BxTxD: jax.Array,
+    w_DxV: jax.Array,
+    targets_BxT: jax.Array,
+    *,
+    temperature: float | jax.Array = 1.0,
+    softcap: float | None = None,
+    chunk_size: int = 128,
+    vocab_chunk_size: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Logprob of each target token and the entropy at each position.
+
+  Args:
+    hidden_BxTxD: final hidden states (after the final norm); position ``t``
+      predicts ``targets_BxT[:, t]``.
+    w_DxV: the unembedding matrix.
+    targets_BxT: int token ids to score.
+    temperature: logits are divided by it (after soft-capping).
+    softcap: optional final-logit soft-cap (Gemma 2).
+    chunk_size: positions per chunk (``C``).
+    vocab_chunk_size: if set, vocabulary columns per chunk, with an online
+      logsumexp; bounds memory by ``B x C x vocab_chunk_size``.
+
+  Returns:
+    ``(logp_BxT, entropy_BxT)``, both fp32.
+  """
+  _check(hidden_BxTxD, w_DxV, targets_BxT, chunk_size, vocab_chunk_size,
+         temperature)
+  b, t, d = hidden_BxTxD.shape
+  c = min(chunk_size, t)
+  n = -(-t // c)
+  pad = n * c - t
+  h = jnp.pad(hidden_BxTxD, ((0, 0), (0, pad), (0, 0)))
+  y = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
+  h_NxBxCxD = h.reshape(b, n, c, d).transpose(1, 0, 2, 3)
+  y_NxBxC = y.reshape(b, n, c).transpose(1, 0, 2)
+  temperature = jnp.asarray(temperature, jnp.float32)
+
+  @jax.checkpoint
+  def chunk(inputs):
+    h_BxCxD, y_BxC = inputs
+    if vocab_chunk_size is None or vocab_chunk_size >= w_DxV.shape[1]:
+      return _full_vocab_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature)
+    return _vocab_chunked_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
+                                vocab_chunk_size)
+
+  logp, ent = jax.lax.map(chunk, (h_NxBxCxD, y_NxBxC))
+  logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+  ent = ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+  return logp, ent

@@ -1,0 +1,16 @@
+"""Policy models: the decoder, its configs and presets, parameter creation."""
+
+from rljax.models.config import PRESETS, ModelConfig, RopeScaling, get_preset
+from rljax.models.scoring import sequence_logprobs
+from rljax.models.params import (count_params, init_params, param_logical_axes,
+                                 param_shapes, param_shardings)
+from rljax.models.transformer import (Decoder, KVCache, LayerKV, attend,
+                                      compute_logits, init_cache,
+                                      output_projection, positions_from_mask)
+
+__all__ = [
+    "PRESETS", "ModelConfig", "RopeScaling", "get_preset", "count_params",
+    "init_params", "param_logical_axes", "param_shapes", "param_shardings",
+    "Decoder", "KVCache", "LayerKV", "attend", "compute_logits", "init_cache",
+    "output_projection", "positions_from_mask", "sequence_logprobs",
+]

@@ -1,0 +1,410 @@
+"""A flax.linen decoder-only transformer for the Llama 3 / Qwen / Gemma families.
+
+The policy is pure: ``Decoder(config).apply({'params': params}, tokens_BxT,
+positions_BxT, cache, input_mask_BxT=...)`` returns ``(hidden_BxTxD, cache)``
+(or logits with ``return_logits=True``). Positions are explicit, so left- or
+right-padded batches work; ``input_mask_BxT`` marks real tokens, and padding
+slots are never attended to.
+
+Attention is causal in *slot* order (the index of a token in the sequence or
+the KV cache), with the padding slots masked out; RoPE uses the explicit
+positions. A ``KVCache`` may carry a read-only ``prefix`` with one row per
+group of ``G`` consecutive batch rows: the prompt of a group is then stored
+(and read) once, not ``G`` times.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import sharding
+from rljax.models.config import ModelConfig
+
+_NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not NaN
+
+
+class LayerKV(NamedTuple):
+  """Keys and values of one layer.
+
+  Attributes:
+    k: ``[B, S, K, H]`` keys (already rotated by RoPE), cache dtype.
+    v: ``[B, S, K, H]`` values, cache dtype.
+  """
+
+  k: jax.Array
+  v: jax.Array
+
+
+class KVCache(NamedTuple):
+  """The decoding cache: a plain pytree, written with ``dynamic_update_slice``.
+
+  Attributes:
+    layers: one ``LayerKV`` per layer, each ``[B, S, K, H]``.
+    mask: ``[B, S]`` bool, whether a slot holds a real token.
+    index: ``[]`` int32, the next slot to write (shared by all rows).
+    prefix: optional read-only cache of ``B // G`` rows holding each group's
+      shared prompt; its slots precede this cache's slots.
+  """
+
+  layers: tuple[LayerKV, ...]
+  mask: jax.Array
+  index: jax.Array
+  prefix: "KVCache | None" = None
+
+
+def init_cache(config: ModelConfig, batch_size: int, num_slots: int,
+               dtype: Any = jnp.bfloat16, prefix: KVCache | None = None,
+               ) -> KVCache:
+  """Returns an empty cache of ``num_slots`` slots for ``batch_size`` rows."""
+  shape = (batch_size, num_slots, config.num_kv_heads, config.head_dim)
+  layers = tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+                 for _ in range(config.num_layers))
+  return KVCache(layers, jnp.zeros((batch_size, num_slots), jnp.bool_),
+                 jnp.zeros((), jnp.int32), prefix)
+
+
+def positions_from_mask(input_mask_BxT: jax.Array) -> jax.Array:
+  """Positions 0, 1, ... of the real tokens (padding gets the next one's, >= 0)."""
+  return jnp.maximum(jnp.cumsum(input_mask_BxT.astype(jnp.int32), -1) - 1, 0)
+
+
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
+  """Inverse RoPE frequencies ``[H / 2]`` (with Llama-3 scaling if configured)."""
+  theta = (config.rope_local_theta if local and config.rope_local_theta
+           else config.rope_theta)
+  h = config.head_dim
+  inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+  s = config.rope_scaling
+  if s is not None and not local:
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_position / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    inv_freq = np.where(medium, smoothed, scaled)
+  return inv_freq.astype(np.float32)
+
+
+def rope_sin_cos(positions_BxT: jax.Array, inv_freq: np.ndarray):
+  angles_BxTxH2 = positions_BxT[..., None].astype(jnp.float32) * inv_freq
+  return jnp.sin(angles_BxTxH2), jnp.cos(angles_BxTxH2)
+
+
+def apply_rope(x_BxTxNxH: jax.Array, sin_BxTxH2, cos_BxTxH2) -> jax.Array:
+  """Rotates halves ``(x1, x2)`` of each head (the Hugging Face convention)."""
+  x1, x2 = jnp.split(x_BxTxNxH.astype(jnp.float32), 2, axis=-1)
+  sin, cos = sin_BxTxH2[:, :, None, :], cos_BxTxH2[:, :, None, :]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxNxH.dtype)
+
+
+def _softcap(x, cap):
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
+           softcap: float | None = None, prefix: tuple | None = None):
+  """Grouped-query attention over a cache, with an optional shared prefix.
+
+  Args:
+    q_BxTxNxH: queries.
+    k_BxSxKxH: keys; ``N % K == 0``.
+    v_BxSxKxH: values.
+    mask_BxTxS: bool, which keys each query may see.
+    scale: multiplier of ``q . k``.
+    softcap: optional soft-cap of the logits.
+    prefix: optional ``(k_PxSpxKxH, v_PxSpxKxH, mask_PxTxSp)`` with
+      ``P = B // G`` rows: keys shared by each run of ``G`` consecutive rows.
+
+  Returns:
+    ``[B, T, N, H]`` attention outputs in the dtype of ``v``.
+  """
+  b, t, n, h = q_BxTxNxH.shape
+  kh = k_BxSxKxH.shape[2]
+  q = q_BxTxNxH.reshape(b, t, kh, n // kh, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH.astype(q.dtype),
+                      preferred_element_type=jnp.float32) * scale
+  logits = _softcap(logits, softcap)
+  logits = jnp.where(mask_BxTxS[:, None, None], logits, _NEG_INF)
+  if prefix is None:
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxH.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+    return out.reshape(b, t, n, h)
+  pk, pv, pmask = prefix
+  p = pk.shape[0]
+  g = b // p
+  qg = q.reshape(p, g, t, kh, n // kh, h)
+  plogits = jnp.einsum("pxtkgh,pskh->pxkgts", qg, pk.astype(q.dtype),
+                       preferred_element_type=jnp.float32) * scale
+  plogits = _softcap(plogits, softcap)
+  plogits = jnp.where(pmask[:, None, None, None], plogits, _NEG_INF)
+  plogits = plogits.reshape(b, kh, n // kh, t, -1)
+  sp = plogits.shape[-1]
+  probs = jax.nn.softmax(jnp.concatenate([plogits, logits], -1), axis=-1)
+  probs = probs.astype(v_BxSxKxH.dtype)
+  pprobs = probs[..., :sp].reshape(p, g, kh, n // kh, t, sp)
+  out = jnp.einsum("pxkgts,pskh->pxtkgh", pprobs, pv.astype(v_BxSxKxH.dtype))
+  out = out.reshape(b, t, kh, n // kh, h)
+  out = out + jnp.einsum("bkgts,bskh->btkgh", probs[..., sp:], v_BxSxKxH)
+  return out.reshape(b, t, n, h)
+
+
+def _param(module, name, init, shape, axes, dtype):
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape,
+                      dtype)
+
+
+def _dense_init(in_axis, out_axis):
+  return nn.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm computed in fp32; ``offset=1`` gives Gemma's ``x * (1 + w)``."""
+
+  eps: float = 1e-6
+  offset: float = 0.0
+  param_dtype: Any = jnp.float32
+  axis_name: str = "norm"
+
+  @nn.compact
+  def __call__(self, x):
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
+    scale = _param(self, "scale", init, (x.shape[-1],), (self.axis_name,),
+                   self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + self.eps)
+    return (y * (self.offset + scale.astype(jnp.float32))).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query self-attention with RoPE, optional qk-norm and biases."""
+
+  config: ModelConfig
+  local: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxTxD, sin_cos, mask_BxTxS, layer_kv, index,
+               prefix_kv, prefix_mask):
+    c = self.config
+    pd, dt = c.jnp_param_dtype, c.jnp_dtype
+    d, n, k, h = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
+    wq = _param(self, "q_kernel", _dense_init(0, (1, 2)), (d, n, h),
+                ("embed", "heads", "head_dim"), pd)
+    wk = _param(self, "k_kernel", _dense_init(0, (1, 2)), (d, k, h),
+                ("embed", "kv_heads", "head_dim"), pd)
+    wv = _param(self, "v_kernel", _dense_init(0, (1, 2)), (d, k, h),
+                ("embed", "kv_heads", "head_dim"), pd)
+    wo = _param(self, "o_kernel", _dense_init((0, 1), 2), (n, h, d),
+                ("heads", "head_dim", "embed"), pd)
+    x = x_BxTxD.astype(dt)
+    q = jnp.einsum("btd,dnh->btnh", x, wq.astype(dt))
+    kk = jnp.einsum("btd,dkh->btkh", x, wk.astype(dt))
+    vv = jnp.einsum("btd,dkh->btkh", x, wv.astype(dt))
+    if c.qkv_bias:
+      zeros = nn.initializers.zeros
+      q = q + _param(self, "q_bias", zeros, (n, h), ("heads", "head_dim"),
+                     pd).astype(dt)
+      kk = kk + _param(self, "k_bias", zeros, (k, h), ("kv_heads", "head_dim"),
+                       pd).astype(dt)
+      vv = vv + _param(self, "v_bias", zeros, (k, h), ("kv_heads", "head_dim"),
+                       pd).astype(dt)
+    if c.qk_norm:
+      q = RMSNorm(c.norm_eps, c.norm_offset, pd, "head_dim", name="q_norm")(q)
+      kk = RMSNorm(c.norm_eps, c.norm_offset, pd, "head_dim", name="k_norm")(kk)
+    sin, cos = sin_cos
+    q = apply_rope(q, sin, cos)
+    kk = apply_rope(kk, sin, cos)
+    q = sharding.constrain(q, ("batch", "length", "act_heads", None))
+
+    if layer_kv is None:
+      keys, values, new_kv = kk, vv, None
+    else:
+      start = (0, index, 0, 0)
+      keys = jax.lax.dynamic_update_slice(
+          layer_kv.k, kk.astype(layer_kv.k.dtype), start)
+      values = jax.lax.dynamic_update_slice(
+          layer_kv.v, vv.astype(layer_kv.v.dtype), start)
+      new_kv = LayerKV(keys, values)
+    prefix = None if prefix_kv is None else (prefix_kv.k, prefix_kv.v,
+                                             prefix_mask)
+    scale = c.query_scale if c.query_scale is not None else h ** -0.5
+    out = attend(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
+                 scale=scale, softcap=c.attn_logit_softcap, prefix=prefix)
+    out = jnp.einsum("btnh,nhd->btd", out, wo.astype(dt))
+    return sharding.constrain(out, ("batch", "length", "act_embed")), new_kv
+
+
+class MLP(nn.Module):
+  """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU or GeGLU)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BxTxD):
+    c = self.config
+    pd, dt = c.jnp_param_dtype, c.jnp_dtype
+    wg = _param(self, "gate_kernel", _dense_init(0, 1), (c.d_model, c.mlp_dim),
+                ("embed", "mlp"), pd)
+    wu = _param(self, "up_kernel", _dense_init(0, 1), (c.d_model, c.mlp_dim),
+                ("embed", "mlp"), pd)
+    wd = _param(self, "down_kernel", _dense_init(0, 1), (c.mlp_dim, c.d_model),
+                ("mlp", "embed"), pd)
+    x = x_BxTxD.astype(dt)
+    gate = x @ wg.astype(dt)
+    act = (jax.nn.silu(gate) if c.activation == "silu"
+           else jax.nn.gelu(gate, approximate=True))
+    hidden = sharding.constrain(act * (x @ wu.astype(dt)),
+                                ("batch", "length", "act_mlp"))
+    return hidden @ wd.astype(dt)
+
+
+class Block(nn.Module):
+  """Pre-norm transformer block (with Gemma's optional post-norms)."""
+
+  config: ModelConfig
+  local: bool = False
+
+  @nn.compact
+  def __call__(self, x_BxTxD, sin_cos, mask_BxTxS, layer_kv, index,
+               prefix_kv, prefix_mask):
+    c = self.config
+    norm = functools.partial(RMSNorm, c.norm_eps, c.norm_offset,
+                             c.jnp_param_dtype)
+    h, new_kv = Attention(c, self.local, name="attn")(
+        norm(name="pre_attn_norm")(x_BxTxD), sin_cos, mask_BxTxS, layer_kv,
+        index, prefix_kv, prefix_mask)
+    if c.post_norms:
+      h = norm(name="post_attn_norm")(h)
+    x = x_BxTxD + h.astype(x_BxTxD.dtype)
+    h = MLP(c, name="mlp")(norm(name="pre_mlp_norm")(x))
+    if c.post_norms:
+      h = norm(name="post_mlp_norm")(h)
+    x = x + h.astype(x.dtype)
+    return sharding.constrain(x, ("batch", "length", "act_embed")), new_kv
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+def _window_mask(q_slot_T, k_slot_S, window):
+  return (q_slot_T[:, None] - k_slot_S[None, :]) < window
+
+
+class Decoder(nn.Module):
+  """The policy network.
+
+  ``__call__(tokens_BxT, positions_BxT, cache=None, *, input_mask_BxT=None,
+  return_logits=False) -> (hidden_BxTxD | logits_BxTxV, cache)``.
+
+  Without a cache, token ``t`` attends to the real tokens ``<= t``. With a
+  cache, the new tokens are written at ``cache.index`` and attend to every
+  real slot before them (prefix slots first).
+  """
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None,
+               *, input_mask_BxT=None, return_logits: bool = False):
+    c = self.config
+    b, t = tokens_BxT.shape
+    if input_mask_BxT is None:
+      input_mask_BxT = jnp.ones((b, t), jnp.bool_)
+    input_mask_BxT = input_mask_BxT.astype(jnp.bool_)
+    embedding = _param(self, "embedding", nn.initializers.normal(c.d_model ** -0.5),
+                       (c.vocab_size, c.d_model), ("vocab", "embed"),
+                       c.jnp_param_dtype)
+    x = jnp.take(embedding, tokens_BxT, axis=0).astype(c.jnp_dtype)
+    if c.embed_scale:
+      x = x * jnp.asarray(math.sqrt(c.d_model), c.jnp_dtype)
+    x = sharding.constrain(x, ("batch", "length", "act_embed"))
+
+    if cache is None:
+      index = jnp.zeros((), jnp.int32)
+      key_mask_BxS = input_mask_BxT
+      q_slot_T = k_slot_S = jnp.arange(t)
+      new_mask = None
+    else:
+      index = cache.index
+      new_mask = jax.lax.dynamic_update_slice(cache.mask, input_mask_BxT,
+                                              (0, index))
+      key_mask_BxS = new_mask
+      q_slot_T = index + jnp.arange(t)
+      k_slot_S = jnp.arange(cache.mask.shape[1])
+    causal_TxS = k_slot_S[None, :] <= q_slot_T[:, None]
+    global_mask = key_mask_BxS[:, None, :] & causal_TxS[None]
+    local_mask = global_mask
+    prefix = None if cache is None else cache.prefix
+    prefix_global = prefix_local = None
+    if prefix is not None:
+      sp = prefix.mask.shape[1]
+      prefix_global = jnp.broadcast_to(prefix.mask[:, None, :],
+                                       (prefix.mask.shape[0], t, sp))
+      prefix_local = prefix_global
+    if c.sliding_window is not None:
+      local_mask = global_mask & _window_mask(q_slot_T, k_slot_S,
+                                              c.sliding_window)[None]
+      if prefix is not None:
+        sp = prefix.mask.shape[1]
+        prefix_local = prefix_global & _window_mask(
+            q_slot_T + sp, jnp.arange(sp), c.sliding_window)[None]
+
+    sin_cos_global = rope_sin_cos(positions_BxT, rope_inv_freq(c))
+    sin_cos_local = (rope_sin_cos(positions_BxT, rope_inv_freq(c, local=True))
+                     if c.rope_local_theta else sin_cos_global)
+
+    block_cls = Block
+    if c.remat != "none":
+      block_cls = nn.remat(Block, policy=_REMAT_POLICIES[c.remat])
+    new_layers = []
+    for i in range(c.num_layers):
+      local = c.is_local_layer(i)
+      x, kv = block_cls(c, local, name=f"layers_{i}")(
+          x, sin_cos_local if local else sin_cos_global,
+          local_mask if local else global_mask,
+          None if cache is None else cache.layers[i], index,
+          None if prefix is None else prefix.layers[i],
+          prefix_local if local else prefix_global)
+      new_layers.append(kv)
+    x = RMSNorm(c.norm_eps, c.norm_offset, c.jnp_param_dtype,
+                name="final_norm")(x)
+    new_cache = None
+    if cache is not None:
+      new_cache = KVCache(tuple(new_layers), new_mask, index + t, prefix)
+    if c.tie_embeddings:
+      w_DxV = embedding.T
+    else:
+      w_DxV = _param(self, "lm_head", _dense_init(0, 1),
+                     (c.d_model, c.vocab_size), ("embed", "vocab"),
+                     c.jnp_param_dtype)
+    if not return_logits:
+      return x, new_cache
+    return compute_logits(x, w_DxV, c.final_logit_softcap), new_cache
+
+
+def compute_logits(hidden_BxTxD, w_DxV, softcap=None):
+  """fp32 logits from final hidden states (small batches only: ``B x T x V``)."""
+  logits = jnp.einsum("btd,dv->btv", hidden_BxTxD, w_DxV.astype(hidden_BxTxD.dtype),
+                      preferred_element_type=jnp.float32)
+  return _softcap(logits, softcap)
+
+
+def output_projection(params: Any, config: ModelConfig) -> jax.Array:
+  """The unembedding ``W_DxV`` (the transposed embedding when tied)."""
+  if config.tie_embeddings:
+    return params["embedding"].T
+  return params["lm_head"]
