@@ -69,31 +69,33 @@ def _full_vocab_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature):
 
 def _vocab_chunked_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
                          vocab_chunk_size):
-  d, v = w_DxV.shape
+  v = w_DxV.shape[1]
   n = -(-v // vocab_chunk_size)
-  w = jnp.pad(w_DxV, ((0, 0), (0, n * vocab_chunk_size - v)))
-  w_NxDxVc = w.reshape(d, n, vocab_chunk_size).transpose(1, 0, 2)
   b, c = y_BxC.shape
 
   @jax.checkpoint
-  def body(carry, inputs):
+  def body(carry, i):
     m, s, t, z_y = carry
-    i, w_chunk = inputs
-    cols = i * vocab_chunk_size + jnp.arange(vocab_chunk_size)
+    # Slicing W in place (no padded copy): the last chunk is shifted left to
+    # end at V, and columns an earlier chunk already counted are masked out.
+    start = jnp.minimum(i * vocab_chunk_size, v - vocab_chunk_size)
+    w_chunk = jax.lax.dynamic_slice_in_dim(w_DxV, start, vocab_chunk_size, 1)
+    cols = start + jnp.arange(vocab_chunk_size)
+    new = cols >= i * vocab_chunk_size
     z = _scaled_logits(h_BxCxD, w_chunk, softcap, temperature)
-    z = jnp.where(cols < v, z, _NEG)
+    z = jnp.where(new, z, _NEG)
     m_new = jnp.maximum(m, jnp.max(z, axis=-1))
     e = jnp.exp(z - m_new[..., None])
     alpha = jnp.exp(m - m_new)
     s = s * alpha + jnp.sum(e, -1)
-    t = t * alpha + jnp.sum(e * jnp.where(cols < v, z, 0.0), -1)
-    hit = y_BxC[..., None] == cols
+    t = t * alpha + jnp.sum(e * jnp.where(new, z, 0.0), -1)
+    hit = (y_BxC[..., None] == cols) & new
     z_y = z_y + jnp.sum(jnp.where(hit, z, 0.0), -1)
     return (m_new, s, t, z_y), None
 
   zeros = jnp.zeros((b, c), jnp.float32)
   init = (jnp.full((b, c), _NEG, jnp.float32), zeros, zeros, zeros)
-  (m, s, t, z_y), _ = jax.lax.scan(body, init, (jnp.arange(n), w_NxDxVc))
+  (m, s, t, z_y), _ = jax.lax.scan(body, init, jnp.arange(n))
   lse = m + jnp.log(s)
   return z_y - lse, lse - t / s
 
