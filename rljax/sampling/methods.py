@@ -1,0 +1,115 @@
+"""Sampling methods: pure functions over ``logits_BxV``.
+
+Each truncation returns logits with the removed tokens set to ``-inf``; they
+compose in the order the sampler applies them (temperature, top-k, top-p,
+min-p, the order of Hugging Face's logits warpers). ``sample_tokens`` draws
+from the result and also returns the log-probability of the drawn token under
+that truncated, renormalised distribution, which is what importance
+corrections against the sampler need.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+  >>> top_p(logits, 0.7)   # keeps 0.5 and 0.3: 0.5 < 0.7 <= 0.8
+  Array([[-0.6931472, -1.2039728,       -inf,       -inf]], dtype=float32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+def apply_temperature(logits_BxV: jax.Array, temperature: float) -> jax.Array:
+  """``logits / temperature`` in fp32."""
+  return logits_BxV.astype(jnp.float32) / temperature
+
+
+def top_k(logits_BxV: jax.Array, k: int) -> jax.Array:
+  """Keeps the ``k`` largest logits (ties with the k-th are kept too)."""
+  k = min(int(k), logits_BxV.shape[-1])
+  kth = jax.lax.top_k(logits_BxV, k)[0][..., -1:]
+  return jnp.where(logits_BxV >= kth, logits_BxV, _NEG_INF)
+
+
+def top_p(logits_BxV: jax.Array, p: float) -> jax.Array:
+  """Nucleus: the smallest set of most likely tokens with total mass >= ``p``."""
+  sorted_desc = jnp.sort(logits_BxV, axis=-1)[..., ::-1]
+  probs = jax.nn.softmax(sorted_desc, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  keep_sorted = mass_before < p
+  # The smallest kept logit is the threshold (the top token is always kept).
+  threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1,
+                      keepdims=True)
+  return jnp.where(logits_BxV >= threshold, logits_BxV, _NEG_INF)
+
+
+def min_p(logits_BxV: jax.Array, p: float) -> jax.Array:
+  """Keeps tokens whose probability is at least ``p`` times the top one's."""
+  log_ratio = logits_BxV - jnp.max(logits_BxV, axis=-1, keepdims=True)
+  return jnp.where(log_ratio >= jnp.log(p), logits_BxV, _NEG_INF)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingMethod:
+  """How the next token is chosen (hashable: a static argument under jit).
+
+  Attributes:
+    temperature: divides the logits; ignored when ``greedy``.
+    top_k: keep the k most likely tokens; None disables.
+    top_p: nucleus mass; None disables.
+    min_p: minimum probability relative to the top token; None disables.
+    greedy: take the argmax.
+  """
+
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+  min_p: float | None = None
+  greedy: bool = False
+
+  def __post_init__(self):
+    if not self.greedy and not self.temperature > 0:
+      raise ValueError(
+          f"sampler.temperature={self.temperature!r}: a positive number is "
+          "required (use greedy=True for argmax decoding).")
+    if self.top_k is not None and (not isinstance(self.top_k, int)
+                                   or self.top_k < 1):
+      raise ValueError(
+          f"sampler.top_k={self.top_k!r}: a positive integer or None.")
+    for name in ("top_p", "min_p"):
+      value = getattr(self, name)
+      if value is not None and not 0.0 < value <= 1.0:
+        raise ValueError(f"sampler.{name}={value!r}: a number in (0, 1] or None.")
+
+  def truncated_logits(self, logits_BxV: jax.Array) -> jax.Array:
+    """Log-weights of the distribution actually sampled from (unnormalised)."""
+    z = apply_temperature(logits_BxV, self.temperature)
+    if self.top_k is not None:
+      z = top_k(z, self.top_k)
+    if self.top_p is not None and self.top_p < 1.0:
+      z = top_p(z, self.top_p)
+    if self.min_p is not None:
+      z = min_p(z, self.min_p)
+    return z
+
+  def get_next_tokens(self, logits_BxV: jax.Array, key: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    """Draws tokens; returns ``(tokens_B, logp_B)`` under the sampled distribution."""
+    if self.greedy:
+      return (jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32),
+              jnp.zeros(logits_BxV.shape[:-1], jnp.float32))
+    z = self.truncated_logits(logits_BxV)
+    tokens = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
+    logp = jax.nn.log_softmax(z, axis=-1)
+    return tokens, jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+
+
+def sample_tokens(logits_BxV: jax.Array, key: jax.Array,
+                  method: SamplingMethod = SamplingMethod()):
+  """Functional form of ``method.get_next_tokens``."""
+  return method.get_next_tokens(logits_BxV, key)

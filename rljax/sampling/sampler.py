@@ -1,0 +1,310 @@
+"""The rollout sampler: one prefill, then one ``lax.while_loop`` of decode steps.
+
+Layout. ``B`` prompts are left-padded to a bucket length ``P`` and each gets
+``G`` samples; rollout rows are group-contiguous (row ``i`` is sample
+``i % G`` of prompt ``i // G``), ``N = B * G``.
+
+Shared group prefixes. The prompts are prefilled once, on ``B`` rows, into a
+prefix cache ``[B, P, K, H]`` per layer. The decode cache holds only the
+generated tokens, ``[N, T, K, H]``, and every decode step attends to the
+prefix of its group through ``models.attend``'s prefix path, so a prompt is
+neither recomputed nor copied ``G`` times. ``share_prefix=False`` repeats the
+prompts instead (the baseline the benchmark compares with).
+
+Per generated token the ``Rollout`` keeps two logprobs:
+  * ``policy_logprobs``: ``log softmax(logits / training_temperature)[y]``,
+    full vocabulary: what the trainer's recomputation gives on-policy;
+  * ``sampler_logprobs``: the log-probability under the distribution that
+    was actually sampled from (temperature, then top-k / top-p / min-p,
+    renormalised); 0 for greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import sharding
+from rljax.models import (Decoder, KVCache, ModelConfig, compute_logits,
+                          init_cache, output_projection, positions_from_mask)
+from rljax.sampling.methods import SamplingMethod
+
+_CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """Static settings of ``sample`` (frozen and hashable).
+
+  Attributes:
+    num_samples: samples per prompt (the group size G).
+    max_new_tokens: generated tokens per sample at most (T).
+    method: how tokens are drawn (temperature, top-k, top-p, min-p, greedy).
+    training_temperature: temperature of ``Rollout.policy_logprobs``.
+    eos_ids: token ids that end a sample (the EOS is part of the completion).
+    stop_sequences: token sequences that end a sample (kept in the completion).
+    pad_id: id written after a sample ends.
+    cache_dtype: ``"bfloat16"`` or ``"float32"``.
+    prompt_buckets: allowed padded prompt lengths; a batch is padded to the
+      smallest bucket that fits its longest prompt, so a few shapes compile.
+    share_prefix: prefill each prompt once and share its cache in the group.
+  """
+
+  num_samples: int = 1
+  max_new_tokens: int = 32
+  method: SamplingMethod = SamplingMethod()
+  training_temperature: float = 1.0
+  eos_ids: tuple[int, ...] = ()
+  stop_sequences: tuple[tuple[int, ...], ...] = ()
+  pad_id: int = 0
+  cache_dtype: str = "bfloat16"
+  prompt_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+  share_prefix: bool = True
+
+  def __post_init__(self):
+    for name in ("num_samples", "max_new_tokens"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"sampler.{name}={value!r}: a positive integer is required.")
+    if self.cache_dtype not in _CACHE_DTYPES:
+      raise ValueError(f"sampler.cache_dtype={self.cache_dtype!r}: accepted "
+                       f"{tuple(_CACHE_DTYPES)}.")
+    if not self.training_temperature > 0:
+      raise ValueError(
+          f"sampler.training_temperature={self.training_temperature!r}: a "
+          "positive number is required.")
+    buckets = self.prompt_buckets
+    if not buckets or any(not isinstance(b, int) or b < 1 for b in buckets):
+      raise ValueError(f"sampler.prompt_buckets={buckets!r}: a non-empty tuple "
+                       "of positive integers is required.")
+    if any(not s for s in self.stop_sequences):
+      raise ValueError(f"sampler.stop_sequences={self.stop_sequences!r}: "
+                       "empty stop sequences are not allowed.")
+
+  def replace(self, **changes: Any) -> "SamplerConfig":
+    return dataclasses.replace(self, **changes)
+
+
+class Rollout(NamedTuple):
+  """Sampled completions; rows are group-contiguous, ``N = B * G``.
+
+  Attributes:
+    prompt_tokens: ``[N, P]`` int32, left-padded prompt of each row.
+    prompt_mask: ``[N, P]`` bool, real prompt tokens.
+    completion_tokens: ``[N, T]`` int32, ``pad_id`` after the end.
+    completion_mask: ``[N, T]`` bool, generated tokens up to and including the
+      EOS token or the last token of a stop sequence.
+    lengths: ``[N]`` int32, ``completion_mask.sum(-1)``.
+    finished: ``[N]`` bool, ended by EOS or a stop sequence (False: truncated
+      at ``max_new_tokens``).
+    policy_logprobs: ``[N, T]`` fp32, under the policy at the training
+      temperature, full vocabulary (0 where masked).
+    sampler_logprobs: ``[N, T]`` fp32, under the distribution sampled from
+      (0 where masked).
+  """
+
+  prompt_tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_tokens: jax.Array
+  completion_mask: jax.Array
+  lengths: jax.Array
+  finished: jax.Array
+  policy_logprobs: jax.Array
+  sampler_logprobs: jax.Array
+
+  def sequences(self) -> tuple[jax.Array, jax.Array]:
+    """``(tokens_NxL, mask_NxL)``: prompt and completion, ``L = P + T``."""
+    return (jnp.concatenate([self.prompt_tokens, self.completion_tokens], 1),
+            jnp.concatenate([self.prompt_mask, self.completion_mask], 1))
+
+
+def pick_bucket(length: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket >= ``length``; a clear error when none fits."""
+  fitting = [b for b in sorted(buckets) if b >= length]
+  if not fitting:
+    raise ValueError(
+        f"a prompt of {length} tokens is longer than the largest of "
+        f"sampler.prompt_buckets={tuple(sorted(buckets))}: add a bucket >= "
+        f"{length} or shorten the prompt.")
+  return fitting[0]
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int],
+                pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token lists to a bucket: ``(tokens_BxP int32, mask_BxP bool)``."""
+  if not prompts:
+    raise ValueError("prompts is empty: at least one prompt is required.")
+  if any(len(p) == 0 for p in prompts):
+    raise ValueError("a prompt has no tokens: every prompt needs at least one "
+                     "token (e.g. BOS).")
+  width = pick_bucket(max(len(p) for p in prompts), buckets)
+  tokens = np.full((len(prompts), width), pad_id, np.int32)
+  mask = np.zeros((len(prompts), width), bool)
+  for i, p in enumerate(prompts):
+    tokens[i, width - len(p):] = p
+    mask[i, width - len(p):] = True
+  return tokens, mask
+
+
+class _LoopState(NamedTuple):
+  step: jax.Array              # [] int32
+  logits: jax.Array            # [N, V] fp32, predicting token `step`
+  cache: KVCache
+  tokens: jax.Array            # [N, T] int32
+  mask: jax.Array              # [N, T] bool
+  policy_logp: jax.Array       # [N, T] fp32
+  sampler_logp: jax.Array      # [N, T] fp32
+  done: jax.Array              # [N] bool
+  finished: jax.Array          # [N] bool
+  next_position: jax.Array     # [N] int32
+
+
+def _stop_hit(tokens_NxT, step, stop_sequences):
+  """Whether the tokens ending at ``step`` match any stop sequence."""
+  n = tokens_NxT.shape[0]
+  hit = jnp.zeros((n,), jnp.bool_)
+  for seq in stop_sequences:
+    length = len(seq)
+    padded = jnp.pad(tokens_NxT, ((0, 0), (length, 0)), constant_values=-1)
+    window = jax.lax.dynamic_slice_in_dim(padded, step + 1, length, axis=1)
+    hit = hit | jnp.all(window == jnp.asarray(seq, jnp.int32), axis=1)
+  return hit
+
+
+def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
+                 model_config: ModelConfig, config: SamplerConfig) -> Rollout:
+  mc, sc = model_config, config
+  model = Decoder(mc)
+  b, p = prompt_tokens_BxP.shape
+  g, t = sc.num_samples, sc.max_new_tokens
+  n = b * g
+  cache_dtype = _CACHE_DTYPES[sc.cache_dtype]
+  w_DxV = output_projection(params, mc)
+  prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+  prompt_len_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
+
+  if sc.share_prefix:
+    prefix = init_cache(mc, b, p, cache_dtype)
+    hidden, prefix = model.apply(
+        {"params": params}, prompt_tokens_BxP,
+        positions_from_mask(prompt_mask_BxP), prefix,
+        input_mask_BxT=prompt_mask_BxP)
+    logits = compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0]
+    logits = jnp.repeat(logits, g, axis=0)
+    cache = init_cache(mc, n, t, cache_dtype, prefix=prefix)
+  else:
+    tokens_NxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
+    mask_NxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
+    cache = init_cache(mc, n, p + t, cache_dtype)
+    hidden, cache = model.apply(
+        {"params": params}, tokens_NxP, positions_from_mask(mask_NxP), cache,
+        input_mask_BxT=mask_NxP)
+    logits = compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0]
+  logits = sharding.constrain(logits, ("batch", "act_vocab"))
+  eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
+
+  def cond(state: _LoopState):
+    return (state.step < t) & ~jnp.all(state.done)
+
+  def body(state: _LoopState) -> _LoopState:
+    i = state.step
+    token, sampler_logp = sc.method.get_next_tokens(
+        state.logits, jax.random.fold_in(key, i))
+    policy_logp = jnp.take_along_axis(
+        jax.nn.log_softmax(state.logits / sc.training_temperature, axis=-1),
+        token[:, None], -1)[:, 0]
+    live = ~state.done
+    token = jnp.where(live, token, sc.pad_id)
+    tokens = state.tokens.at[:, i].set(token)
+    mask = state.mask.at[:, i].set(live)
+    ended = live & (jnp.any(token[:, None] == eos[None], axis=1)
+                    | _stop_hit(tokens, i, sc.stop_sequences))
+    zero = jnp.zeros_like(policy_logp)
+    hidden, cache = model.apply(
+        {"params": params}, token[:, None], state.next_position[:, None],
+        state.cache, input_mask_BxT=live[:, None])
+    logits = compute_logits(hidden, w_DxV, mc.final_logit_softcap)[:, 0]
+    return _LoopState(
+        step=i + 1,
+        logits=sharding.constrain(logits, ("batch", "act_vocab")),
+        cache=cache,
+        tokens=tokens,
+        mask=mask,
+        policy_logp=state.policy_logp.at[:, i].set(
+            jnp.where(live, policy_logp, zero)),
+        sampler_logp=state.sampler_logp.at[:, i].set(
+            jnp.where(live, sampler_logp, zero)),
+        done=state.done | ended,
+        finished=state.finished | ended,
+        next_position=state.next_position + 1)
+
+  zeros_f = jnp.zeros((n, t), jnp.float32)
+  init = _LoopState(
+      step=jnp.zeros((), jnp.int32), logits=logits, cache=cache,
+      tokens=jnp.full((n, t), sc.pad_id, jnp.int32),
+      mask=jnp.zeros((n, t), jnp.bool_), policy_logp=zeros_f,
+      sampler_logp=zeros_f, done=jnp.zeros((n,), jnp.bool_),
+      finished=jnp.zeros((n,), jnp.bool_),
+      next_position=jnp.repeat(prompt_len_B, g))
+  final = jax.lax.while_loop(cond, body, init)
+  return Rollout(
+      prompt_tokens=jnp.repeat(prompt_tokens_BxP, g, axis=0),
+      prompt_mask=jnp.repeat(prompt_mask_BxP, g, axis=0),
+      completion_tokens=final.tokens,
+      completion_mask=final.mask,
+      lengths=final.mask.sum(-1).astype(jnp.int32),
+      finished=final.finished,
+      policy_logprobs=final.policy_logp,
+      sampler_logprobs=final.sampler_logp)
+
+
+sample = jax.jit(_sample_impl, static_argnames=("model_config", "config"))
+sample.__doc__ = """Samples ``G`` completions per prompt (jit-compiled).
+
+Args:
+  params: policy params (sharded or not).
+  prompt_tokens_BxP: int32, left-padded prompts (see ``pad_prompts``).
+  prompt_mask_BxP: bool, real prompt tokens; every row has at least one.
+  key: PRNG key; the same key gives the same samples.
+  model_config: static model config.
+  config: static ``SamplerConfig``.
+
+Returns:
+  A ``Rollout`` of ``N = B * G`` group-contiguous rows.
+"""
+
+
+def make_sampler(model_config: ModelConfig, config: SamplerConfig,
+                 mesh: jax.sharding.Mesh | None = None,
+                 param_shardings: Any = None,
+                 rules: sharding.Rules = sharding.DEFAULT_RULES):
+  """A jitted ``fn(params, prompt_tokens_BxP, prompt_mask_BxP, key) -> Rollout``.
+
+  With a mesh, shardings are explicit at the call site: params as
+  ``param_shardings`` (e.g. ``models.param_shardings``), prompts and every
+  rollout array split over the batch axes, the key replicated.
+  """
+  fn = functools.partial(_sample_impl, model_config=model_config, config=config)
+  if mesh is None:
+    return jax.jit(fn)
+  batch2 = sharding.batch_sharding(mesh, 2, rules)
+  batch1 = sharding.batch_sharding(mesh, 1, rules)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out = Rollout(batch2, batch2, batch2, batch2, batch1, batch1, batch2, batch2)
+  jitted = jax.jit(fn, in_shardings=(param_shardings, batch2, batch2, replicated),
+                   out_shardings=out)
+
+  def call(params, prompt_tokens_BxP, prompt_mask_BxP, key):
+    sharding.check_batch_divisible(prompt_tokens_BxP.shape[0], mesh,
+                                   "number of prompts", rules)
+    with jax.set_mesh(mesh):
+      return jitted(params, prompt_tokens_BxP, prompt_mask_BxP, key)
+  call.jitted = jitted
+  return call
