@@ -9,13 +9,12 @@ with hidden states only vs. with full ``B x T x V`` logits (what
   python -m launch.bench_model --preset=small --points=4x128,8x256,16x512
 """
 
-import time
-
 from absl import app, flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from launch.benchlib import best_time, matmul_flops_per_s
 from rljax import models
 
 _PRESET = flags.DEFINE_string("preset", "small", "model preset")
@@ -23,23 +22,6 @@ _POINTS = flags.DEFINE_list("points", ["4x128", "8x256", "16x512"],
                             "BxT points")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per point")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
-
-
-def _time(fn, *args, repeats):
-  jax.block_until_ready(fn(*args))
-  best = float("inf")
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    best = min(best, time.perf_counter() - start)
-  return best
-
-
-def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
-  """Measured fp32 matmul throughput of this machine (the roofline)."""
-  a = jnp.ones((n, n), jnp.float32)
-  f = jax.jit(lambda a: a @ a)
-  return 2 * n ** 3 / _time(f, a, repeats=repeats)
 
 
 def forward_flops(config: models.ModelConfig, b: int, t: int) -> float:
@@ -73,8 +55,8 @@ def main(argv):
                 for f in (hidden_fn, logits_fn)]
     mem = [a.temp_size_in_bytes / 2**20 for a in analyses]
     out_mib = [a.output_size_in_bytes / 2**20 for a in analyses]
-    seconds = _time(logits_fn, params, tokens, positions,
-                    repeats=_REPEATS.value)
+    seconds = best_time(logits_fn, params, tokens, positions,
+                        repeats=_REPEATS.value)
     flops = forward_flops(config, b, t) / seconds
     print(f"{b:>4} {t:>5} {b * t / seconds:>10,.0f} {flops / 1e9:>8.1f} "
           f"{100 * flops / peak:>5.1f}% {mem[1]:>9.1f} {out_mib[0]:>15.1f} "

@@ -1,0 +1,44 @@
+r"""Trains a policy with RL as an ml_collections config says.
+
+  python -m launch.train --config=configs/arithmetic_grpo.py --workdir=/tmp/rljax_demo
+  python -m launch.train --config=configs/arithmetic_grpo.py --config.rl.group_size=16
+
+Runs the embedded default (``configs/arithmetic_grpo.py``) when ``--config``
+is not given.
+"""
+
+import logging
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs",
+                        "arithmetic_grpo.py")
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT,
+                                          "ml_collections config file")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_run",
+                               "where metrics, plots and checkpoints go")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
+                                 "call jax.distributed.initialize() first")
+
+
+def main(argv):
+  del argv
+  logging.getLogger("rljax").setLevel(logging.INFO)
+  if _DISTRIBUTED.value:
+    import jax
+    jax.distributed.initialize()
+  from rljax import train
+  summary = train.run(_CONFIG.value, _WORKDIR.value)
+  before = summary["before"].get("eval/accuracy")
+  after = summary["after"].get("eval/accuracy")
+  if before is not None and after is not None:
+    print(f"held-out accuracy: before RL {100 * before:.1f}%, after RL "
+          f"{100 * after:.1f}% ({100 * (after - before):+.1f} points)")
+  print(f"workdir: {summary['workdir']} (metrics.jsonl, tensorboard/, "
+        f"curves.png, checkpoints/)")
+
+
+if __name__ == "__main__":
+  app.run(main)
