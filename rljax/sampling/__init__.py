@@ -1,13 +1,15 @@
 """Rollout sampling: KV cache, prefill + decode loop, sampling methods."""
 
 from rljax.models.transformer import KVCache, LayerKV, init_cache
-from rljax.sampling.methods import (SamplingMethod, apply_temperature, min_p,
+from rljax.sampling.methods import (SamplingMethod, apply_temperature,
+                                    inverse_cdf_sample, min_p,
                                     sample_tokens, top_k, top_p)
 from rljax.sampling.sampler import (Rollout, SamplerConfig, make_sampler,
                                     pad_prompts, pick_bucket, sample)
 
 __all__ = [
     "KVCache", "LayerKV", "init_cache", "SamplingMethod", "apply_temperature",
+    "inverse_cdf_sample",
     "min_p", "sample_tokens", "top_k", "top_p", "Rollout", "SamplerConfig",
     "make_sampler", "pad_prompts", "pick_bucket", "sample",
 ]

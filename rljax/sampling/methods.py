@@ -54,6 +54,21 @@ def min_p(logits_BxV: jax.Array, p: float) -> jax.Array:
   return jnp.where(log_ratio >= jnp.log(p), logits_BxV, _NEG_INF)
 
 
+def inverse_cdf_sample(key: jax.Array, logp_BxV: jax.Array) -> jax.Array:
+  """Draws one token per row from ``exp(logp_BxV)`` with one uniform per row.
+
+  ``jax.random.categorical`` draws ``B x V`` Gumbel variates per step, and
+  generating that many random bits dominates a small model's decode step on
+  CPU; the inverse CDF needs ``B`` uniforms and one cumulative sum. The first
+  index whose CDF exceeds ``u`` always has positive probability, so removed
+  (``-inf``) tokens are never drawn.
+  """
+  cdf = jnp.cumsum(jnp.exp(logp_BxV), axis=-1)
+  u = jax.random.uniform(key, logp_BxV.shape[:-1] + (1,)) * cdf[..., -1:]
+  tokens = jnp.sum(cdf <= u, axis=-1)
+  return jnp.minimum(tokens, logp_BxV.shape[-1] - 1).astype(jnp.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingMethod:
   """How the next token is chosen (hashable: a static argument under jit).
@@ -104,8 +119,8 @@ class SamplingMethod:
       return (jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32),
               jnp.zeros(logits_BxV.shape[:-1], jnp.float32))
     z = self.truncated_logits(logits_BxV)
-    tokens = jax.random.categorical(key, z, axis=-1).astype(jnp.int32)
     logp = jax.nn.log_softmax(z, axis=-1)
+    tokens = inverse_cdf_sample(key, logp)
     return tokens, jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
 
 

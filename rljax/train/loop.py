@@ -16,6 +16,7 @@ checked before the first compile (``validate``).
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import logging
 import os
@@ -73,9 +74,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
     raise ValueError(f"task.name={config.task.name!r} is unknown; accepted: "
                      f"{tuple(data_lib.TASKS)} (or set task.path to a JSONL file).")
   for name in config.rewards.names:
-    if name not in rewards_lib.REWARD_FNS:
-      raise ValueError(f"rewards.names contains {name!r}; accepted: "
-                       f"{tuple(sorted(rewards_lib.REWARD_FNS))}.")
+    _reward_fn(name)
   if len(config.rewards.weights) != len(config.rewards.names):
     raise ValueError(
         f"rewards.weights has {len(config.rewards.weights)} entries for "
@@ -89,6 +88,24 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
     sharding.check_batch_divisible(micro, mesh, "rows per microbatch "
                                    "(rl.prompts_per_step x rl.group_size / "
                                    "(rl.num_minibatches x rl.num_microbatches))")
+
+
+def _reward_fn(name: str):
+  """A built-in reward by name, or a user's ``"package.module:function"``."""
+  if ":" in name:
+    module, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"rewards.names contains {name!r}, which cannot be "
+                       f"imported ({e}); accepted: a built-in name or "
+                       "'package.module:function'.") from e
+    return attr, fn
+  if name not in rewards_lib.REWARD_FNS:
+    raise ValueError(f"rewards.names contains {name!r}; accepted: "
+                     f"{tuple(sorted(rewards_lib.REWARD_FNS))} or "
+                     "'package.module:function'.")
+  return name, rewards_lib.get_reward_fn(name)
 
 
 def _model_config(config, vocab_size: int) -> models.ModelConfig:
@@ -153,12 +170,13 @@ class _Run:
     rl = config.rl
     self.group_size = rl.group_size
     self.eos_ids = (self.tokenizer.eos_id,)
-    specs = [rewards_lib.reward_spec(n, weight=w) for n, w in
-             zip(config.rewards.names, config.rewards.weights)]
+    specs = [rewards_lib.RewardSpec(*_reward_fn(n), weight=float(w))
+             for n, w in zip(config.rewards.names, config.rewards.weights)]
     self.evaluator = rewards_lib.RewardEvaluator(
         specs, num_workers=config.rewards.num_workers,
         timeout_s=config.rewards.timeout_s)
-    self.correctness = config.eval.get("reward") or config.rewards.names[0]
+    self.correctness = (config.eval.get("reward")
+                        or _reward_fn(config.rewards.names[0])[0])
 
   def make_sampler(self, num_samples, greedy=False):
     return sampling.make_sampler(

@@ -173,7 +173,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
         accumulate, (zeros, metric_zeros, coef_state), micro)
     # pg_loss/kl/entropy are already global-normalised sums; weighted ones too.
     metrics["entropy"] = metrics["entropy"]
-    metrics["grad_norm"] = optax.global_norm(grads)
+    metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, opt_state, params,
                                           ess=metrics.get("ess", 1.0))
     params = optax.apply_updates(params, updates)
@@ -230,6 +230,6 @@ def make_sft_step(model_config: models.ModelConfig,
                                               loss_mask)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {
-        "sft_loss": loss, "grad_norm": optax.global_norm(grads)}
+        "sft_loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   return sft_step

@@ -1,0 +1,202 @@
+import glob
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rljax import metrics, models, train
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..",
+                                        "configs", "*.py")))
+
+
+def load_config(path, arg=None):
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def tiny_config():
+  return load_config(os.path.join(os.path.dirname(__file__), "..", "configs",
+                                  "arithmetic_grpo.py"), "tiny")
+
+
+def _clean(rows):
+  """Metrics without wall-clock figures."""
+  return [{k: v for k, v in r.items()
+           if not k.startswith(("time/", "tokens_per_s/", "reward/eval_seconds"))}
+          for r in rows]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("run"))
+  summary = train.run(tiny_config(), workdir)
+  return workdir, summary
+
+
+@pytest.mark.slow
+def test_end_to_end_tiny_run_writes_everything(tiny_run):
+  workdir, summary = tiny_run
+  rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  rl_rows = [r for r in rows if r["step"] > 0]
+  assert [r["step"] for r in rl_rows] == [1, 2, 3]
+  for r in rl_rows:
+    for key in ("pg_loss", "grad_norm", "entropy", "reward/total/mean",
+                "accuracy", "adv/frac_zero_variance_groups", "learning_rate",
+                "clip_frac", "time/sample", "tokens_per_s/train"):
+      assert key in r and np.isfinite(r[key]), key
+  assert "eval/accuracy" in rows[-1] and "eval/greedy_accuracy" in rows[-1]
+  assert any(r["step"] < 0 and "sft/sft_loss" in r for r in rows)
+  assert os.path.exists(os.path.join(workdir, "curves.png"))
+  events = glob.glob(os.path.join(workdir, "tensorboard", "events.out.tfevents.*"))
+  scalars = metrics.read_tensorboard_scalars(events[0])
+  assert (3, "pg_loss", pytest.approx(rl_rows[-1]["pg_loss"])) in [
+      (s, t, v) for s, t, v in scalars]
+  steps = sorted(os.listdir(os.path.join(workdir, "checkpoints")))
+  assert "3" in steps
+  assert set(summary["before"]) >= {"eval/accuracy", "eval/pass@1"}
+
+
+@pytest.mark.slow
+def test_same_config_and_seed_give_identical_metrics(tiny_run, tmp_path):
+  workdir, _ = tiny_run
+  train.run(tiny_config(), str(tmp_path))
+  first = _clean(metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl")))
+  second = _clean(metrics.read_jsonl(os.path.join(tmp_path, "metrics.jsonl")))
+  assert first == second
+
+
+@pytest.mark.slow
+def test_failing_rewards_count_as_missing_and_training_goes_on(tmp_path):
+  config = tiny_config()
+  config.rl.num_steps = 2
+  config.eval.every = 100
+  config.rewards.names = ("numeric_match", "tests.reward_fixtures:raises",
+                          "tests.reward_fixtures:hangs",
+                          "tests.reward_fixtures:returns_none")
+  config.rewards.weights = (1.0, 1.0, 1.0, 1.0)
+  config.rewards.num_workers = 2
+  config.rewards.timeout_s = 2.0
+  train.run(config, str(tmp_path))
+  rows = [r for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")
+          if r["step"] > 0]
+  assert [r["step"] for r in rows] == [1, 2]
+  n = config.rl.prompts_per_step * config.rl.group_size
+  for r in rows:
+    assert r["reward/raises/errors"] == n
+    assert r["reward/hangs/timeouts"] == n
+    assert r["reward/returns_none/none"] == n
+    assert r["reward/numeric_match/valid_frac"] == 1.0
+    assert np.isfinite(r["pg_loss"])
+
+
+# --- validation, before any compile -----------------------------------------
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_config_loads_and_validates(path):
+  config = load_config(path)
+  train.validate(config)
+  for arg in ("tiny",):
+    train.validate(load_config(path, arg))
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda c: setattr(c.rl, "advantage", "ppo9000"),
+     r"rl.advantage='ppo9000' is unknown; accepted: \('grpo'"),
+    (lambda c: setattr(c.rl, "objective", "trpo"), r"rl.objective='trpo'"),
+    (lambda c: setattr(c.rl, "group_size", 1), r"rl.group_size=1 with rl.advantage='grpo'"),
+    (lambda c: setattr(c.rl, "aggregation", "mean"), r"rl.aggregation='mean'"),
+    (lambda c: setattr(c.rewards, "names", ("nope",)), r"rewards.names contains 'nope'"),
+    (lambda c: setattr(c.rl, "num_minibatches", 3), r"do not split into"),
+])
+def test_bad_config_fails_early_naming_the_field(change, match):
+  config = tiny_config()
+  change(config)
+  with pytest.raises(ValueError, match=match):
+    train.validate(config)
+
+
+def test_batch_not_divisible_by_mesh_fails_before_compile(tmp_path):
+  config = tiny_config()
+  config.mesh.data, config.mesh.fsdp = 8, 1
+  config.rl.prompts_per_step = 6
+  with pytest.raises(ValueError, match=r"rl.prompts_per_step=6 does not divide"):
+    train.run(config, str(tmp_path))
+
+
+def test_prompt_bucket_shorter_than_longest_prompt_fails(tmp_path):
+  config = tiny_config()
+  config.sampler.prompt_buckets = (2,)
+  with pytest.raises(ValueError, match=r"sampler.prompt_buckets=\(2,\): the longest prompt"):
+    train.run(config, str(tmp_path))
+
+
+# --- the jitted RL step ------------------------------------------------------
+
+MC = models.get_preset("tiny")
+
+
+def _batch(n=8, length=10, seed=0):
+  rng = np.random.RandomState(seed)
+  tokens = rng.randint(4, MC.vocab_size, (n, length)).astype(np.int32)
+  input_mask = np.ones((n, length), bool)
+  input_mask[:3, :2] = False
+  loss_mask = np.zeros((n, length), bool)
+  loss_mask[:, 5:] = True
+  loss_mask[1, 8:] = False
+  adv = rng.randn(n).astype(np.float32)
+  return train.RLBatch(tokens, input_mask, loss_mask, adv,
+                       np.zeros((n, length), np.float32))
+
+
+def _state(optimizer, coef_tx, params):
+  return train.TrainState(params, optimizer.init(params), optax.EmptyState(),
+                          coef_tx.init(jnp.zeros((1, 1))), jnp.zeros((), jnp.int32),
+                          jax.random.key_data(jax.random.key(0)))
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean_token_mean",
+                                         "sequence_mean_token_sum_norm"])
+def test_microbatch_accumulation_equals_whole_batch(aggregation):
+  params = models.init_params(MC, jax.random.key(1))
+  optimizer = optax.sgd(1.0)
+  coef_tx = train.coefficient_transform({"objective": "ppo_clip"})
+  batch = _batch()
+  out = []
+  for micro in (1, 4):
+    cfg = train.RLStepConfig(num_microbatches=micro, aggregation=aggregation,
+                             max_length=5)
+    step = jax.jit(train.make_rl_step(MC, cfg, optimizer, coef_tx))
+    state, m = step(_state(optimizer, coef_tx, params), batch)
+    out.append((state.params, m))
+  for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
+    np.testing.assert_allclose(a, b, atol=2e-6)
+  np.testing.assert_allclose(out[0][1]["pg_loss"], out[1][1]["pg_loss"], atol=1e-6)
+
+
+def test_on_policy_update_equals_reinforce_gradient():
+  """One SGD step of rl_step == params - lr * grad of -mean(A * logp)."""
+  params = models.init_params(MC, jax.random.key(2))
+  optimizer = optax.sgd(0.1)
+  coef_tx = train.coefficient_transform({"objective": "ppo_clip"})
+  batch = _batch(seed=3)
+  step = jax.jit(train.make_rl_step(MC, train.RLStepConfig(), optimizer, coef_tx))
+  state, _ = step(_state(optimizer, coef_tx, params), batch)
+
+  def reinforce(p):
+    lp, _ = models.sequence_logprobs(p, MC, batch.tokens, batch.input_mask)
+    m = batch.loss_mask
+    return -jnp.sum(jnp.where(m, batch.advantages[:, None] * lp, 0.0)) / m.sum()
+
+  grads = jax.grad(reinforce)(params)
+  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert int(state.step) == 1
