@@ -58,11 +58,17 @@ class CheckpointManager:
     Args:
       step: the step to restore; None for the latest.
       target: a pytree of arrays or ``jax.ShapeDtypeStruct`` (with
-        ``sharding``) matching the saved tree.
+        ``sharding``) matching the saved tree; None restores the saved
+        structure as nested dicts/lists of host-local arrays.
     """
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}.")
+    if target is None:
+      restored = self._manager.restore(int(step), args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(),
+          metadata=ocp.args.JsonRestore()))
+      return restored["state"], dict(restored["metadata"] or {})
     abstract = jax.tree.map(
         lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),

@@ -1,0 +1,53 @@
+r"""Held-out accuracy of a trained run: greedy, avg@k, pass@k, maj@k.
+
+  python -m launch.evaluate --workdir=/tmp/rljax_demo --num_samples=8
+
+Uses the run's task, held-out split, reward functions and sampler settings.
+"""
+
+import json
+
+from absl import app, flags
+import jax
+
+from rljax import rewards as rewards_lib
+from rljax import sampling
+from rljax.train import evaluation, load_policy, loop
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "a training run directory",
+                               required=True)
+_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default latest)")
+_NUM = flags.DEFINE_integer("num_samples", 8, "samples per prompt (k)")
+_EXAMPLES = flags.DEFINE_integer("num_examples", None,
+                                 "held-out prompts (default: the run's)")
+_SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
+
+
+def main(argv):
+  del argv
+  policy = load_policy(_WORKDIR.value, _STEP.value)
+  config = policy.config
+  if _EXAMPLES.value:
+    config.eval.num_examples = _EXAMPLES.value
+  _, _, heldout = loop._load_task(config)
+  names = [loop._reward_fn(n) for n in config.rewards.names]
+  specs = [rewards_lib.RewardSpec(n, fn, weight=float(w))
+           for (n, fn), w in zip(names, config.rewards.weights)]
+  correctness = config.eval.get("reward") or names[0][0]
+  tok = policy.tokenizer
+  buckets = tuple(config.sampler.prompt_buckets)
+  results = {"step": policy.step}
+  with rewards_lib.RewardEvaluator(specs, num_workers=0) as evaluator:
+    for label, k, greedy in (("greedy_", 1, True), ("", _NUM.value, False)):
+      sc = loop._sampler_config(config, tok, k, greedy=greedy)
+      fn = sampling.make_sampler(policy.model_config, sc)
+      results.update(evaluation.evaluate(
+          policy.params, fn, tok, heldout, evaluator,
+          jax.random.key(_SEED.value), num_samples=k, buckets=buckets,
+          eos_ids=(tok.eos_id,), correctness_reward=correctness,
+          prefix=f"eval/{label}"))
+  print(json.dumps(results, indent=2, sort_keys=True))
+
+
+if __name__ == "__main__":
+  app.run(main)
