@@ -47,14 +47,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sampler.share_prefix = True
 
   c.sft = ml_collections.ConfigDict()
-  c.sft.num_steps = 150
+  c.sft.num_steps = 350
   c.sft.batch_size = 64
   c.sft.learning_rate = 3e-3
   c.sft.num_examples = 4000
   c.sft.max_length = 16
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.num_steps = 60
+  c.rl.num_steps = 400
   c.rl.prompts_per_step = 32
   c.rl.group_size = 8
   c.rl.num_epochs = 1
@@ -75,7 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"
-  c.optimizer.learning_rate = 3e-4
+  c.optimizer.learning_rate = 1.5e-4
   c.optimizer.warmup_steps = 5
   c.optimizer.schedule = "constant"
   c.optimizer.weight_decay = 0.0
@@ -90,13 +90,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rewards.timeout_s = 10.0
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 20
+  c.eval.every = 50
   c.eval.num_examples = 256
   c.eval.num_samples = 1
   c.eval.greedy = True
   c.eval.reward = ""
 
-  c.checkpoint = ml_collections.ConfigDict({"every": 20, "max_to_keep": 2})
+  c.checkpoint = ml_collections.ConfigDict(
+      {"every": 50, "max_to_keep": 2, "best_metric": "", "best_mode": "max"})
 
   if arg == "tiny":
     c.model.preset = "tiny"

@@ -31,6 +31,10 @@ def main(argv):
     jax.distributed.initialize()
   from rljax import train
   summary = train.run(_CONFIG.value, _WORKDIR.value)
+  if summary["preempted"]:
+    print(f"preempted: checkpoint saved in {summary['checkpoints']}; rerun the "
+          f"same command to resume.")
+    return
   before = summary["before"].get("eval/accuracy")
   after = summary["after"].get("eval/accuracy")
   if before is not None and after is not None:

@@ -14,6 +14,8 @@ PRNG keys must be stored as raw ``uint32`` key data
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from typing import Any
 
@@ -31,20 +33,67 @@ class CheckpointManager:
   """
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
-               async_save: bool = True):
+               async_save: bool = True, best_metric: str | None = None,
+               best_mode: str = "max"):
     self.directory = os.path.abspath(os.fspath(directory))
+    if best_mode not in ("max", "min"):
+      raise ValueError(f"checkpoint.best_mode={best_mode!r}: accepted 'max', 'min'.")
+    if max_to_keep is not None and max_to_keep < 1:
+      raise ValueError(f"checkpoint.max_to_keep={max_to_keep!r}: a positive "
+                       "integer or None is required.")
+    self.best_metric, self.best_mode, self.max_to_keep = (
+        best_metric, best_mode, max_to_keep)
+    # Pruning (last N plus the best) is done here: orbax's own best_fn keeps
+    # the N best only, which could drop the latest checkpoint a resume needs.
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-        create=True)
+        max_to_keep=None, enable_async_checkpointing=async_save, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._scores_path = os.path.join(self.directory, "best_scores.json")
+    self._scores: dict[str, float] = {}
+    if os.path.exists(self._scores_path):
+      with open(self._scores_path) as f:
+        self._scores = json.load(f)
 
   def save(self, step: int, tree: Any, metadata: dict | None = None,
-           *, force: bool = True) -> bool:
-    """Starts saving ``tree`` and ``metadata`` for ``step`` (returns at once)."""
+           *, metrics: dict | None = None, force: bool = True) -> bool:
+    """Starts saving ``tree`` and ``metadata`` for ``step`` (returns at once).
+
+    ``metrics[best_metric]``, when given, ranks the checkpoint for
+    ``best_step``; the best one is kept besides the last ``max_to_keep``.
+    """
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(tree),
         metadata=ocp.args.JsonSave(metadata or {}))
-    return self._manager.save(int(step), args=args, force=force)
+    saved = self._manager.save(int(step), args=args, force=force)
+    if self.best_metric and metrics and self.best_metric in metrics:
+      self._scores[str(int(step))] = float(metrics[self.best_metric])
+      tmp = self._scores_path + ".tmp"
+      with open(tmp, "w") as f:
+        json.dump(self._scores, f)
+      os.replace(tmp, self._scores_path)
+    self._prune()
+    return saved
+
+  def _prune(self) -> None:
+    if self.max_to_keep is None:
+      return
+    steps = self.all_steps()
+    keep = set(steps[-self.max_to_keep:])
+    best = self.best_step()
+    if best is not None:
+      keep.add(best)
+    for step in steps:
+      if step not in keep:
+        self._manager.delete(step)
+
+  def best_step(self) -> int | None:
+    """The saved step with the best ``best_metric`` (None without scores)."""
+    present = set(self.all_steps())
+    scores = {int(k): v for k, v in self._scores.items() if int(k) in present}
+    if not scores:
+      return None
+    pick = max if self.best_mode == "max" else min
+    return pick(scores, key=scores.get)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -77,6 +126,34 @@ class CheckpointManager:
         state=ocp.args.StandardRestore(abstract),
         metadata=ocp.args.JsonRestore()))
     return restored["state"], dict(restored["metadata"] or {})
+
+  def restore_latest_valid(self, target: Any) -> tuple[int, Any, dict]:
+    """Restores the newest checkpoint that reads back whole.
+
+    A checkpoint that fails to restore (truncated or corrupted files) is
+    skipped with a warning naming its directory, and the one before it is
+    tried.
+
+    Returns:
+      ``(step, tree, metadata)``.
+
+    Raises:
+      FileNotFoundError: if no checkpoint can be restored.
+    """
+    errors = []
+    for step in reversed(self.all_steps()):
+      try:
+        tree, metadata = self.restore(step, target)
+        return step, tree, metadata
+      except Exception as e:  # orbax/tensorstore raise many kinds
+        bad = os.path.join(self.directory, str(step))
+        logging.warning("checkpoint %s is unreadable (%s: %s); falling back to "
+                        "the previous one.", bad, type(e).__name__,
+                        str(e).splitlines()[0][:200])
+        errors.append(bad)
+    raise FileNotFoundError(
+        f"no readable checkpoint in {self.directory}"
+        + (f" (unreadable: {errors})" if errors else "") + ".")
 
   def wait(self) -> None:
     """Blocks until pending asynchronous saves are on disk."""

@@ -16,16 +16,37 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
 _ACTIVATIONS = ("silu", "gelu_tanh")
 _REMAT = ("none", "full", "dots")
+_ROPE_TYPES = ("llama3", "linear")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama-3 style RoPE frequency scaling (``rope_type: llama3`` in HF)."""
+  """RoPE frequency scaling of the global (non-sliding) layers.
+
+  Attributes:
+    factor: the frequency divisor.
+    low_freq_factor: llama3 only.
+    high_freq_factor: llama3 only.
+    original_max_position: llama3 only, the pre-training context length.
+    rope_type: ``"llama3"`` (Llama 3.1+: only low frequencies divided,
+      smoothly) or ``"linear"`` (all frequencies divided by ``factor``:
+      position interpolation, as in Gemma 3's global layers). The names are
+      Hugging Face's ``rope_type`` values.
+  """
 
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position: int = 8192
+  rope_type: str = "llama3"
+
+  def __post_init__(self):
+    if self.rope_type not in _ROPE_TYPES:
+      raise ValueError(f"model.rope_scaling.rope_type={self.rope_type!r}: "
+                       f"accepted {_ROPE_TYPES}.")
+    if not self.factor > 0:
+      raise ValueError(f"model.rope_scaling.factor={self.factor!r}: a "
+                       "positive number is required.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +62,8 @@ class ModelConfig:
     head_dim: per-head width (H).
     mlp_dim: hidden width of the gated MLP (F).
     rope_theta: RoPE base frequency.
-    rope_scaling: optional Llama-3 frequency scaling.
+    rope_scaling: optional frequency scaling (Llama 3 or linear) of the
+      global layers.
     rope_local_theta: RoPE base for sliding-window layers (Gemma 3); None uses
       ``rope_theta``.
     norm_eps: RMSNorm epsilon.

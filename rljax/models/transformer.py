@@ -76,13 +76,15 @@ def positions_from_mask(input_mask_BxT: jax.Array) -> jax.Array:
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> np.ndarray:
-  """Inverse RoPE frequencies ``[H / 2]`` (with Llama-3 scaling if configured)."""
+  """Inverse RoPE frequencies ``[H / 2]`` (with Llama-3 or linear scaling)."""
   theta = (config.rope_local_theta if local and config.rope_local_theta
            else config.rope_theta)
   h = config.head_dim
   inv_freq = 1.0 / (theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
   s = config.rope_scaling
-  if s is not None and not local:
+  if s is not None and not local and s.rope_type == "linear":
+    inv_freq = inv_freq / s.factor
+  elif s is not None and not local:
     low_wavelen = s.original_max_position / s.low_freq_factor
     high_wavelen = s.original_max_position / s.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

@@ -20,6 +20,8 @@ import importlib
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Any
 
@@ -237,6 +239,29 @@ def _sft(run: _Run, params, key, writer):
   return params
 
 
+class _StopSignal:
+  """Records SIGTERM/SIGINT so the loop can checkpoint at a step boundary."""
+
+  def __init__(self):
+    self.received = None
+    self._previous = {}
+    if threading.current_thread() is not threading.main_thread():
+      return  # signal handlers can only be set from the main thread
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.received:  # a second signal: stop now
+      raise KeyboardInterrupt
+    self.received = signal.Signals(signum).name
+
+  def restore(self):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+    self._previous = {}
+
+
 def run(config: Any, workdir: str) -> dict[str, Any]:
   """Trains as ``config`` says, writing everything under ``workdir``.
 
@@ -262,7 +287,9 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
               "greedy": r.make_sampler(1, greedy=True)}
   manager = ckpt_lib.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
-      max_to_keep=config.checkpoint.max_to_keep)
+      max_to_keep=config.checkpoint.max_to_keep,
+      best_metric=config.checkpoint.get("best_metric") or None,
+      best_mode=config.checkpoint.get("best_mode", "max"))
 
   adv_tx = algorithms.advantage_transform(rl)
   coef_tx = algorithms.coefficient_transform(rl)
@@ -280,9 +307,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
 
   iterator = data_lib.make_prompt_iterator(
       r.train_examples, rl.prompts_per_step, config.seed)
-  resumed = manager.latest_step()
-  summary: dict[str, Any] = {"workdir": workdir}
-  if resumed is None:
+  summary: dict[str, Any] = {"workdir": workdir, "preempted": False}
+  if not manager.all_steps():
     params = _sft(r, params, sft_key, writer)
     with jax.set_mesh(r.mesh):
       before = _evaluate(r, params, eval_key, samplers)
@@ -290,16 +316,30 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     writer.write(0, before)
     log.info("held-out before RL: %s", _fmt(before))
     state = jax.jit(init_state)(params, state_key)
+    ref_params = params if rl.kl_coef else None
   else:
-    abstract = jax.eval_shape(init_state, params, state_key)
-    target = jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=getattr(x, "sharding", None)),
-        abstract, jax.jit(init_state)(params, state_key))
-    state, meta = manager.restore(resumed, target)
+    # The restore target: shapes, dtypes and shardings of a fresh state.
+    fresh = jax.jit(init_state)(params, state_key)
+    target = {"state": fresh}
+    if rl.kl_coef:
+      target["ref_params"] = params
+    resumed, tree, meta = manager.restore_latest_valid(target)
+    state, ref_params = tree["state"], tree.get("ref_params")
+    del fresh
     iterator.set_state(meta["data_iterator"])
     summary["before"] = meta.get("before", {})
     log.info("resumed from step %d in %s", resumed, manager.directory)
-  summary.setdefault("before", {})
+
+  def save(step, metrics=None):
+    tree = {"state": state}
+    if rl.kl_coef:
+      tree["ref_params"] = ref_params
+    best = config.checkpoint.get("best_metric")
+    manager.save(step, tree, {"data_iterator": iterator.get_state(),
+                              "before": summary["before"],
+                              "config": json.loads(config.to_json_best_effort())},
+                 metrics=({best: metrics[best]} if best and metrics
+                          and best in metrics else None))
 
   step_cfg = RLStepConfig(
       num_epochs=rl.num_epochs, num_minibatches=rl.num_minibatches,
@@ -308,7 +348,6 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
       entropy_coef=rl.entropy_coef, training_temperature=rl.training_temperature)
   rl_step = make_rl_step(r.model_config, step_cfg, optimizer, coef_tx)
   rl_step = jax.jit(rl_step, donate_argnums=(0,))
-  ref_params = params if rl.kl_coef else None
   advantage_fn = jax.jit(lambda rewards, adv_state, mask: (
       adv_tx.update(rewards, adv_state, group_size=rl.group_size, mask_N=mask)))
   adv_metrics_fn = jax.jit(functools.partial(advantage_metrics,
@@ -317,7 +356,18 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
       rl.num_steps, keys=("reward/total/mean", "accuracy", "eval/accuracy"))
   last: dict[str, float] = {}
   step = int(state.step)
+  stop_signal = _StopSignal()
+  max_bad = config.optimizer.get("max_consecutive_nonfinite")
+  skipped_total = 0
   while step < rl.num_steps:
+    if stop_signal.received:
+      save(step)
+      manager.wait()
+      log.warning("%s received: saved a checkpoint at step %d in %s; run the "
+                  "same command (same --workdir) to resume.",
+                  stop_signal.received, step, manager.directory)
+      summary["preempted"] = True
+      break
     t_start = time.time()
     batch = next(iterator)
     prompts = batching.encode_prompts(r.tokenizer, batch["prompt"])
@@ -367,10 +417,21 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     writer.write(step, m)
     progress.update(step, m)
     last = metrics_lib.to_floats(m)
+    if last.get("nonfinite_skipped_total", 0) > skipped_total:
+      skipped_total = int(last["nonfinite_skipped_total"])
+      log.warning("step %d: non-finite loss or gradient; the update was skipped "
+                  "(%d updates skipped so far).", step, skipped_total)
+    if max_bad and last.get("nonfinite_consecutive", 0) >= max_bad:
+      writer.close()
+      stop_signal.restore()
+      raise FloatingPointError(
+          f"{int(last['nonfinite_consecutive'])} consecutive optimizer updates "
+          f"up to RL step {step} had a non-finite loss or gradient "
+          f"(optimizer.max_consecutive_nonfinite={max_bad}): stopping. The last "
+          f"good checkpoint is in {manager.directory}.")
     if step % config.checkpoint.every == 0 or step == rl.num_steps:
-      manager.save(step, state, {"data_iterator": iterator.get_state(),
-                                 "before": summary["before"],
-                                 "config": json.loads(config.to_json_best_effort())})
+      save(step, last)
+  stop_signal.restore()
   manager.close()
   writer.close()
   r.evaluator.close()

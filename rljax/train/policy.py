@@ -46,8 +46,9 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
   manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                        async_save=False)
   step = manager.latest_step() if step is None else step
-  state, _ = manager.restore(step, None)
+  tree, _ = manager.restore(step, None)
   manager.close()
+  state = tree["state"]  # the loop saves {"state": TrainState, ...}
   params = state["params"] if isinstance(state, dict) else state[0]
   expected = jax.tree.structure(models.param_shapes(model_config))
   if jax.tree.structure(params) != expected:
