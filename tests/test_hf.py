@@ -329,8 +329,11 @@ def bpe_dir(tmp_path_factory):
   tok.train_from_iterator(corpus, trainer)
   tok.save(str(path / "tokenizer.json"))
   with open(path / "tokenizer_config.json", "w") as f:
-    json.dump({"bos_token": "<s>", "eos_token": {"content": "</s>"},
-               "pad_token": "<pad>", "chat_template": TEMPLATE,
+    # The EOS in the older AddedToken form, which some checkpoints still use.
+    json.dump({"bos_token": "<s>", "pad_token": "<pad>",
+               "eos_token": {"__type": "AddedToken", "content": "</s>",
+                             "special": True},
+               "chat_template": TEMPLATE,
                "tokenizer_class": "PreTrainedTokenizerFast"}, f)
   with open(path / "generation_config.json", "w") as f:
     json.dump({"eos_token_id": [2, 0]}, f)
@@ -409,3 +412,22 @@ def test_load_hf_pretrained_returns_config_params_and_tokenizer(
   assert config2 == config and isinstance(tok, hf_tokenizer.HFTokenizer)
   jax.tree.map(np.testing.assert_array_equal, params2, params)
   assert tok.apply_chat_template(MESSAGES).endswith("<|assistant|>\n")
+
+
+def test_gsm8k_config_validates():
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  from rljax.train import loop  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      "gsm8k_grpo", os.path.join(os.path.dirname(__file__), "..", "configs",
+                                 "gsm8k_grpo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  mesh = sharding.make_mesh(1, -1, 1)
+  for arg in (None, "tiny"):
+    loop.validate(module.get_config(arg), mesh)
+  config = module.get_config()
+  assert config.model.path == "" and config.rewards.names == ("math_answer",)
+  assert config.task.path.endswith(".jsonl") and config.sft.num_steps == 0
+  config.task.path = ""
+  with pytest.raises(ValueError, match="set task.path to a JSONL file"):
+    loop.validate(config, mesh)

@@ -48,7 +48,7 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
   step = manager.latest_step() if step is None else step
   tree, _ = manager.restore(step, None)
   manager.close()
-  state = tree["state"]  # the loop saves {"state": TrainState, ...}
+  state = tree["state"] if "state" in tree else tree  # {"state": TrainState, ...}
   params = state["params"] if isinstance(state, dict) else state[0]
   expected = jax.tree.structure(models.param_shapes(model_config))
   if jax.tree.structure(params) != expected:

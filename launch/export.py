@@ -1,0 +1,41 @@
+r"""Exports the params of a training run's checkpoint.
+
+  python -m launch.export --workdir=/tmp/rljax_demo --out=/tmp/policy.safetensors
+  python -m launch.export --workdir=/tmp/rljax_demo --format=hf --out=/tmp/hf_dir
+
+``safetensors`` writes one file with rljax's parameter names (``layers_0.attn.
+q_kernel``, ...) plus the model config as metadata; ``hf`` writes a Hugging
+Face checkpoint directory (``hf`` extra) when the model maps onto a
+transformers architecture.
+"""
+
+import dataclasses
+import json
+
+from absl import app, flags
+
+from rljax import checkpoint
+from rljax.train import load_policy
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "training run directory", required=True)
+_STEP = flags.DEFINE_integer("step", None, "checkpoint step (default latest)")
+_OUT = flags.DEFINE_string("out", None, "output file or directory", required=True)
+_FORMAT = flags.DEFINE_enum("format", "safetensors", ["safetensors", "hf"],
+                            "output format")
+
+
+def main(argv):
+  del argv
+  policy = load_policy(_WORKDIR.value, _STEP.value)
+  if _FORMAT.value == "safetensors":
+    checkpoint.save_safetensors(policy.params, _OUT.value, metadata={
+        "rljax_model_config": json.dumps(dataclasses.asdict(policy.model_config)),
+        "step": str(policy.step)})
+  else:
+    from rljax.models import hf
+    hf.save_hf_checkpoint(policy.params, policy.model_config, _OUT.value)
+  print(f"wrote step {policy.step} params to {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)
