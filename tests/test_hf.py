@@ -300,6 +300,9 @@ def test_export_refuses_configs_the_architecture_cannot_express(tmp_path):
                      "Qwen2ForCausalLM"):
     models.hf_config_from_model_config(models.get_preset("tiny"),
                                        "Qwen2ForCausalLM")
+  with pytest.raises(TypeError, match=r"save_hf_checkpoint\(path, config, "
+                     r"params\): config is a dict"):
+    models.save_hf_checkpoint(tmp_path, {}, models.get_preset("tiny"))
 
 
 # --------------------------------------------------------------------------

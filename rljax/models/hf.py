@@ -112,6 +112,13 @@ def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
       raise ValueError(f"{file} is not valid JSON: {e}") from e
 
 
+def _required(arch: str, hf: Mapping[str, Any], field: str) -> Any:
+  if hf.get(field) is None:
+    raise ValueError(f"{arch}: config.json has no {field!r}, which rljax "
+                     "needs; the file is incomplete.")
+  return hf[field]
+
+
 def _architecture(hf: Mapping[str, Any]) -> str:
   archs = hf.get("architectures") or []
   if len(archs) != 1 or archs[0] not in ARCHITECTURES:
@@ -133,10 +140,11 @@ def _rope(arch: str, params: Mapping[str, Any], where: str,
   theta = float(params.get("rope_theta") or default_theta)
   if kind == "default":
     return theta, None
+  factor = _required(arch, params, "factor")
   if kind == "linear":
-    return theta, RopeScaling(factor=float(params["factor"]), rope_type="linear")
+    return theta, RopeScaling(factor=float(factor), rope_type="linear")
   return theta, RopeScaling(
-      factor=float(params["factor"]),
+      factor=float(factor),
       low_freq_factor=float(params.get("low_freq_factor", 1.0)),
       high_freq_factor=float(params.get("high_freq_factor", 4.0)),
       original_max_position=int(params.get("original_max_position_embeddings")
@@ -249,16 +257,18 @@ def model_config_from_hf(hf: Mapping[str, Any], *, param_dtype: str | None = Non
   for field in fixed_false:
     if hf.get(field):
       raise _unsupported(arch, field, hf[field], False)
-  d, n = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-  num_layers = int(hf["num_hidden_layers"])
+  d = int(_required(arch, hf, "hidden_size"))
+  n = int(_required(arch, hf, "num_attention_heads"))
+  num_layers = int(_required(arch, hf, "num_hidden_layers"))
   head_dim = int(hf.get("head_dim") or d // n)
   if param_dtype is None:
     param_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     param_dtype = param_dtype if param_dtype in _HF_DTYPES else "float32"
   fields = dict(
-      vocab_size=int(hf["vocab_size"]), d_model=d, num_layers=num_layers,
-      num_heads=n, num_kv_heads=int(hf.get("num_key_value_heads") or n),
-      head_dim=head_dim, mlp_dim=int(hf["intermediate_size"]),
+      vocab_size=int(_required(arch, hf, "vocab_size")), d_model=d,
+      num_layers=num_layers, num_heads=n,
+      num_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=head_dim,
+      mlp_dim=int(_required(arch, hf, "intermediate_size")),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
       tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
       param_dtype=param_dtype, dtype=dtype or param_dtype,
@@ -757,6 +767,9 @@ def save_hf_checkpoint(path: str | os.PathLike, config: ModelConfig,
     ValueError: if ``config`` cannot be expressed as the architecture, or
       ``params`` do not match ``config``.
   """
+  if not isinstance(config, ModelConfig):
+    raise TypeError(f"save_hf_checkpoint(path, config, params): config is a "
+                    f"{type(config).__name__}; a ModelConfig is required.")
   path = os.fspath(path)
   dtype = dtype or config.param_dtype
   if dtype not in _HF_DTYPES:
