@@ -33,7 +33,7 @@ def main(argv):
         "step": str(policy.step)})
   else:
     from rljax.models import hf
-    hf.save_hf_checkpoint(policy.params, policy.model_config, _OUT.value)
+    hf.save_hf_checkpoint(_OUT.value, policy.model_config, policy.params)
   print(f"wrote step {policy.step} params to {_OUT.value}")
 
 

@@ -202,6 +202,27 @@ def _evaluate(run: _Run, params, key, samplers) -> dict[str, float]:
   return out
 
 
+def noisy_completions(completions, fraction: float, rng: np.random.Generator,
+                      max_offset: int = 9) -> list[str]:
+  """Replaces ``fraction`` of integer answers by a nearby wrong integer.
+
+  Imitates an imperfect base model: after SFT on such demonstrations the
+  policy puts roughly ``1 - fraction`` of its mass on the right answer and
+  spreads the rest over near misses, which is what RL with a verifiable
+  reward then sharpens. Non-integer completions are left as they are.
+  """
+  if not 0.0 <= fraction < 1.0:
+    raise ValueError(f"sft.label_noise={fraction!r}: a number in [0, 1).")
+  out = []
+  for c in completions:
+    if fraction and c.strip().lstrip("-").isdigit() and rng.random() < fraction:
+      offset = int(rng.integers(1, max_offset + 1)) * int(rng.choice([-1, 1]))
+      wrong = int(c) + offset
+      c = str(wrong if wrong >= 0 else int(c) + abs(offset))
+    out.append(c)
+  return out
+
+
 def _sft(run: _Run, params, key, writer):
   cfg = run.config.sft
   if not cfg.num_steps:
@@ -210,10 +231,12 @@ def _sft(run: _Run, params, key, writer):
     raise ValueError("sft.num_steps > 0 needs a built-in task with reference "
                      "completions; set sft.num_steps=0 for a JSONL task.")
   examples = run.task.sft_examples("train", cfg.num_examples, run.config.seed)
+  completions = noisy_completions(
+      [e["completion"] for e in examples], cfg.get("label_noise", 0.0),
+      np.random.default_rng(run.config.seed + 1))
   width = cfg.max_length
   tokens, input_mask, loss_mask = batching.sft_arrays(
-      run.tokenizer, [e["prompt"] for e in examples],
-      [e["completion"] for e in examples], width)
+      run.tokenizer, [e["prompt"] for e in examples], completions, width)
   opt = optax.adamw(optax.warmup_cosine_decay_schedule(
       0.0, cfg.learning_rate, max(1, cfg.num_steps // 10), cfg.num_steps,
       cfg.learning_rate * 0.1), weight_decay=0.0)
