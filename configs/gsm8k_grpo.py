@@ -1,13 +1,26 @@
 r"""GRPO on GSM8K from a Hugging Face checkpoint (e.g. Qwen2.5-0.5B-Instruct).
 
 The model is a local Hugging Face directory (``model.path``: config.json,
-*.safetensors, tokenizer files), to be read with
-``rljax.models.load_hf_pretrained(path, mesh)``; the training loop does not
-read ``model.path`` and ``tokenizer.chat_template`` yet (until it does, it
-builds ``model.preset`` from scratch). The data is a local JSONL file with one
-``{"prompt": ..., "answer": ...}`` object per line (``answer``: the final
-number, e.g. ``"72"``). Prompts should ask for the answer after ``####`` or in
-``\boxed{}``, which ``math_answer`` checks. Sized for one accelerator.
+*.safetensors, tokenizer files). The training loop reads it with
+``rljax.models.load_hf_pretrained(path, mesh)``: the architecture and shapes
+come from its config.json (``model.preset`` is used only when ``model.path``
+is empty; ``model.overrides`` may set only ``param_dtype``, ``dtype`` and
+``remat``), RL starts from its weights, completions end at any of its EOS ids
+(``generation_config.json`` included), and with ``tokenizer.chat_template``
+each prompt is sent as one user turn through the checkpoint's chat template.
+The tokenizer files and config.json are copied to ``<workdir>/tokenizer/`` so
+that ``launch.evaluate`` / ``launch.sample`` / ``launch.export`` can reload
+the policy.
+
+Weights are kept in float32 and the matmuls run in bfloat16
+(``model.overrides``): bfloat16 weights would round away updates of a 1e-6
+learning rate.
+
+The data is a local JSONL file with one ``{"prompt": ..., "answer": ...}``
+object per line (``answer``: the final number, e.g. ``"72"``). Prompts should
+ask for the answer after ``####`` or in ``\boxed{}``, which ``math_answer``
+checks. Sized for one accelerator (see README.md, "Training a Hugging Face
+checkpoint", for the memory it needs).
 
   python -m launch.train --config=configs/gsm8k_grpo.py --workdir=/tmp/gsm8k \
       --config.model.path=/ckpt/Qwen2.5-0.5B-Instruct \
@@ -34,7 +47,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.task.heldout_path = "data/gsm8k/test.jsonl"  # empty: the head of path
 
   c.tokenizer = ml_collections.ConfigDict()
-  c.tokenizer.path = ""          # empty: the tokenizer files of model.path
+  c.tokenizer.path = ""          # sentencepiece runs only; with model.path: ""
   c.tokenizer.vocab_size = 32    # only used when training a sentencepiece model
   c.tokenizer.corpus_size = 2000
   c.tokenizer.chat_template = True  # wrap prompts in the checkpoint's template
@@ -42,7 +55,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.path = ""              # Hugging Face checkpoint directory
   c.model.preset = "qwen2.5-0.5b"  # used only when model.path is empty
-  c.model.overrides = ml_collections.ConfigDict({})
+  # float32 master weights, bfloat16 compute (with model.path: only
+  # param_dtype, dtype and remat may be overridden).
+  c.model.overrides = ml_collections.ConfigDict(
+      {"param_dtype": "float32", "dtype": "bfloat16", "remat": "none"})
 
   c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
 
@@ -115,6 +131,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.task.num_train = 200
     c.tokenizer.chat_template = False
     c.model.preset = "tiny"
+    c.model.overrides = ml_collections.ConfigDict({})
     c.sampler.max_new_tokens = 6
     c.sampler.prompt_buckets = (8, 16)
     c.sampler.cache_dtype = "float32"

@@ -11,6 +11,12 @@ One RL step (DESIGN.md section 3):
 Before RL an optional short SFT warm-up teaches the format; held-out accuracy
 is measured before and after RL at the training temperature. Everything is
 checked before the first compile (``validate``).
+
+With ``model.path`` the run starts from a Hugging Face checkpoint: its
+config, weights and tokenizer (``models.load_hf_pretrained``), its EOS ids,
+and, with ``tokenizer.chat_template``, its chat template around each prompt
+(``batching.ChatPromptTokenizer``). Otherwise a sentencepiece tokenizer is
+trained or read and ``model.preset`` is initialised from scratch.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from rljax import models, sampling, sharding
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
 from rljax.advantages import advantage_metrics
-from rljax.train import algorithms, batching, evaluation
+from rljax.train import algorithms, batching, evaluation, policy
 from rljax.train.steps import (RLStepConfig, TrainState, make_rl_step,
                                make_sft_step)
 
@@ -77,6 +83,13 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
                      f"{tuple(data_lib.TASKS)} (or set task.path to a JSONL file).")
   for name in config.rewards.names:
     _reward_fn(name)
+  if config.model.get("path"):
+    policy.hf_overrides(config)
+    if config.tokenizer.get("path"):
+      raise ValueError(
+          f"tokenizer.path={config.tokenizer.path!r} is set with model.path="
+          f"{config.model.path!r}: a Hugging Face run uses the checkpoint's "
+          "tokenizer files; accepted: tokenizer.path=''.")
   if len(config.rewards.weights) != len(config.rewards.names):
     raise ValueError(
         f"rewards.weights has {len(config.rewards.weights)} entries for "
@@ -116,6 +129,11 @@ def _model_config(config, vocab_size: int) -> models.ModelConfig:
   return models.get_preset(config.model.preset, **overrides)
 
 
+def _eos_ids(tokenizer) -> tuple[int, ...]:
+  """Every id that ends a completion: ``tokenizer.eos_ids`` if it has them."""
+  return tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
+
+
 def _sampler_config(config, tokenizer, num_samples: int, *, greedy=False):
   s = config.sampler
   method = (sampling.SamplingMethod(greedy=True) if greedy else
@@ -125,7 +143,7 @@ def _sampler_config(config, tokenizer, num_samples: int, *, greedy=False):
   return sampling.SamplerConfig(
       num_samples=num_samples, max_new_tokens=s.max_new_tokens, method=method,
       training_temperature=config.rl.training_temperature,
-      eos_ids=(tokenizer.eos_id,), pad_id=tokenizer.pad_id,
+      eos_ids=_eos_ids(tokenizer), pad_id=tokenizer.pad_id,
       cache_dtype=s.cache_dtype, prompt_buckets=tuple(s.prompt_buckets),
       share_prefix=s.share_prefix)
 
@@ -155,23 +173,46 @@ def _tokenizer(config, task, train):
 
 
 class _Run:
-  """State of one ``run`` call: compiled functions and host objects."""
+  """State of one ``run`` call: compiled functions and host objects.
+
+  With ``model.path`` the model config, initial params and tokenizer are the
+  Hugging Face checkpoint's (``initial_params``); otherwise the tokenizer is
+  sentencepiece and the params are initialised in ``run``.
+  """
 
   def __init__(self, config, workdir):
     self.config, self.workdir = config, workdir
     self.mesh = sharding.mesh_from_config(config.mesh)
     validate(config, self.mesh)
     self.task, self.train_examples, self.heldout = _load_task(config)
-    self.tokenizer = _tokenizer(config, self.task, self.train_examples)
+    self.hf_path = config.model.get("path") or ""
+    self.initial_params = None
+    if self.hf_path:
+      overrides = policy.hf_overrides(config)
+      model_config, self.initial_params, tokenizer = models.load_hf_pretrained(
+          self.hf_path, self.mesh, param_dtype=overrides.get("param_dtype"),
+          dtype=overrides.get("dtype"))
+      if overrides.get("remat"):
+        model_config = model_config.replace(remat=overrides["remat"])
+      chat = bool(config.tokenizer.get("chat_template"))
+      if chat and getattr(tokenizer, "chat_template", None) is None:
+        log.warning("tokenizer.chat_template=True, but %s has no chat "
+                    "template: prompts are encoded as plain text.", self.hf_path)
+      self.tokenizer = batching.prompt_tokenizer(tokenizer, chat)
+    else:
+      self.tokenizer = _tokenizer(config, self.task, self.train_examples)
     self.buckets = tuple(config.sampler.prompt_buckets)
     batching.check_prompt_lengths(
         self.tokenizer, [e["prompt"] for e in self.train_examples + self.heldout],
         self.buckets)
-    self.model_config = _model_config(config, self.tokenizer.vocab_size)
+    if self.hf_path:
+      self.model_config = model_config  # its vocab_size may exceed the tokenizer's
+    else:
+      self.model_config = _model_config(config, self.tokenizer.vocab_size)
     self.param_shardings = models.param_shardings(self.model_config, self.mesh)
     rl = config.rl
     self.group_size = rl.group_size
-    self.eos_ids = (self.tokenizer.eos_id,)
+    self.eos_ids = _eos_ids(self.tokenizer)
     specs = [rewards_lib.RewardSpec(*_reward_fn(n), weight=float(w))
              for n, w in zip(config.rewards.names, config.rewards.weights)]
     self.evaluator = rewards_lib.RewardEvaluator(
@@ -297,12 +338,18 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   rl = config.rl
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
-  r.tokenizer.save(os.path.join(workdir, "tokenizer.model"))
+  if r.hf_path:  # what load_policy needs to rebuild tokenizer and model
+    policy.save_hf_files(r.hf_path, workdir)
+  else:
+    r.tokenizer.save(os.path.join(workdir, "tokenizer.model"))
   writer = metrics_lib.MetricWriter(workdir)
   key = jax.random.key(config.seed)
   init_key, sft_key, eval_key, state_key = jax.random.split(key, 4)
 
-  params = models.init_params(r.model_config, init_key, r.mesh)
+  if r.initial_params is not None:
+    params, r.initial_params = r.initial_params, None
+  else:
+    params = models.init_params(r.model_config, init_key, r.mesh)
   log.info("model: %s params, vocab %d; mesh %s", f"{models.count_params(params):,}",
            r.model_config.vocab_size, dict(r.mesh.shape))
   samplers = {"train": r.make_sampler(rl.group_size),
@@ -348,10 +395,11 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
       target["ref_params"] = params
     resumed, tree, meta = manager.restore_latest_valid(target)
     state, ref_params = tree["state"], tree.get("ref_params")
-    del fresh
+    del fresh, target
     iterator.set_state(meta["data_iterator"])
     summary["before"] = meta.get("before", {})
     log.info("resumed from step %d in %s", resumed, manager.directory)
+  del params  # the state holds them (and ref_params, with a KL term)
 
   def save(step, metrics=None):
     tree = {"state": state}
