@@ -58,7 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft.label_noise = 0.0
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.num_steps = 300
+  c.rl.num_steps = 400
   c.rl.prompts_per_step = 32
   c.rl.group_size = 8
   c.rl.num_epochs = 1
@@ -95,7 +95,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 50
-  c.eval.num_examples = 256
+  c.eval.num_examples = 512
   c.eval.num_samples = 1
   c.eval.greedy = True
   c.eval.reward = ""

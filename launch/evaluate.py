@@ -44,7 +44,7 @@ def main(argv):
       results.update(evaluation.evaluate(
           policy.params, fn, tok, heldout, evaluator,
           jax.random.key(_SEED.value), num_samples=k, buckets=buckets,
-          eos_ids=(tok.eos_id,), correctness_reward=correctness,
+          eos_ids=tuple(getattr(tok, "eos_ids", (tok.eos_id,))), correctness_reward=correctness,
           prefix=f"eval/{label}"))
   print(json.dumps(results, indent=2, sort_keys=True))
 

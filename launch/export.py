@@ -11,6 +11,7 @@ transformers architecture.
 
 import dataclasses
 import json
+import os
 
 from absl import app, flags
 
@@ -33,7 +34,10 @@ def main(argv):
         "step": str(policy.step)})
   else:
     from rljax.models import hf
-    hf.save_hf_checkpoint(_OUT.value, policy.model_config, policy.params)
+    tokenizer_dir = os.path.join(_WORKDIR.value, "tokenizer")
+    hf.save_hf_checkpoint(
+        _OUT.value, policy.model_config, policy.params,
+        tokenizer_from=tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
   print(f"wrote step {policy.step} params to {_OUT.value}")
 
 

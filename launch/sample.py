@@ -63,7 +63,7 @@ def main(argv):
                                     top_p=_TOP_P.value, min_p=_MIN_P.value))
   config = sampling.SamplerConfig(
       num_samples=_NUM.value, max_new_tokens=_MAX.value, method=method,
-      eos_ids=(tok.eos_id,), pad_id=tok.pad_id)
+      eos_ids=tuple(getattr(tok, "eos_ids", (tok.eos_id,))), pad_id=tok.pad_id)
   tokens, mask = sampling.pad_prompts(batching.encode_prompts(tok, prompts),
                                       config.prompt_buckets, tok.pad_id)
   rollout = jax.device_get(sampling.sample(
