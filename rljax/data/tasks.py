@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import types
@@ -54,20 +55,23 @@ def _check_common(task: Any) -> None:
          f"a non-empty tuple of distinct operators from {_OPERATORS}")
 
 
-class _GeneratedTask:
+class _GeneratedTask(abc.ABC):
   """Shared generation logic: distinct examples, rejection into a split."""
 
   name: ClassVar[str]
   heldout_fraction: float
 
+  @abc.abstractmethod
   def _draw(self, rng: np.random.Generator) -> dict[str, Any] | None:
-    raise NotImplementedError
+    """One random example, or None to draw again."""
 
+  @abc.abstractmethod
   def _key(self, example: dict[str, Any]) -> str:
-    raise NotImplementedError
+    """The text that identifies a problem (it decides the problem's split)."""
 
+  @abc.abstractmethod
   def _completion(self, example: dict[str, Any]) -> str:
-    raise NotImplementedError
+    """The reference completion of an example."""
 
   def examples(self, split: str, num_examples: int, seed: int
                ) -> list[dict[str, Any]]:

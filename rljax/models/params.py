@@ -27,10 +27,15 @@ def _init_boxed(config: ModelConfig, key: jax.Array):
   return Decoder(config).init(key, tokens, tokens)["params"]
 
 
+def _abstract_key() -> jax.ShapeDtypeStruct:
+  """A key's shape and dtype only: shapes never depend on its value."""
+  return jax.eval_shape(jax.random.key, jax.ShapeDtypeStruct((), jnp.uint32))
+
+
 def param_logical_axes(config: ModelConfig) -> Any:
   """Pytree (like the params) of tuples of logical axis names."""
   boxed = jax.eval_shape(functools.partial(_init_boxed, config),
-                         jax.random.key(0))
+                         _abstract_key())
   specs = nn.get_partition_spec(boxed)
   return jax.tree.map(tuple, specs,
                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
@@ -39,7 +44,7 @@ def param_logical_axes(config: ModelConfig) -> Any:
 def param_shapes(config: ModelConfig) -> Any:
   """Pytree of ``jax.ShapeDtypeStruct`` of the params (nothing allocated)."""
   boxed = jax.eval_shape(functools.partial(_init_boxed, config),
-                         jax.random.key(0))
+                         _abstract_key())
   return nn.meta.unbox(boxed)
 
 
