@@ -112,12 +112,10 @@ def decode_completions(tokenizer: Tokenizer, tokens_NxT: np.ndarray,
 def rollout_to_batch(rollout: sampling.Rollout, advantages_N) -> RLBatch:
   """Joins prompt and completion into the trainer's ``[N, P + T]`` layout."""
   tokens, input_mask = rollout.sequences()
-  p = rollout.prompt_tokens.shape[1]
   zeros_mask = np.zeros(rollout.prompt_mask.shape, bool)
   zeros_f = np.zeros(rollout.prompt_mask.shape, np.float32)
   loss_mask = np.concatenate([zeros_mask, np.asarray(rollout.completion_mask)], 1)
   sampler_lp = np.concatenate([zeros_f, np.asarray(rollout.sampler_logprobs)], 1)
-  del p
   return RLBatch(np.asarray(tokens), np.asarray(input_mask), loss_mask,
                  np.asarray(advantages_N, np.float32), sampler_lp)
 

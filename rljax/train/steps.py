@@ -120,11 +120,10 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     pg = obj_lib.policy_gradient_loss(coef, adv, lp, mask, cfg.aggregation,
                                       **normalizers)
     loss = pg
-    metrics = {"pg_loss": pg}
     ent_mean = obj_lib.aggregate_loss(jax.lax.stop_gradient(ent), mask,
                                       "token_mean",
                                       num_tokens=normalizers["num_tokens"])
-    metrics["entropy"] = ent_mean
+    metrics = {"pg_loss": pg, "entropy": ent_mean}
     if cfg.entropy_coef:
       loss = loss + cfg.entropy_coef * obj_lib.entropy_loss(
           ent, mask, cfg.aggregation, **normalizers)
@@ -139,8 +138,6 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     for k in ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "ess"):
       if k in rm:
         metrics[k] = rm[k] * weight  # token-weighted across microbatches
-    metrics["entropy"] = ent_mean
-    metrics["pg_loss"] = pg
     return loss, (metrics, coef_state)
 
   grad_fn = jax.grad(microbatch_loss, has_aux=True)
@@ -171,8 +168,8 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     metric_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
     (grads, metrics, coef_state), _ = jax.lax.scan(
         accumulate, (zeros, metric_zeros, coef_state), micro)
-    # pg_loss/kl/entropy are already global-normalised sums; weighted ones too.
-    metrics["entropy"] = metrics["entropy"]
+    # Summed over microbatches: pg_loss/kl/entropy use the minibatch's global
+    # normalisers and the ratio statistics are token-weighted, so sums are means.
     metrics["grad_norm"] = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, opt_state, params,
                                           ess=metrics.get("ess", 1.0))
