@@ -1,0 +1,225 @@
+"""Baselines and scalings of one reward per sample: group and batch mean/std,
+leave-one-out, group median/MAD (MC-GRPO), and clipping."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.advantages._common import (
+    _Tx, _check_nonneg, _check_rewards, _count, _grouped, _is_constant,
+    _lower_median, _mean, _out, _stateless, _std, _valid)
+
+
+def center_by_group_mean() -> _Tx:
+  """Subtracts each group's mean reward: `A_i = r_i - mean_{j in g(i)} r_j`.
+
+  The baseline of GRPO and (without any std scaling) Dr.GRPO. The mean is over
+  the valid samples of the group; a group whose valid rewards are all equal
+  (including a group of one) gets exactly 0.
+
+  References:
+    Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
+    in Open Language Models", https://arxiv.org/abs/2402.03300.
+  """
+  fn = "center_by_group_mean"
+
+  def update_fn(rewards_N, state, params=None, *, group_size=None, mask_N=None,
+                **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, rewards_N, group_size, mask_N)
+    adv = jnp.where(_is_constant(x, valid), 0.0, x - _mean(x, valid))
+    return _out(adv, valid, rewards_N), state
+
+  return _stateless(update_fn)
+
+
+def scale_by_group_std(eps: float = 1e-6, ddof: int = 1) -> _Tx:
+  """Divides by each group's std: `A_i = u_i / (std_{j in g(i)} u_j + eps)`.
+
+  Use after a centering transform (GRPO: `center_by_group_mean`). The std has
+  `ddof` (1: Bessel-corrected, as TRL and verl compute it) and is 0 for a
+  group with at most `ddof` valid samples, so an already-centred zero-variance
+  group or group of one stays exactly 0.
+
+  Args:
+    eps: added to the std. TRL uses 1e-4, verl 1e-6.
+    ddof: delta degrees of freedom of the std.
+
+  References:
+    Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
+    in Open Language Models", https://arxiv.org/abs/2402.03300.
+  """
+  fn = "scale_by_group_std"
+  _check_nonneg(fn, "eps", eps)
+
+  def update_fn(updates_N, state, params=None, *, group_size=None, mask_N=None,
+                **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, updates_N, group_size, mask_N)
+    return _out(x / (_std(x, valid, ddof) + eps), valid, updates_N), state
+
+  return _stateless(update_fn)
+
+
+def center_by_batch_mean() -> _Tx:
+  """Subtracts the mean over all valid samples: `A_i = u_i - mean_j u_j`.
+
+  Used for REINFORCE++'s global normalisation and GDPO's batch step. If the
+  whole batch is constant the result is exactly 0. Under `jit` with a sharded
+  input the mean is over the global batch.
+
+  References:
+    Hu et al., "REINFORCE++: Stabilizing Critic-Free Policy Optimization with
+    Global Advantage Normalization", https://arxiv.org/abs/2501.03262.
+  """
+  fn = "center_by_batch_mean"
+
+  def update_fn(updates_N, state, params=None, *, mask_N=None, **extra_args):
+    del params, extra_args
+    _check_rewards(fn, updates_N, 1)
+    x = updates_N.astype(jnp.float32)
+    valid = _valid(fn, mask_N, x.shape[0])
+    adv = jnp.where(_is_constant(x, valid), 0.0, x - _mean(x, valid))
+    return _out(adv, valid, updates_N), state
+
+  return _stateless(update_fn)
+
+
+def scale_by_batch_std(eps: float = 1e-6, ddof: int = 1) -> _Tx:
+  """Divides by the std over all valid samples: `A_i = u_i / (std_j u_j + eps)`.
+
+  Args:
+    eps: added to the std.
+    ddof: delta degrees of freedom of the std.
+
+  References:
+    Hu et al., "REINFORCE++: Stabilizing Critic-Free Policy Optimization with
+    Global Advantage Normalization", https://arxiv.org/abs/2501.03262.
+  """
+  fn = "scale_by_batch_std"
+  _check_nonneg(fn, "eps", eps)
+
+  def update_fn(updates_N, state, params=None, *, mask_N=None, **extra_args):
+    del params, extra_args
+    _check_rewards(fn, updates_N, 1)
+    x = updates_N.astype(jnp.float32)
+    valid = _valid(fn, mask_N, x.shape[0])
+    return _out(x / (_std(x, valid, ddof) + eps), valid, updates_N), state
+
+  return _stateless(update_fn)
+
+
+def leave_one_out() -> _Tx:
+  """RLOO baseline: `A_i = r_i - mean_{j in g(i), j != i} r_j`.
+
+  Over the valid samples of the group; a group with fewer than two valid
+  samples, or with all rewards equal, gets exactly 0.
+
+  References:
+    Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization
+    for Learning from Human Feedback in LLMs",
+    https://arxiv.org/abs/2402.14740; Kool et al., "Buy 4 REINFORCE Samples,
+    Get a Baseline for Free!" (ICLR 2019 DeepRLStructPred workshop).
+  """
+  fn = "leave_one_out"
+
+  def update_fn(rewards_N, state, params=None, *, group_size=None, mask_N=None,
+                **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, rewards_N, group_size, mask_N)
+    n = _count(valid)
+    total = jnp.sum(jnp.where(valid, x, 0.0), -1, keepdims=True)
+    baseline = (total - x) / jnp.maximum(n - 1.0, 1.0)
+    keep = (n > 1) & ~_is_constant(x, valid)
+    return _out(jnp.where(keep, x - baseline, 0.0), valid, rewards_N), state
+
+  return _stateless(update_fn)
+
+
+def center_by_group_median() -> _Tx:
+  """MC-GRPO baseline: `A_i = r_i - median_{j in g(i)} r_j` (lower median).
+
+  MC-GRPO samples `G + 1` completions per prompt so that the group has an odd
+  size; the median ("pivot") sample then has advantage exactly 0 and is
+  excluded from the gradient. Its advantage is 0 here for any group size (for
+  an even number of valid samples the lower median, as `torch.median`, is
+  used). To also drop the pivot from the loss normalisers and the KL term, as
+  the paper does, AND `group_median_pivot_mask(...)` into the loss mask. The
+  authors' scaling by the median absolute deviation is `scale_by_group_mad`;
+  `mc_grpo()` chains both.
+
+  References:
+    Kim, "MC-GRPO: Median-Centered Group Relative Policy Optimization for
+    Small-Rollout Reinforcement Learning", https://arxiv.org/abs/2601.22582.
+  """
+  fn = "center_by_group_median"
+
+  def update_fn(rewards_N, state, params=None, *, group_size=None, mask_N=None,
+                **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, rewards_N, group_size, mask_N)
+    return _out(x - _lower_median(x, valid), valid, rewards_N), state
+
+  return _stateless(update_fn)
+
+
+def scale_by_group_mad(eps: float = 1e-3) -> _Tx:
+  """Divides by the group's median absolute deviation: `u_i / (MAD + eps)`.
+
+  `MAD = median_j |u_j - median_k u_k|` over the valid samples (lower medians,
+  as MC-GRPO's `torch.median`). MC-GRPO uses `eps=1e-3`; when more than half
+  of a group shares one reward, MAD is 0 and the advantages are scaled by
+  `1 / eps`, as in the authors' code.
+
+  References:
+    Kim, "MC-GRPO: Median-Centered Group Relative Policy Optimization for
+    Small-Rollout Reinforcement Learning", https://arxiv.org/abs/2601.22582.
+  """
+  fn = "scale_by_group_mad"
+  _check_nonneg(fn, "eps", eps)
+
+  def update_fn(updates_N, state, params=None, *, group_size=None, mask_N=None,
+                **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, updates_N, group_size, mask_N)
+    mad = _lower_median(jnp.abs(x - _lower_median(x, valid)), valid)
+    return _out(x / (mad + eps), valid, updates_N), state
+
+  return _stateless(update_fn)
+
+
+def group_median_pivot_mask(rewards_N: jax.Array, *, group_size: int,
+                            mask_N: jax.Array | None = None) -> jax.Array:
+  """Bool `[N]`: valid samples that are not their group's median pivot.
+
+  The pivot of a group is the valid sample at the lower-median position of a
+  stable sort of the group's valid rewards (ties broken by position), i.e.
+  exactly one sample per non-empty group. MC-GRPO drops it from the batch.
+
+  Args:
+    rewards_N: rewards, group-contiguous.
+    group_size: samples per group (static int).
+    mask_N: optional bool validity mask.
+
+  Returns:
+    keep_N: `mask_N` with each group's pivot set to False.
+  """
+  fn = "group_median_pivot_mask"
+  x, valid = _grouped(fn, rewards_N, group_size, mask_N)
+  order = jnp.argsort(jnp.where(valid, x, jnp.inf), axis=-1, stable=True)
+  n = jnp.sum(valid, -1, keepdims=True)
+  pivot = jnp.take_along_axis(order, jnp.maximum((n - 1) // 2, 0), axis=-1)
+  is_pivot = (jnp.arange(x.shape[1])[None, :] == pivot) & (n > 0)
+  return (valid & ~is_pivot).reshape(-1)
+
+
+def clip_advantages(max_abs: float) -> _Tx:
+  """Clips each advantage to `[-max_abs, max_abs]`; padding stays 0."""
+  _check_nonneg("clip_advantages", "max_abs", max_abs)
+
+  def update_fn(updates_N, state, params=None, **extra_args):
+    del params, extra_args
+    return jnp.clip(updates_N, -max_abs, max_abs).astype(updates_N.dtype), state
+
+  return _stateless(update_fn)

@@ -1,0 +1,81 @@
+"""Per-token policy-gradient coefficients, the policy loss, KL and aggregation.
+
+Every policy-gradient objective of the GRPO family has the gradient
+
+    grad loss = -(1 / normaliser) * sum_{b,t} mask * c_bt * A_bt * grad logp_bt
+
+for a stop-gradient coefficient `c_BxT` computed from importance ratios. Here
+`c` is produced by optax-protocol transforms whose "updates" start as the
+importance ratio and are refined link by link, and the loss is one function:
+
+    ratio_BxT = importance_ratio(logprobs_BxT, old_logprobs_BxT, mask_BxT)
+    tx = optax.chain(ppo_clip(0.2, 0.28), truncated_is(cap=2.0))
+    coef_BxT, tx_state = tx.update(
+        ratio_BxT, tx_state, advantages_BxT=adv_B, mask_BxT=mask_BxT,
+        old_logprobs_BxT=old_lp, sampler_logprobs_BxT=sampler_lp)
+    loss = policy_gradient_loss(coef_BxT, adv_B, logprobs_BxT, mask_BxT,
+                                "token_mean", num_tokens=global_tokens)
+
+Order in a chain: `sequence_ratio` (if any) comes first, then one trust
+region that reads its input as the ratio (`ppo_clip`, optionally followed by
+`dual_clip`; or `cispo`; or `ess_trust_region`), then behaviour-policy
+corrections that multiply by a weight computed from the extra arguments
+(`truncated_is`, `masked_is`).
+
+Extra arguments (keyword-only; unknown ones are ignored):
+  advantages_BxT: `[B, T]`, or `[B]` for one advantage per sequence.
+  mask_BxT: bool `[B, T]`, valid completion tokens (default: all valid).
+  old_logprobs_BxT: `log pi_old` of the sampled tokens, the trainer's
+    recomputation at rollout time (the base of the ratio).
+  sampler_logprobs_BxT: `log mu`, the sampler's logprobs of the same tokens.
+  ess: a precomputed normalised ESS for `ess_trust_region` (see there).
+
+All transforms compute in float32, return the coefficient in the input's
+dtype and stop its gradient. Gradients reach the parameters only through the
+`logprobs_BxT` argument of the loss functions.
+"""
+
+from __future__ import annotations
+
+from rljax.objectives._common import LEVELS
+from rljax.objectives.corrections import masked_is, truncated_is
+from rljax.objectives.kl import kl_k1, kl_k2, kl_k3
+from rljax.objectives.losses import (
+    AGGREGATIONS, aggregate_loss, entropy_loss, ess_kl_penalty,
+    policy_gradient_loss)
+from rljax.objectives.metrics import (
+    coefficient_metrics, kl_metrics, ratio_metrics)
+from rljax.objectives.ratios import (
+    EssStatistics, ess_from_statistics, ess_statistics, importance_ratio,
+    normalized_ess, sequence_importance_weights)
+from rljax.objectives.trust_regions import (
+    cispo, dual_clip, ess_trust_region, gspo, ppo_clip, sequence_ratio)
+
+__all__ = [
+    "AGGREGATIONS",
+    "EssStatistics",
+    "LEVELS",
+    "aggregate_loss",
+    "cispo",
+    "coefficient_metrics",
+    "dual_clip",
+    "entropy_loss",
+    "ess_from_statistics",
+    "ess_kl_penalty",
+    "ess_statistics",
+    "ess_trust_region",
+    "gspo",
+    "importance_ratio",
+    "kl_k1",
+    "kl_k2",
+    "kl_k3",
+    "kl_metrics",
+    "masked_is",
+    "normalized_ess",
+    "policy_gradient_loss",
+    "ppo_clip",
+    "ratio_metrics",
+    "sequence_importance_weights",
+    "sequence_ratio",
+    "truncated_is",
+]

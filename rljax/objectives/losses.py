@@ -1,0 +1,131 @@
+"""The policy loss in coefficient form, its aggregation, and extra loss terms
+(FeynRL's ESS-weighted KL pull, the entropy bonus)."""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rljax import types
+from rljax.objectives._common import (
+    _advantages, _check_bxt, _logprobs, _mask, _sg)
+
+AGGREGATIONS = typing.get_args(types.Aggregation)
+
+
+def aggregate_loss(loss_BxT: jax.Array, mask_BxT: jax.Array,
+                   aggregation: types.Aggregation = "token_mean", *,
+                   num_tokens: Any = None, num_sequences: Any = None,
+                   max_length: Any = None) -> jax.Array:
+  """Reduces a per-token loss to a scalar over the global batch.
+
+      token_mean:                   sum(mask * l) / num_tokens
+      sequence_mean_token_mean:     sum_b (sum_t mask * l) / |y_b|
+                                    / num_sequences
+      sequence_mean_token_sum:      sum(mask * l) / num_sequences
+      sequence_mean_token_sum_norm: sum(mask * l) / (num_sequences * max_length)
+
+  The normalisers default to this batch's values: `num_tokens` = valid tokens,
+  `num_sequences` = sequences with at least one valid token, `max_length` =
+  `T`. For gradient accumulation pass the whole batch's values: the sum of the
+  minibatch losses is then the whole-batch loss. `sequence_mean_token_sum_norm`
+  is Dr.GRPO's constant normaliser (pass the generation budget as
+  `max_length`). Padding tokens are excluded with `where`, so a non-finite
+  value there does not leak into the loss (its gradient stays finite if the
+  ops producing `loss_BxT` have finite derivatives at the padding, which
+  `policy_gradient_loss` ensures by masking its inputs); an all-padding batch
+  gives 0.
+
+  References:
+    Liu et al., "Understanding R1-Zero-Like Training: A Critical
+    Perspective", https://arxiv.org/abs/2503.20783.
+  """
+  fn = "aggregate_loss"
+  loss_BxT = _check_bxt(fn, "loss_BxT", loss_BxT)
+  mask = _mask(fn, mask_BxT, loss_BxT.shape)
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"{fn}: aggregation={aggregation!r}; accepted: "
+                     f"{AGGREGATIONS}.")
+  loss = jnp.where(mask, loss_BxT.astype(jnp.float32), 0.0)
+  if aggregation == "token_mean":
+    n = jnp.sum(mask, dtype=jnp.float32) if num_tokens is None else num_tokens
+    return jnp.sum(loss) / jnp.maximum(n, 1.0)
+  lengths_B = jnp.sum(mask, -1, dtype=jnp.float32)
+  if num_sequences is None:
+    num_sequences = jnp.sum(lengths_B > 0, dtype=jnp.float32)
+  num_sequences = jnp.maximum(num_sequences, 1.0)
+  if aggregation == "sequence_mean_token_mean":
+    per_seq = jnp.sum(loss, -1) / jnp.maximum(lengths_B, 1.0)
+    return jnp.sum(per_seq) / num_sequences
+  if aggregation == "sequence_mean_token_sum":
+    return jnp.sum(loss) / num_sequences
+  t = loss_BxT.shape[1] if max_length is None else max_length
+  return jnp.sum(loss) / (num_sequences * t)
+
+
+def policy_gradient_loss(coef_BxT: jax.Array, advantages_BxT: jax.Array,
+                         logprobs_BxT: jax.Array, mask_BxT: jax.Array,
+                         aggregation: types.Aggregation = "token_mean", *,
+                         num_tokens: Any = None, num_sequences: Any = None,
+                         max_length: Any = None) -> jax.Array:
+  """The policy loss in coefficient form.
+
+      loss = aggregate(-sg(coef_BxT) * sg(advantages_BxT) * logprobs_BxT)
+
+  so `grad loss = -aggregate(coef * A * grad logprobs)`: the gradient of
+  every surrogate whose coefficient the `trust_regions` and `corrections`
+  transforms produce. The value is not the surrogate's value (log it from
+  the metrics instead).
+
+  Args:
+    coef_BxT: coefficient from a transform chain (gradient stopped).
+    advantages_BxT: `[B, T]` or `[B]` (gradient stopped).
+    logprobs_BxT: `log pi_theta` of the sampled tokens; carries the gradient.
+    mask_BxT: bool, valid tokens.
+    aggregation: one of `AGGREGATIONS`; see `aggregate_loss`, which also
+      documents the normaliser arguments.
+  """
+  fn = "policy_gradient_loss"
+  lp = _check_bxt(fn, "logprobs_BxT", logprobs_BxT)
+  coef = jnp.asarray(coef_BxT)
+  if coef.shape != lp.shape:
+    raise ValueError(f"{fn}: coef_BxT must have shape {lp.shape}; got "
+                     f"{coef.shape}.")
+  mask = _mask(fn, mask_BxT, lp.shape)
+  a = _advantages(fn, advantages_BxT, lp.shape)
+  c = jnp.where(mask, _sg(coef).astype(jnp.float32), 0.0)
+  lp = jnp.where(mask, lp.astype(jnp.float32), 0.0)
+  return aggregate_loss(-(c * jnp.where(mask, a, 0.0)) * lp, mask, aggregation,
+                        num_tokens=num_tokens, num_sequences=num_sequences,
+                        max_length=max_length)
+
+
+def ess_kl_penalty(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
+                   ess: jax.Array, *, max_log_ratio: float = 10.0) -> jax.Array:
+  """FeynRL's per-token pull toward the behaviour policy, weighted `1 - ESS`.
+
+      d = logprobs - old_logprobs
+      penalty = (1 - ESS) * (d + exp(clip(-d, +-max_log_ratio)) - 1)
+
+  Its gradient is `(1 - ESS) * (1 - pi_old / pi) * grad logprobs`. Aggregate
+  it like the policy loss and add it. Returns `[B, T]`.
+
+  References:
+    Fakoor et al., https://arxiv.org/abs/2605.12380.
+  """
+  fn = "ess_kl_penalty"
+  lp = _check_bxt(fn, "logprobs_BxT", logprobs_BxT).astype(jnp.float32)
+  old = _logprobs(fn, "old_logprobs_BxT", old_logprobs_BxT, lp.shape)
+  d = lp - old
+  k = d + jnp.exp(jnp.clip(-d, -max_log_ratio, max_log_ratio)) - 1.0
+  return (1.0 - _sg(jnp.asarray(ess, jnp.float32))) * k
+
+
+def entropy_loss(entropy_BxT: jax.Array, mask_BxT: jax.Array,
+                 aggregation: types.Aggregation = "token_mean",
+                 **normalizers) -> jax.Array:
+  """`-aggregate(entropy)`: add `coef * entropy_loss(...)` for a bonus."""
+  return -aggregate_loss(entropy_BxT, mask_BxT, aggregation, **normalizers)
