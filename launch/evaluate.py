@@ -10,9 +10,8 @@ import json
 from absl import app, flags
 import jax
 
-from rljax import rewards as rewards_lib
 from rljax import sampling
-from rljax.train import evaluation, load_policy, loop
+from rljax.train import build, evaluation, load_policy
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run directory",
                                required=True)
@@ -29,22 +28,18 @@ def main(argv):
   config = policy.config
   if _EXAMPLES.value:
     config.eval.num_examples = _EXAMPLES.value
-  _, _, heldout = loop._load_task(config)
-  names = [loop._reward_fn(n) for n in config.rewards.names]
-  specs = [rewards_lib.RewardSpec(n, fn, weight=float(w))
-           for (n, fn), w in zip(names, config.rewards.weights)]
-  correctness = config.eval.get("reward") or names[0][0]
+  _, _, heldout = build.load_task(config)
   tok = policy.tokenizer
-  buckets = tuple(config.sampler.prompt_buckets)
   results = {"step": policy.step}
-  with rewards_lib.RewardEvaluator(specs, num_workers=0) as evaluator:
+  with build.make_evaluator(config, num_workers=0) as evaluator:
     for label, k, greedy in (("greedy_", 1, True), ("", _NUM.value, False)):
-      sc = loop._sampler_config(config, tok, k, greedy=greedy)
+      sc = build.sampler_config(config, tok, k, greedy=greedy)
       fn = sampling.make_sampler(policy.model_config, sc)
       results.update(evaluation.evaluate(
           policy.params, fn, tok, heldout, evaluator,
-          jax.random.key(_SEED.value), num_samples=k, buckets=buckets,
-          eos_ids=tuple(getattr(tok, "eos_ids", (tok.eos_id,))), correctness_reward=correctness,
+          jax.random.key(_SEED.value), num_samples=k,
+          buckets=sc.prompt_buckets, eos_ids=sc.eos_ids,
+          correctness_reward=build.correctness_reward(config),
           prefix=f"eval/{label}"))
   print(json.dumps(results, indent=2, sort_keys=True))
 

@@ -114,8 +114,12 @@ def direct_mis(lp, old, sampler, adv, m, aggregation, level="token", low=0.5,
 
 
 def direct_feynrl(lp, old, sampler, adv, m, aggregation):
-  """FeynRL's P3O loss (algs/P3O/p3o.py), normalised by the token count."""
-  del sampler, aggregation
+  """FeynRL's P3O loss (algs/P3O/p3o.py), normalised by the token count.
+
+  FeynRL's `old_logprobs` are the behaviour (sampler) logprobs recorded at
+  rollout time, so the weights are pi_theta / mu with mu = `sampler`."""
+  del old, aggregation
+  old = sampler
   ell = jnp.where(m, lp - old, 0.0)
   w = jnp.exp(ell)
   s1, s2, n = jnp.sum(w * m), jnp.sum(w * w * m), jnp.sum(m)
@@ -128,10 +132,11 @@ def direct_feynrl(lp, old, sampler, adv, m, aggregation):
 
 
 def coef_feynrl(tx, lp, old, sampler, adv, mask, aggregation):
-  ratio = obj.importance_ratio(lp, old, mask)
-  ess = obj.normalized_ess(ratio, mask)
+  w = obj.importance_ratio(lp, sampler, mask)
+  ess = obj.normalized_ess(w, mask)
   pg = coef_loss(tx, lp, old, sampler, adv, mask, aggregation)
-  kl = obj.aggregate_loss(obj.ess_kl_penalty(lp, old, ess), mask, aggregation)
+  kl = obj.aggregate_loss(obj.ess_kl_penalty(lp, sampler, ess), mask,
+                          aggregation)
   return pg + kl
 
 
@@ -221,7 +226,7 @@ def test_gradient_equals_paper_surrogate(name):
     np.testing.assert_allclose(g_coef, g_direct, rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(g_direct)).max() > 1e-3
   if name == "ess_trust_region":  # The ESS cap binds on some tokens.
-    r = np.exp(np.asarray(lp - old))[np.asarray(mask)]
+    r = np.exp(np.asarray(lp - sampler))[np.asarray(mask)]
     ess = r.sum() ** 2 / (r.size * (r ** 2).sum())
     assert (r > ess).any() and (r < ess).any()
 

@@ -11,6 +11,23 @@ from rljax.advantages._common import (
     _stateless, _std, _valid)
 
 
+def _weights(fn: str, reward_weights: Any, extra_weights: Any, r: int):
+  """The `[R]` weights: the factory's, else the `reward_weights_R` extra
+  argument, else all ones."""
+  if reward_weights is not None and extra_weights is not None:
+    raise ValueError(
+        f"{fn}: reward weights were given twice (the factory's reward_weights "
+        "and the extra argument reward_weights_R); give them in one place.")
+  w = reward_weights if reward_weights is not None else extra_weights
+  w_R = jnp.ones((r,), jnp.float32) if w is None else jnp.asarray(
+      w, jnp.float32)
+  if w_R.shape != (r,):
+    raise ValueError(
+        f"{fn}: reward_weights must have shape ({r},) to match the {r} "
+        f"reward columns; got {w_R.shape}.")
+  return w_R
+
+
 def normalize_each_reward(reward_weights: Any = None, eps: float = 1e-4,
                           ddof: int = 1) -> _Tx:
   """GDPO "normalize then sum": z-score each reward within its group, then sum.
@@ -25,7 +42,9 @@ def normalize_each_reward(reward_weights: Any = None, eps: float = 1e-4,
   this with `scale_by_batch_std`.
 
   Args:
-    reward_weights: `[R]` weights (default all ones).
+    reward_weights: `[R]` weights; None reads the extra argument
+      `reward_weights_R` (the training loop passes the `RewardSpec` weights
+      there), or uses all ones without it.
     eps: added to each group std (GDPO: 1e-4).
     ddof: delta degrees of freedom of the std (GDPO/TRL: 1).
 
@@ -38,19 +57,12 @@ def normalize_each_reward(reward_weights: Any = None, eps: float = 1e-4,
   _check_nonneg(fn, "eps", eps)
 
   def update_fn(rewards_NxR, state, params=None, *, group_size=None,
-                mask_N=None, **extra_args):
+                mask_N=None, reward_weights_R=None, **extra_args):
     del params, extra_args
     _check_rewards(fn, rewards_NxR, 2)
     n, r = rewards_NxR.shape
     g = _check_group_size(fn, group_size, n)
-    if reward_weights is None:
-      w_R = jnp.ones((r,), jnp.float32)
-    else:
-      w_R = jnp.asarray(reward_weights, jnp.float32)
-      if w_R.shape != (r,):
-        raise ValueError(
-            f"{fn}: reward_weights must have shape ({r},) to match the {r} "
-            f"reward columns; got {w_R.shape}.")
+    w_R = _weights(fn, reward_weights, reward_weights_R, r)
     x = rewards_NxR.astype(jnp.float32)
     sample_ok = _valid(fn, mask_N, n)
     valid = sample_ok[:, None] & jnp.isfinite(x)
@@ -70,20 +82,19 @@ def sum_rewards(reward_weights: Any = None) -> _Tx:
   `r_i = sum_r reward_weights[r] * R_ir`, with a non-finite entry (a reward
   function that returned None) counted as 0, as TRL's `nansum`. Chain it
   before a single-reward transform: `optax.chain(sum_rewards(w), grpo())`.
+  With `reward_weights=None` the weights come from the extra argument
+  `reward_weights_R` (all ones without it); a row outside `mask_N` sums to 0.
   """
   fn = "sum_rewards"
 
-  def update_fn(rewards_NxR, state, params=None, **extra_args):
+  def update_fn(rewards_NxR, state, params=None, *, reward_weights_R=None,
+                mask_N=None, **extra_args):
     del params, extra_args
     _check_rewards(fn, rewards_NxR, 2)
-    r = rewards_NxR.shape[1]
-    w_R = jnp.ones((r,)) if reward_weights is None else jnp.asarray(
-        reward_weights, jnp.float32)
-    if w_R.shape != (r,):
-      raise ValueError(
-          f"{fn}: reward_weights must have shape ({r},) to match the {r} "
-          f"reward columns; got {w_R.shape}.")
+    n, r = rewards_NxR.shape
+    w_R = _weights(fn, reward_weights, reward_weights_R, r)
     x = rewards_NxR.astype(jnp.float32)
+    x = jnp.where(_valid(fn, mask_N, n)[:, None], x, 0.0)
     total = jnp.sum(jnp.where(jnp.isfinite(x), x, 0.0) * w_R, axis=-1)
     return total.astype(rewards_NxR.dtype), state
 

@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import optax
 
 from rljax.objectives._common import (
-    _Tx, _advantages, _check_bxt, _check_positive, _mask, _out, _sg,
-    _stateless)
+    _Tx, _advantages, _check_bxt, _check_positive, _logprobs, _mask, _out,
+    _sg, _stateless)
 from rljax.objectives.ratios import normalized_ess
 
 
@@ -125,36 +125,48 @@ def cispo(cap: float, floor: float | None = None) -> _Tx:
   return _stateless(update_fn)
 
 
-def ess_trust_region() -> _Tx:
-  """FeynRL/P3O batch-adaptive trust region: cap the ratio at the batch ESS.
+def ess_trust_region(max_log_ratio: float = 20.0) -> _Tx:
+  """FeynRL/P3O batch-adaptive trust region: cap the weight at the batch ESS.
 
+      w   = pi_theta / mu = ratio * exp(old_logprobs - sampler_logprobs)
       ESS = (sum w)^2 / (n * sum w^2)   over the valid tokens, no gradient
       c   = min(w, ESS)
 
-  where `w` is the input ratio. There is no epsilon: when the ratios are
-  nearly uniform ESS ~ 1 and the update is the on-policy score-function
-  update; when they concentrate the cap tightens but every token keeps a
-  non-zero gradient. Add `ess_kl_penalty(...)`, weighted by `1 - ESS`, to the
-  loss for the paper's pull toward the behaviour policy, and aggregate with
-  `token_mean` over the global token count as FeynRL does.
+  The behaviour policy `mu` is the sampler (its recorded logprobs, as
+  FeynRL's `pred_old_logprobs` from vLLM): with `old_logprobs_BxT` and
+  `sampler_logprobs_BxT` given, the input ratio `pi_theta / pi_old` is
+  turned into `pi_theta / mu`; without them the input is taken as `w`.
+  There is no epsilon: when the weights are nearly uniform ESS ~ 1 and the
+  update is the on-policy score-function update; when they concentrate the
+  cap tightens but every token keeps a non-zero gradient. Add
+  `ess_kl_penalty(...)`, weighted by `1 - ESS`, to the loss for the paper's
+  pull toward the behaviour policy, and aggregate with `token_mean` over the
+  global token count as FeynRL does.
 
-  The ESS is computed from the ratios this call receives. For gradient
-  accumulation pass `ess=ess_from_statistics(sum of ess_statistics(...) over
-  the minibatches)` so that every minibatch uses the whole batch's value
-  (FeynRL recomputes it per micro-batch).
+  The ESS is computed from the weights this call receives (FeynRL pools per
+  micro-batch), unless the extra argument `ess` gives a value pooled
+  elsewhere (`ess_from_statistics` of summed `ess_statistics`, e.g. over a
+  whole minibatch): `rljax.train`'s step passes it.
 
   References:
     Fakoor et al., "Trust the Batch, On- or Off-Policy: Adaptive Policy
-    Optimization for RL Post-Training", https://arxiv.org/abs/2605.12380.
+    Optimization for RL Post-Training", https://arxiv.org/abs/2605.12380;
+    reference code FeynRL-project/FeynRL `algs/P3O/p3o.py`.
   """
   fn = "ess_trust_region"
 
   def update_fn(ratio_BxT, state, params=None, *, mask_BxT=None, ess=None,
+                old_logprobs_BxT=None, sampler_logprobs_BxT=None,
                 **extra_args):
     del params, extra_args
     ratio_BxT = _check_bxt(fn, "ratio_BxT", ratio_BxT)
     mask = _mask(fn, mask_BxT, ratio_BxT.shape)
     w = ratio_BxT.astype(jnp.float32)
+    if old_logprobs_BxT is not None and sampler_logprobs_BxT is not None:
+      old = _logprobs(fn, "old_logprobs_BxT", old_logprobs_BxT, w.shape)
+      mu = _logprobs(fn, "sampler_logprobs_BxT", sampler_logprobs_BxT, w.shape)
+      w = w * jnp.exp(jnp.clip(jnp.where(mask, old - mu, 0.0), -max_log_ratio,
+                               max_log_ratio))
     cap = normalized_ess(w, mask) if ess is None else _sg(
         jnp.asarray(ess, jnp.float32))
     return _out(jnp.minimum(w, cap), ratio_BxT), state

@@ -11,12 +11,17 @@ prefix of its group through ``models.attend``'s prefix path, so a prompt is
 neither recomputed nor copied ``G`` times. ``share_prefix=False`` repeats the
 prompts instead (the baseline the benchmark compares with).
 
-Per generated token the ``Rollout`` keeps two logprobs:
-  * ``policy_logprobs``: ``log softmax(logits / training_temperature)[y]``,
-    full vocabulary: what the trainer's recomputation gives on-policy;
+Per generated token the ``Rollout`` keeps up to two logprobs:
   * ``sampler_logprobs``: the log-probability under the distribution that
     was actually sampled from (temperature, then top-k / top-p / min-p,
-    renormalised); 0 for greedy.
+    renormalised); 0 for greedy. Every off-policy correction's behaviour
+    policy.
+  * ``policy_logprobs`` (only with ``record_policy_logprobs=True``, else
+    None): ``log softmax(logits / training_temperature)[y]``, full
+    vocabulary: what the trainer's recomputation gives on-policy. The
+    trainer's ``old_logprobs="sampler"`` (bypass) mode uses it as
+    ``pi_old``; it costs a ``log_softmax`` over the vocabulary per decode
+    step, so it is off by default.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class SamplerConfig:
     prompt_buckets: allowed padded prompt lengths; a batch is padded to the
       smallest bucket that fits its longest prompt, so a few shapes compile.
     share_prefix: prefill each prompt once and share its cache in the group.
+    record_policy_logprobs: also keep ``Rollout.policy_logprobs``.
   """
 
   num_samples: int = 1
@@ -66,6 +72,7 @@ class SamplerConfig:
   cache_dtype: str = "bfloat16"
   prompt_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
   share_prefix: bool = True
+  record_policy_logprobs: bool = False
 
   def __post_init__(self):
     for name in ("num_samples", "max_new_tokens"):
@@ -105,7 +112,8 @@ class Rollout(NamedTuple):
     finished: ``[N]`` bool, ended by EOS or a stop sequence (False: truncated
       at ``max_new_tokens``).
     policy_logprobs: ``[N, T]`` fp32, under the policy at the training
-      temperature, full vocabulary (0 where masked).
+      temperature, full vocabulary (0 where masked); None unless the
+      sampler was built with ``record_policy_logprobs=True``.
     sampler_logprobs: ``[N, T]`` fp32, under the distribution sampled from
       (0 where masked).
   """
@@ -116,7 +124,7 @@ class Rollout(NamedTuple):
   completion_mask: jax.Array
   lengths: jax.Array
   finished: jax.Array
-  policy_logprobs: jax.Array
+  policy_logprobs: jax.Array | None
   sampler_logprobs: jax.Array
 
   def sequences(self) -> tuple[jax.Array, jax.Array]:
@@ -159,7 +167,7 @@ class _LoopState(NamedTuple):
   cache: KVCache
   tokens: jax.Array            # [N, T] int32
   mask: jax.Array              # [N, T] bool
-  policy_logp: jax.Array       # [N, T] fp32
+  policy_logp: jax.Array | None  # [N, T] fp32 (record_policy_logprobs)
   sampler_logp: jax.Array      # [N, T] fp32
   done: jax.Array              # [N] bool
   finished: jax.Array          # [N] bool
@@ -217,16 +225,21 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
     i = state.step
     token, sampler_logp = sc.method.get_next_tokens(
         state.logits, jax.random.fold_in(key, i))
-    policy_logp = jnp.take_along_axis(
-        jax.nn.log_softmax(state.logits / sc.training_temperature, axis=-1),
-        token[:, None], -1)[:, 0]
     live = ~state.done
     token = jnp.where(live, token, sc.pad_id)
     tokens = state.tokens.at[:, i].set(token)
     mask = state.mask.at[:, i].set(live)
     ended = live & (jnp.any(token[:, None] == eos[None], axis=1)
                     | _stop_hit(tokens, i, sc.stop_sequences))
-    zero = jnp.zeros_like(policy_logp)
+    zero = jnp.zeros_like(sampler_logp)
+    if sc.record_policy_logprobs:
+      policy_logp = jnp.take_along_axis(
+          jax.nn.log_softmax(state.logits / sc.training_temperature, axis=-1),
+          token[:, None], -1)[:, 0]
+      policy_logp = state.policy_logp.at[:, i].set(
+          jnp.where(live, policy_logp, zero))
+    else:
+      policy_logp = None
     hidden, cache = model.apply(
         {"params": params}, token[:, None], state.next_position[:, None],
         state.cache, input_mask_BxT=live[:, None])
@@ -237,8 +250,7 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
         cache=cache,
         tokens=tokens,
         mask=mask,
-        policy_logp=state.policy_logp.at[:, i].set(
-            jnp.where(live, policy_logp, zero)),
+        policy_logp=policy_logp,
         sampler_logp=state.sampler_logp.at[:, i].set(
             jnp.where(live, sampler_logp, zero)),
         done=state.done | ended,
@@ -249,7 +261,8 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   init = _LoopState(
       step=jnp.zeros((), jnp.int32), logits=logits, cache=cache,
       tokens=jnp.full((n, t), sc.pad_id, jnp.int32),
-      mask=jnp.zeros((n, t), jnp.bool_), policy_logp=zeros_f,
+      mask=jnp.zeros((n, t), jnp.bool_),
+      policy_logp=zeros_f if sc.record_policy_logprobs else None,
       sampler_logp=zeros_f, done=jnp.zeros((n,), jnp.bool_),
       finished=jnp.zeros((n,), jnp.bool_),
       next_position=jnp.repeat(prompt_len_B, g))
@@ -297,7 +310,8 @@ def make_sampler(model_config: ModelConfig, config: SamplerConfig,
   batch2 = sharding.batch_sharding(mesh, 2, rules)
   batch1 = sharding.batch_sharding(mesh, 1, rules)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  out = Rollout(batch2, batch2, batch2, batch2, batch1, batch1, batch2, batch2)
+  out = Rollout(batch2, batch2, batch2, batch2, batch1, batch1,
+                batch2 if config.record_policy_logprobs else None, batch2)
   jitted = jax.jit(fn, in_shardings=(param_shardings, batch2, batch2, replicated),
                    out_shardings=out)
 

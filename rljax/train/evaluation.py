@@ -18,8 +18,8 @@ import numpy as np
 
 from rljax import rewards as rewards_lib
 from rljax import sampling
+from rljax import tokenizers as tok_lib
 from rljax.tokenizers import Tokenizer
-from rljax.train import batching
 
 
 def group_metrics(correct_NxK: np.ndarray, answers_NxK: Sequence[Sequence[str]],
@@ -74,9 +74,9 @@ def evaluate(
   """
   prompts = [e["prompt"] for e in examples]
   tokens, mask = sampling.pad_prompts(
-      batching.encode_prompts(tokenizer, prompts), buckets, tokenizer.pad_id)
+      tok_lib.encode_prompts(tokenizer, prompts), buckets, tokenizer.pad_id)
   rollout = jax.device_get(sample_fn(params, tokens, mask, key))
-  completions = batching.decode_completions(
+  completions = tok_lib.decode_completions(
       tokenizer, rollout.completion_tokens, rollout.completion_mask, eos_ids)
   fields = {k: [e[k] for e in examples for _ in range(num_samples)]
             for k in examples[0]}

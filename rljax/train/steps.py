@@ -7,6 +7,27 @@ accumulation chunks. All of it is one ``lax.scan`` over updates with an inner
 ``lax.scan`` over microbatches, so a step is one compiled program. Loss
 normalisers (token and sequence counts) are those of the whole minibatch, so
 accumulation gives exactly the minibatch gradient (``rljax.objectives``).
+
+Three policies meet in a step (DESIGN.md section 4, research/formulas.md
+sections 1, 2 and 8):
+
+* ``pi_theta``: the params being trained (carries the gradient);
+* ``pi_old``: the policy the ratio is taken against. ``old_logprobs=
+  "recompute"`` evaluates it with the trainer at the start of the step (with
+  one update per step it is ``sg(pi_theta)`` of the same forward pass, so no
+  extra pass runs); ``"sampler"`` takes the sampler's ``policy_logprobs``
+  (verl's bypass mode: no recomputation at all);
+* ``mu``: the distribution the sampler actually drew from
+  (``sampler_logprobs``), the behaviour policy of every off-policy
+  correction.
+
+From these the step computes, every microbatch, FeynRL's token-level ESS of
+``pi_theta / mu`` (pooled per microbatch, or per minibatch with
+``ess_pooling="minibatch"``), passed to the coefficient chain as ``ess=``
+and weighting the ``(1 - ESS)`` pull toward ``mu`` (``ess_kl_coef``); and,
+per minibatch, VCPO's sequence-level ESS of ``pi_old(y) / mu(y)``, passed
+to the optimizer as ``ess=`` (``optim.scale_by_ess``). Both are
+``objectives.EssStatistics`` sums, so pooling is addition.
 """
 
 from __future__ import annotations
@@ -18,9 +39,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from rljax import models
+from rljax import models, sharding
 from rljax import objectives as obj_lib
 from rljax import optim as optim_lib
+
+OLD_LOGPROBS = ("recompute", "sampler")
 
 
 class TrainState(NamedTuple):
@@ -48,23 +71,39 @@ class RLBatch(NamedTuple):
   """One rollout batch for ``rl_step``; ``N`` rows, ``L = P + T`` columns.
 
   Attributes:
-    tokens: ``[N, L]`` int32, prompt then completion.
-    input_mask: ``[N, L]`` bool, real tokens.
-    loss_mask: ``[N, L]`` bool, completion tokens that are trained on.
-    advantages: ``[N]`` fp32.
-    sampler_logprobs: ``[N, L]`` fp32, the sampler's logprobs (0 elsewhere).
+    tokens_NxL: int32, prompt then completion.
+    input_mask_NxL: bool, real tokens.
+    loss_mask_NxL: bool, completion tokens that are trained on.
+    advantages_N: fp32.
+    sampler_logprobs_NxL: fp32, ``log mu`` of the sampled tokens (0 elsewhere).
+    old_logprobs_NxL: fp32 ``log pi_old`` from the sampler (its
+      ``policy_logprobs``) with ``old_logprobs="sampler"``; None otherwise.
   """
 
-  tokens: jax.Array
-  input_mask: jax.Array
-  loss_mask: jax.Array
-  advantages: jax.Array
-  sampler_logprobs: jax.Array
+  tokens_NxL: jax.Array
+  input_mask_NxL: jax.Array
+  loss_mask_NxL: jax.Array
+  advantages_N: jax.Array
+  sampler_logprobs_NxL: jax.Array
+  old_logprobs_NxL: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class RLStepConfig:
-  """Static settings of ``rl_step``."""
+  """Static settings of ``rl_step``.
+
+  Attributes:
+    num_epochs, num_minibatches, num_microbatches: see the module docstring.
+    aggregation: loss aggregation (``objectives.AGGREGATIONS``).
+    max_length: the generation budget (Dr.GRPO's constant normaliser).
+    kl_coef: weight of the k3 KL to the reference params.
+    entropy_coef: weight of the entropy bonus.
+    training_temperature: logits are divided by it.
+    logprob_chunk_size: time chunk of the logprob computation.
+    old_logprobs: ``"recompute"`` or ``"sampler"`` (module docstring).
+    ess_kl_coef: weight of FeynRL's ``(1 - ESS)`` pull toward ``mu``.
+    ess_pooling: ``"microbatch"`` or ``"minibatch"``.
+  """
 
   num_epochs: int = 1
   num_minibatches: int = 1
@@ -75,13 +114,26 @@ class RLStepConfig:
   entropy_coef: float = 0.0
   training_temperature: float = 1.0
   logprob_chunk_size: int = 128
-  ess_kl_coef: bool = False
+  old_logprobs: str = "recompute"
+  ess_kl_coef: float = 0.0
+  ess_pooling: str = "microbatch"
+
+  def __post_init__(self):
+    if self.old_logprobs not in OLD_LOGPROBS:
+      raise ValueError(f"rl.old_logprobs={self.old_logprobs!r}; accepted: "
+                       f"{OLD_LOGPROBS}.")
+    if self.ess_pooling not in ("microbatch", "minibatch"):
+      raise ValueError(f"ess_pooling={self.ess_pooling!r}; accepted: "
+                       "('microbatch', 'minibatch').")
+    if self.aggregation not in obj_lib.AGGREGATIONS:
+      raise ValueError(f"rl.aggregation={self.aggregation!r}; accepted: "
+                       f"{obj_lib.AGGREGATIONS}.")
 
 
-def _sequence_logprobs(params, model_config, tokens, input_mask, temperature,
-                       chunk_size):
+def _logprobs(params, model_config, tokens, input_mask, cfg):
   return models.sequence_logprobs(params, model_config, tokens, input_mask,
-                                  temperature=temperature, chunk_size=chunk_size)
+                                  temperature=cfg.training_temperature,
+                                  chunk_size=cfg.logprob_chunk_size)
 
 
 def _forward_logprobs(params, model_config, tokens, input_mask, cfg, chunks):
@@ -89,41 +141,90 @@ def _forward_logprobs(params, model_config, tokens, input_mask, cfg, chunks):
   n = tokens.shape[0]
   t = tokens.reshape(chunks, n // chunks, -1)
   m = input_mask.reshape(chunks, n // chunks, -1)
-  lp = jax.lax.map(lambda x: _sequence_logprobs(
-      params, model_config, x[0], x[1], cfg.training_temperature,
-      cfg.logprob_chunk_size)[0], (t, m))
+  lp = jax.lax.map(lambda x: _logprobs(params, model_config, x[0], x[1],
+                                       cfg)[0], (t, m))
   return jax.lax.stop_gradient(lp.reshape(n, -1))
 
 
+def _token_ess_stats(lp, sampler_lp, mask, max_log_ratio=20.0):
+  """FeynRL: EssStatistics of the token weights ``pi_theta / mu``."""
+  log_w = jnp.clip(jax.lax.stop_gradient(lp) - sampler_lp, -max_log_ratio,
+                   max_log_ratio)
+  return obj_lib.ess_statistics(jnp.exp(jnp.where(mask, log_w, 0.0)), mask)
+
+
+def _sequence_ess_stats(old_lp, sampler_lp, mask):
+  """VCPO: EssStatistics of the trajectory weights ``pi_old(y) / mu(y)``."""
+  w = obj_lib.sequence_importance_weights(old_lp, sampler_lp, mask)
+  return obj_lib.ess_statistics(w, jnp.any(mask, -1))
+
+
+def mismatch_statistics(trainer_lp, sampler_lp, mask):
+  """Additive sums of the sampler-vs-trainer logprob mismatch.
+
+  ``d = trainer_lp - sampler_lp`` over the completion tokens. Returns sums
+  (``abs``: ``sum |d|``; ``k3``: ``sum exp(d) - 1 - d``, whose mean under
+  the sampler's tokens estimates KL(mu || pi); ``large``: tokens with
+  ``|d| > 0.1``; ``count``) and ``max_abs`` (``max |d|``).
+  """
+  d = jnp.where(mask, jax.lax.stop_gradient(trainer_lp) - sampler_lp, 0.0)
+  k3 = jnp.exp(jnp.clip(d, -20.0, 20.0)) - 1.0 - d
+  return {"abs": jnp.sum(jnp.abs(d)), "k3": jnp.sum(jnp.where(mask, k3, 0.0)),
+          "large": jnp.sum(mask & (jnp.abs(d) > 0.1), dtype=jnp.float32),
+          "count": jnp.sum(mask, dtype=jnp.float32),
+          "max_abs": jnp.max(jnp.abs(d))}
+
+
+def _mismatch_metrics(s):
+  n = jnp.maximum(s["count"], 1.0)
+  return {"mismatch/abs_logp_mean": s["abs"] / n,
+          "mismatch/abs_logp_max": s["max_abs"],
+          "mismatch/kl_k3": s["k3"] / n,
+          "mismatch/frac_abs_gt_0.1": s["large"] / n}
+
+
+def _accumulate(acc, new):
+  """Sums, except maxima (keys ending in ``max_abs``)."""
+  return {k: (jnp.maximum if k.endswith("max_abs") else jnp.add)(acc[k], new[k])
+          for k in acc}
+
+
 def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
-                 optimizer: optax.GradientTransformationExtraArgs,
+                 optimizer: optax.GradientTransformation,
                  coef_tx: optax.GradientTransformationExtraArgs):
   """Returns the pure function ``rl_step(state, batch, ref_params)``.
 
-  The caller jits it (with shardings and donation at the call site).
-  ``ref_params`` is only read when ``cfg.kl_coef > 0`` (pass None otherwise).
+  The caller jits it (``jit_rl_step`` states the shardings). ``ref_params``
+  is only read when ``cfg.kl_coef > 0`` (pass None otherwise).
   """
+  optimizer = optax.with_extra_args_support(optimizer)
   num_updates = cfg.num_epochs * cfg.num_minibatches
-  reuse_current_as_old = num_updates == 1
+  sampler_old = cfg.old_logprobs == "sampler"
+  reuse_current_as_old = num_updates == 1 and not sampler_old
 
-  def microbatch_loss(params, mb, coef_state, normalizers):
-    lp, ent = _sequence_logprobs(params, model_config, mb["tokens"],
-                                 mb["input_mask"], cfg.training_temperature,
-                                 cfg.logprob_chunk_size)
+  def microbatch_loss(params, mb, coef_state, normalizers, pooled_ess):
+    lp, ent = _logprobs(params, model_config, mb["tokens"], mb["input_mask"],
+                        cfg)
     mask = mb["loss_mask"]
+    sampler_lp = mb["sampler_logprobs"]
     old = jax.lax.stop_gradient(lp) if reuse_current_as_old else mb["old_logprobs"]
     ratio = obj_lib.importance_ratio(lp, old, mask)
+    token_ess_stats = _token_ess_stats(lp, sampler_lp, mask)
+    ess = (obj_lib.ess_from_statistics(token_ess_stats) if pooled_ess is None
+           else pooled_ess)
     adv = mb["advantages"]
     coef, coef_state = coef_tx.update(
         ratio, coef_state, advantages_BxT=adv, mask_BxT=mask,
-        old_logprobs_BxT=old, sampler_logprobs_BxT=mb["sampler_logprobs"])
+        old_logprobs_BxT=old, sampler_logprobs_BxT=sampler_lp, ess=ess)
     pg = obj_lib.policy_gradient_loss(coef, adv, lp, mask, cfg.aggregation,
                                       **normalizers)
     loss = pg
+    weight = jnp.sum(mask) / jnp.maximum(normalizers["num_tokens"], 1.0)
     ent_mean = obj_lib.aggregate_loss(jax.lax.stop_gradient(ent), mask,
                                       "token_mean",
                                       num_tokens=normalizers["num_tokens"])
-    metrics = {"pg_loss": pg, "entropy": ent_mean}
+    metrics = {"pg_loss": pg, "entropy": ent_mean,
+               "ess/token": ess * weight}
     if cfg.entropy_coef:
       loss = loss + cfg.entropy_coef * obj_lib.entropy_loss(
           ent, mask, cfg.aggregation, **normalizers)
@@ -132,15 +233,32 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
                                   cfg.aggregation, **normalizers)
       loss = loss + cfg.kl_coef * kl
       metrics["kl"] = kl
-    weight = jnp.sum(mask) / jnp.maximum(normalizers["num_tokens"], 1.0)
+    if cfg.ess_kl_coef:
+      pull = obj_lib.aggregate_loss(
+          obj_lib.ess_kl_penalty(lp, sampler_lp, ess), mask, cfg.aggregation,
+          **normalizers)
+      loss = loss + cfg.ess_kl_coef * pull
+      metrics["ess_kl"] = pull
     rm = obj_lib.ratio_metrics(ratio, mask, advantages_BxT=jnp.broadcast_to(
         adv[:, None], mask.shape))
-    for k in ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high", "ess"):
-      if k in rm:
-        metrics[k] = rm[k] * weight  # token-weighted across microbatches
-    return loss, (metrics, coef_state)
+    for k in ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high"):
+      metrics[k] = rm[k] * weight  # token-weighted across microbatches
+    metrics["coef_mean"] = obj_lib.coefficient_metrics(coef, mask)[
+        "coef_mean"] * weight
+    sums = {"seq_ess": _sequence_ess_stats(old, sampler_lp, mask),
+            "mismatch": mismatch_statistics(lp, sampler_lp, mask)}
+    return loss, (metrics, sums, coef_state)
 
   grad_fn = jax.grad(microbatch_loss, has_aux=True)
+
+  def minibatch_token_ess(params, micro):
+    """FeynRL's ESS pooled over the whole minibatch (one no-grad pass)."""
+    def stats(mb):
+      lp, _ = _logprobs(params, model_config, mb["tokens"], mb["input_mask"],
+                        cfg)
+      return _token_ess_stats(lp, mb["sampler_logprobs"], mb["loss_mask"])
+    per_micro = jax.lax.map(stats, micro)
+    return obj_lib.ess_from_statistics(jax.tree.map(jnp.sum, per_micro))
 
   def update(carry, indices_KxM, batch):
     params, opt_state, coef_state = carry
@@ -154,43 +272,61 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
         "max_length": cfg.max_length,
     }
     micro = jax.tree.map(lambda x: x.reshape(k, m, *x.shape[1:]), mb_all)
+    pooled = (minibatch_token_ess(params, micro)
+              if cfg.ess_pooling == "minibatch" else None)
 
     def accumulate(acc, mb):
-      grads_acc, metrics_acc, coef_state = acc
-      grads, (metrics, coef_state) = grad_fn(params, mb, coef_state, normalizers)
+      grads_acc, metrics_acc, sums_acc, coef_state = acc
+      grads, (metrics, sums, coef_state) = grad_fn(params, mb, coef_state,
+                                                   normalizers, pooled)
       return (jax.tree.map(jnp.add, grads_acc, grads),
-              jax.tree.map(jnp.add, metrics_acc, metrics), coef_state), None
+              jax.tree.map(jnp.add, metrics_acc, metrics),
+              {"seq_ess": jax.tree.map(jnp.add, sums_acc["seq_ess"],
+                                       sums["seq_ess"]),
+               "mismatch": _accumulate(sums_acc["mismatch"], sums["mismatch"])},
+              coef_state), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    metric_shapes = jax.eval_shape(
+    shapes = jax.eval_shape(
         lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), coef_state,
-                        normalizers)[1][0])
-    metric_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
-    (grads, metrics, coef_state), _ = jax.lax.scan(
-        accumulate, (zeros, metric_zeros, coef_state), micro)
+                        normalizers, pooled)[1][:2])
+    metric_zeros, sums_zeros = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (grads, metrics, sums, coef_state), _ = jax.lax.scan(
+        accumulate, (zeros, metric_zeros, sums_zeros, coef_state), micro)
     # Summed over microbatches: pg_loss/kl/entropy use the minibatch's global
     # normalisers and the ratio statistics are token-weighted, so sums are means.
+    seq_ess = obj_lib.ess_from_statistics(sums["seq_ess"])
     metrics["grad_norm"] = optax.tree.norm(grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params,
-                                          ess=metrics.get("ess", 1.0))
+    metrics["ess/sequence"] = seq_ess
+    updates, opt_state = optimizer.update(grads, opt_state, params, ess=seq_ess)
     params = optax.apply_updates(params, updates)
-    return (params, opt_state, coef_state), metrics
+    return (params, opt_state, coef_state), (metrics, sums["mismatch"])
 
   def rl_step(state: TrainState, batch: RLBatch, ref_params=None):
-    n = batch.tokens.shape[0]
+    n = batch.tokens_NxL.shape[0]
     key, shuffle_key = jax.random.split(jax.random.wrap_key_data(state.key))
     data = {
-        "tokens": batch.tokens, "input_mask": batch.input_mask,
-        "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-        "sampler_logprobs": batch.sampler_logprobs,
+        "tokens": batch.tokens_NxL, "input_mask": batch.input_mask_NxL,
+        "loss_mask": batch.loss_mask_NxL, "advantages": batch.advantages_N,
+        "sampler_logprobs": batch.sampler_logprobs_NxL,
     }
     chunks = cfg.num_minibatches * cfg.num_microbatches
-    if not reuse_current_as_old:
+    if sampler_old:
+      if batch.old_logprobs_NxL is None:
+        raise ValueError(
+            "rl_step: RLStepConfig.old_logprobs='sampler' needs "
+            "RLBatch.old_logprobs_NxL (the sampler's policy_logprobs); build "
+            "the sampler with record_policy_logprobs=True.")
+      data["old_logprobs"] = batch.old_logprobs_NxL
+    elif not reuse_current_as_old:
       data["old_logprobs"] = _forward_logprobs(
-          state.params, model_config, batch.tokens, batch.input_mask, cfg, chunks)
+          state.params, model_config, batch.tokens_NxL, batch.input_mask_NxL,
+          cfg, chunks)
     if cfg.kl_coef:
       data["ref_logprobs"] = _forward_logprobs(
-          ref_params, model_config, batch.tokens, batch.input_mask, cfg, chunks)
+          ref_params, model_config, batch.tokens_NxL, batch.input_mask_NxL,
+          cfg, chunks)
     if num_updates == 1:
       order = jnp.arange(n)[None]
     else:
@@ -198,10 +334,18 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       order = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)
     indices = order.reshape(num_updates, cfg.num_microbatches,
                             n // (cfg.num_minibatches * cfg.num_microbatches))
-    (params, opt_state, coef_state), metrics = jax.lax.scan(
+    (params, opt_state, coef_state), (metrics, mismatch) = jax.lax.scan(
         lambda carry, idx: update(carry, idx, data),
         (state.params, state.opt_state, state.coef_state), indices)
     metrics = jax.tree.map(jnp.mean, metrics)
+    if "old_logprobs" in data and not sampler_old:
+      # The recomputed pi_old is the trainer at the sampler's params.
+      mismatch = mismatch_statistics(data["old_logprobs"],
+                                     data["sampler_logprobs"], data["loss_mask"])
+    else:
+      # The first update's forward ran at the sampler's params.
+      mismatch = jax.tree.map(lambda x: x[0], mismatch)
+    metrics.update(_mismatch_metrics(mismatch))
     metrics.update(optim_lib.optimizer_metrics(opt_state))
     new_state = state._replace(params=params, opt_state=opt_state,
                                coef_state=coef_state, step=state.step + 1,
@@ -209,6 +353,33 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     return new_state, metrics
 
   return rl_step
+
+
+def batch_shardings(mesh: jax.sharding.Mesh, old_logprobs: bool) -> RLBatch:
+  """``RLBatch`` of shardings: rows split over the mesh's batch axes."""
+  b2, b1 = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 1)
+  return RLBatch(b2, b2, b2, b1, b2, b2 if old_logprobs else None)
+
+
+def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
+                ref_shardings: Any = None, *, old_logprobs: bool = False):
+  """``jax.jit(rl_step)`` with explicit shardings and the state donated.
+
+  Args:
+    rl_step: from ``make_rl_step``.
+    mesh: the device mesh.
+    state_shardings: a ``TrainState`` of shardings (e.g.
+      ``jax.tree.map(lambda x: x.sharding, state)``).
+    ref_shardings: shardings of the reference params, or None.
+    old_logprobs: whether batches carry ``old_logprobs_NxL``.
+  """
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(
+      rl_step,
+      in_shardings=(state_shardings, batch_shardings(mesh, old_logprobs),
+                    ref_shardings),
+      out_shardings=(state_shardings, replicated),
+      donate_argnums=(0,))
 
 
 def make_sft_step(model_config: models.ModelConfig,

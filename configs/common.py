@@ -1,0 +1,158 @@
+"""What the configs share: every section with its defaults, and the tiny shrink.
+
+A config file starts from ``base()`` and changes what differs:
+
+    from configs import common
+
+    def get_config(arg=None):
+      c = common.base()
+      c.task.name = "arithmetic"
+      ...
+      return common.apply_arg(c, arg)
+
+``python -m launch.*`` and the tests run from the repository root, so
+``configs`` is importable there. Every field below is read by
+``rljax/train/build.py``; ``--config.<section>.<field>=...`` overrides it.
+"""
+
+import ml_collections
+
+placeholder = ml_collections.config_dict.placeholder
+
+
+def base() -> ml_collections.ConfigDict:
+  """Every section of a training config, with the library's defaults."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "arithmetic"
+  c.task.kwargs = ml_collections.ConfigDict({})
+  c.task.num_train = 6000
+  c.task.path = ""               # a JSONL file instead of a built-in task
+  c.task.heldout_path = ""       # empty: the head of task.path
+
+  c.tokenizer = ml_collections.ConfigDict()
+  c.tokenizer.path = ""          # empty: train a small sentencepiece model
+  c.tokenizer.vocab_size = 32
+  c.tokenizer.corpus_size = 2000
+  c.tokenizer.chat_template = False  # wrap prompts in a checkpoint's template
+
+  c.model = ml_collections.ConfigDict()
+  c.model.path = ""              # a Hugging Face checkpoint directory
+  c.model.preset = "small"       # used when model.path is empty
+  c.model.overrides = ml_collections.ConfigDict({})
+
+  c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+
+  c.sampler = ml_collections.ConfigDict()
+  c.sampler.max_new_tokens = 32
+  c.sampler.temperature = 1.0
+  c.sampler.top_k = placeholder(int)
+  c.sampler.top_p = placeholder(float)
+  c.sampler.min_p = placeholder(float)
+  c.sampler.prompt_buckets = (16, 32)
+  c.sampler.cache_dtype = "bfloat16"
+  c.sampler.share_prefix = True
+
+  c.sft = ml_collections.ConfigDict()
+  c.sft.num_steps = 0
+  c.sft.batch_size = 64
+  c.sft.learning_rate = 3e-3
+  c.sft.num_examples = 4000
+  c.sft.max_length = 16
+  c.sft.label_noise = 0.0        # fraction of near-miss demonstrations
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.num_steps = 100
+  c.rl.prompts_per_step = 32
+  c.rl.group_size = 8
+  c.rl.num_epochs = 1
+  c.rl.num_minibatches = 1
+  c.rl.num_microbatches = 1
+  # A preset (grpo, dr_grpo, rloo, reinforce_pp, mc_grpo, gdpo, batch_std,
+  # rank_weights) or transforms joined with "+", e.g.
+  # "center_by_group_median+scale_by_group_mad" (rljax.train.algorithm).
+  c.rl.advantage = "grpo"
+  c.rl.advantage_clip = placeholder(float)
+  c.rl.rank_weights = "median:3"  # with rank_weights: median:k, cvar:k:alpha, ...
+  # ppo_clip, dual_clip, gspo, cispo, ess (FeynRL), reinforce.
+  c.rl.objective = "ppo_clip"
+  c.rl.clip_eps_low = 0.2
+  c.rl.clip_eps_high = 0.28
+  c.rl.is_correction = "none"    # none, tis, mis
+  c.rl.is_cap = 2.0
+  c.rl.is_level = "token"        # token, sequence
+  c.rl.aggregation = "token_mean"
+  c.rl.kl_coef = 0.0
+  c.rl.entropy_coef = 0.0
+  c.rl.training_temperature = 1.0
+  # pi_old: "recompute" (trainer forward) or "sampler" (its logprobs; bypass).
+  c.rl.old_logprobs = "recompute"
+  # FeynRL's token-level ESS: pooled per "microbatch" or "minibatch".
+  c.rl.ess_pooling = "microbatch"
+  c.rl.ess_kl_coef = placeholder(float)  # default: 1 with objective=ess, else 0
+
+  c.optimizer = ml_collections.ConfigDict()
+  c.optimizer.name = "adamw"
+  c.optimizer.learning_rate = 1e-6
+  c.optimizer.warmup_steps = 0
+  c.optimizer.schedule = "constant"
+  c.optimizer.weight_decay = 0.0
+  c.optimizer.max_grad_norm = 1.0
+  # VCPO: None, "sqrt" or "linear" scaling by the sequence-level ESS.
+  c.optimizer.ess_scaling = placeholder(str)
+  c.optimizer.max_consecutive_nonfinite = 5
+
+  c.rewards = ml_collections.ConfigDict()
+  c.rewards.names = ("numeric_match",)
+  c.rewards.weights = (1.0,)
+  c.rewards.num_workers = 2
+  c.rewards.timeout_s = 10.0
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 50
+  c.eval.num_examples = 256
+  c.eval.num_samples = 1
+  c.eval.greedy = True
+  c.eval.reward = ""             # the reward that counts as correct (default: first)
+
+  c.checkpoint = ml_collections.ConfigDict(
+      {"every": 50, "max_to_keep": 2, "best_metric": "", "best_mode": "max"})
+  return c
+
+
+def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """Shrinks a config to CPU-test size: tiny model, arithmetic, 3 RL steps."""
+  c.task.name = "arithmetic"
+  c.task.path = c.task.heldout_path = ""
+  c.task.kwargs = ml_collections.ConfigDict({"min_digits": 1, "max_digits": 2})
+  c.task.num_train = 200
+  c.tokenizer.chat_template = False
+  c.model.path = ""
+  c.model.preset = "tiny"
+  c.model.overrides = ml_collections.ConfigDict({})
+  c.sampler.max_new_tokens = 6
+  c.sampler.prompt_buckets = (8, 16)
+  c.sampler.cache_dtype = "float32"
+  c.sft.num_steps = 4
+  c.sft.num_examples = 64
+  c.sft.batch_size = 8
+  c.rl.num_steps = 3
+  c.rl.prompts_per_step = 8
+  c.rl.group_size = 4
+  c.eval.num_examples = 16
+  c.eval.every = 2
+  c.checkpoint.every = 2
+  c.rewards.num_workers = 0
+  return c
+
+
+def apply_arg(c: ml_collections.ConfigDict, arg: str | None
+              ) -> ml_collections.ConfigDict:
+  """The config argument: '' (as is) or 'tiny' (``tiny(c)``)."""
+  if arg == "tiny":
+    return tiny(c)
+  if arg:
+    raise ValueError(f"config argument {arg!r}: accepted '' or 'tiny'.")
+  return c

@@ -1,0 +1,330 @@
+"""The ``Algorithm``: what turns rewards and logprobs into a parameter update.
+
+An ``Algorithm`` bundles three optax-protocol chains and what sampling they
+need:
+
+* ``advantage``: rewards ``[N, R]`` (one column per reward function, NaN
+  where a function gave no reward) -> advantages ``[N]``. Its head reduces the
+  reward columns (``advantages.sum_rewards()`` or GDPO's
+  ``advantages.normalize_each_reward()``); both read the reward weights from
+  the extra argument ``reward_weights_R``, so the weights of the
+  ``RewardSpec``s are applied in exactly one place. Extra arguments:
+  ``group_size`` (static int), ``mask_N`` (rows with at least one reward: a
+  row whose every reward failed is left out of every statistic and gets
+  advantage 0, as TRL does) and ``reward_weights_R``.
+* ``coefficient``: importance ratio ``[B, T]`` -> per-token policy-gradient
+  coefficient (``rljax.objectives``).
+* ``optimizer``: gradients -> updates; it receives the VCPO sequence-level
+  ESS as the extra argument ``ess`` (``rljax.optim.scale_by_ess``).
+* ``extra_samples``: samples per prompt beyond ``rl.group_size`` (MC-GRPO
+  samples ``G + 1``); ``drop_pivot``: drop each group's median pivot row
+  after the advantages, so exactly ``G`` rows per prompt are trained.
+
+Config names build one (``from_config``), and user code builds one from the
+transforms directly and passes it to ``rljax.train.run(config, workdir,
+algorithm=...)``:
+
+    algorithm = Algorithm(
+        advantage=optax.chain(adv.sum_rewards(), adv.center_by_group_median(),
+                              adv.scale_by_group_mad(), adv.rank_weights(w)),
+        coefficient=optax.chain(obj.ppo_clip(0.2, 0.28), obj.truncated_is(2.0)),
+        optimizer=optim.make_optimizer("adamw", 1e-4))
+
+Only ``rljax/train/build.py`` reads a ConfigDict; the builders here take the
+config's sections as plain mappings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rljax import advantages as adv_lib
+from rljax import objectives as obj_lib
+from rljax import optim as optim_lib
+
+_Tx = optax.GradientTransformationExtraArgs
+
+# Presets of the advantage chain; the head reduces rewards [N, R] -> [N].
+ADVANTAGE_PRESETS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo",
+                     "gdpo", "batch_std", "rank_weights")
+# Single transforms that may be joined with "+" into a chain, e.g.
+# rl.advantage = "center_by_group_median+scale_by_group_mad".
+ADVANTAGE_TRANSFORMS = ("center_by_group_mean", "scale_by_group_std",
+                        "center_by_batch_mean", "scale_by_batch_std",
+                        "leave_one_out", "center_by_group_median",
+                        "scale_by_group_mad", "rank_weights", "clip_advantages")
+# Chains that divide by a per-group statistic: they need G >= 2.
+GROUP_STATISTIC_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp",
+                              "mc_grpo", "gdpo", "rank_weights",
+                              "center_by_group_mean", "scale_by_group_std",
+                              "leave_one_out", "center_by_group_median",
+                              "scale_by_group_mad")
+OBJECTIVES = ("ppo_clip", "dual_clip", "gspo", "cispo", "ess", "reinforce")
+IS_CORRECTIONS = ("none", "tis", "mis")
+RANK_PRESETS = ("median", "trimmed_mean", "cvar", "best_of_k")
+ESS_POOLINGS = ("microbatch", "minibatch")
+
+
+def check_choice(field: str, value: Any, accepted: tuple[str, ...]) -> None:
+  if value not in accepted:
+    raise ValueError(f"{field}={value!r} is unknown; accepted: {accepted}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Algorithm:
+  """Advantage chain, coefficient chain, optimizer and their sampling needs.
+
+  Attributes:
+    advantage: rewards ``[N, R]`` -> advantages ``[N]`` (see module doc).
+    coefficient: ratio ``[B, T]`` -> coefficient ``[B, T]``.
+    optimizer: gradients -> updates (receives ``ess=``).
+    extra_samples: samples per prompt beyond the group size (MC-GRPO: 1).
+    drop_pivot: drop each group's median-reward pivot row after the
+      advantages (MC-GRPO), leaving ``group_size`` rows per prompt.
+    ess_kl_coef: weight of FeynRL's ``(1 - ESS)``-weighted pull toward the
+      behaviour policy (``objectives.ess_kl_penalty``); 0 turns it off.
+    ess_pooling: pool the token-level (FeynRL) ESS per ``"microbatch"`` (as
+      the reference code) or over the whole ``"minibatch"`` (one extra
+      no-gradient forward pass per minibatch).
+    name: a label for logs.
+  """
+
+  advantage: _Tx
+  coefficient: _Tx
+  optimizer: _Tx
+  extra_samples: int = 0
+  drop_pivot: bool = False
+  ess_kl_coef: float = 0.0
+  ess_pooling: str = "microbatch"
+  name: str = "custom"
+
+  def __post_init__(self):
+    for field in ("advantage", "coefficient", "optimizer"):
+      tx = getattr(self, field)
+      if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"Algorithm.{field}={tx!r}: an optax transform (with "
+                        "init and update) is required.")
+    if not isinstance(self.extra_samples, int) or self.extra_samples < 0:
+      raise ValueError(f"Algorithm.extra_samples={self.extra_samples!r}: a "
+                       "non-negative integer is required.")
+    if self.drop_pivot and self.extra_samples != 1:
+      raise ValueError(
+          f"Algorithm.drop_pivot=True with extra_samples={self.extra_samples}: "
+          "dropping the pivot keeps group_size rows only with extra_samples=1.")
+    check_choice("Algorithm.ess_pooling", self.ess_pooling, ESS_POOLINGS)
+    if not (isinstance(self.ess_kl_coef, (int, float))
+            and math.isfinite(self.ess_kl_coef) and self.ess_kl_coef >= 0):
+      raise ValueError(f"Algorithm.ess_kl_coef={self.ess_kl_coef!r}: a finite "
+                       "number >= 0 is required.")
+
+  def check_advantage_shapes(self, num_rows: int, num_rewards: int,
+                             group_size: int) -> None:
+    """Traces the advantage chain once (no compile) and checks ``[N, R] -> [N]``.
+
+    Raises:
+      ValueError: naming the shape the chain returned.
+    """
+    rewards = jax.ShapeDtypeStruct((num_rows, num_rewards), jnp.float32)
+
+    def run(r):
+      state = self.advantage.init(r)
+      return self.advantage.update(
+          r, state, group_size=group_size, mask_N=jnp.ones((num_rows,), bool),
+          reward_weights_R=jnp.ones((num_rewards,), jnp.float32))[0]
+
+    try:
+      out = jax.eval_shape(run, rewards)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          f"Algorithm.advantage cannot take rewards [N, R] = [{num_rows}, "
+          f"{num_rewards}] with group_size={group_size}: {e} Start the chain "
+          "with advantages.sum_rewards() or advantages.normalize_each_reward()."
+      ) from e
+    if out.shape != (num_rows,):
+      raise ValueError(
+          f"Algorithm.advantage maps rewards [{num_rows}, {num_rewards}] to "
+          f"shape {out.shape}; advantages [{num_rows}] are required. Start "
+          "the chain with advantages.sum_rewards() or "
+          "advantages.normalize_each_reward().")
+
+
+def _get(section: Mapping[str, Any], name: str, default: Any = None) -> Any:
+  value = section.get(name, default)
+  return default if value is None else value
+
+
+def parse_rank_weights(spec: str, group_size: int) -> np.ndarray:
+  """Rank weights from ``"<preset>:<k>[:<param>]"``.
+
+  Presets: ``median:k``, ``trimmed_mean:k:trim``, ``cvar:k:alpha``,
+  ``best_of_k:k`` (``advantages.*_rank_weights``); ``k <= group_size - 1``.
+  """
+  field = "rl.rank_weights"
+  parts = str(spec).split(":")
+  preset = parts[0]
+  check_choice(field + " preset", preset, RANK_PRESETS)
+  needs = 3 if preset in ("trimmed_mean", "cvar") else 2
+  if len(parts) != needs:
+    form = {"median": "median:k", "best_of_k": "best_of_k:k",
+            "trimmed_mean": "trimmed_mean:k:trim", "cvar": "cvar:k:alpha"}
+    raise ValueError(f"{field}={spec!r}: accepted form {form[preset]!r}, "
+                     "e.g. 'median:3'.")
+  try:
+    k = int(parts[1])
+  except ValueError as e:
+    raise ValueError(f"{field}={spec!r}: k={parts[1]!r} must be an integer.") from e
+  if not 1 <= k <= group_size - 1:
+    raise ValueError(f"{field}={spec!r}: k={k} must be in [1, rl.group_size - 1 "
+                     f"= {group_size - 1}].")
+  try:
+    if preset == "median":
+      return adv_lib.median_rank_weights(k)
+    if preset == "best_of_k":
+      return adv_lib.best_of_k_rank_weights(k)
+    if preset == "trimmed_mean":
+      return adv_lib.trimmed_mean_rank_weights(k, int(parts[2]))
+    return adv_lib.cvar_rank_weights(k, float(parts[2]))
+  except ValueError as e:
+    raise ValueError(f"{field}={spec!r}: {e}") from e
+
+
+def _transform(name: str, rl: Mapping[str, Any], group_size: int) -> _Tx:
+  if name == "rank_weights":
+    return adv_lib.rank_weights(
+        parse_rank_weights(_get(rl, "rank_weights", "median:3"), group_size))
+  if name == "clip_advantages":
+    return adv_lib.clip_advantages(float(_get(rl, "advantage_clip", 5.0)))
+  return getattr(adv_lib, name)()
+
+
+def advantage_chain(rl: Mapping[str, Any], group_size: int) -> _Tx:
+  """The rewards ``[N, R]`` -> advantages ``[N]`` chain named by ``rl.advantage``.
+
+  ``rl.advantage`` is a preset (``ADVANTAGE_PRESETS``) or transforms of
+  ``ADVANTAGE_TRANSFORMS`` joined with ``"+"``; with ``rl.advantage_clip``
+  the advantages are clipped last. ``group_size`` is the number of samples
+  per prompt the chain sees (``G + 1`` for MC-GRPO).
+  """
+  name = _get(rl, "advantage", "grpo")
+  head = adv_lib.sum_rewards()
+  if "+" in name or name in ADVANTAGE_TRANSFORMS and name != "rank_weights":
+    links = name.split("+")
+    for link in links:
+      check_choice("rl.advantage (a link of a '+' chain)", link,
+                   ADVANTAGE_TRANSFORMS)
+    chain = [head] + [_transform(link, rl, group_size) for link in links]
+  else:
+    check_choice("rl.advantage", name,
+                 ADVANTAGE_PRESETS + ADVANTAGE_TRANSFORMS)
+    chain = {
+        "grpo": lambda: [head, adv_lib.grpo()],
+        "dr_grpo": lambda: [head, adv_lib.dr_grpo()],
+        "rloo": lambda: [head, adv_lib.rloo()],
+        "reinforce_pp": lambda: [head, adv_lib.reinforce_pp_baseline()],
+        "mc_grpo": lambda: [head, adv_lib.mc_grpo()],
+        "gdpo": lambda: [adv_lib.gdpo()],
+        "batch_std": lambda: [head, adv_lib.center_by_batch_mean(),
+                              adv_lib.scale_by_batch_std()],
+        "rank_weights": lambda: [head, _transform("rank_weights", rl,
+                                                  group_size)],
+    }[name]()
+  clip = rl.get("advantage_clip")
+  if clip and not name.endswith("clip_advantages"):
+    chain.append(adv_lib.clip_advantages(float(clip)))
+  return optax.chain(*chain)
+
+
+def _reinforce() -> _Tx:
+  """Plain REINFORCE: the coefficient is 1 on every token."""
+  return _Tx(lambda params: optax.EmptyState(),
+             lambda updates, state, params=None, **kw: (
+                 jnp.ones_like(updates), state))
+
+
+def coefficient_chain(rl: Mapping[str, Any]) -> _Tx:
+  """The per-token coefficient chain of ``rl.objective`` and ``rl.is_correction``."""
+  objective = _get(rl, "objective", "ppo_clip")
+  check_choice("rl.objective", objective, OBJECTIVES)
+  correction = _get(rl, "is_correction", "none")
+  check_choice("rl.is_correction", correction, IS_CORRECTIONS)
+  eps_low = float(_get(rl, "clip_eps_low", 0.2))
+  eps_high = float(_get(rl, "clip_eps_high", eps_low))
+  links = {
+      "ppo_clip": lambda: [obj_lib.ppo_clip(eps_low, eps_high)],
+      "dual_clip": lambda: [obj_lib.ppo_clip(eps_low, eps_high),
+                            obj_lib.dual_clip(float(_get(rl, "dual_clip_c", 3.0)))],
+      "gspo": lambda: [obj_lib.gspo(float(_get(rl, "gspo_eps_low", 3e-4)),
+                                    float(_get(rl, "gspo_eps_high", 4e-4)))],
+      "cispo": lambda: [obj_lib.cispo(float(_get(rl, "cispo_cap", 5.0)))],
+      "ess": lambda: [obj_lib.ess_trust_region()],
+      "reinforce": lambda: [],
+  }[objective]()
+  level = _get(rl, "is_level", "token")
+  check_choice("rl.is_level", level, obj_lib.LEVELS)
+  cap = float(_get(rl, "is_cap", 2.0))
+  if correction == "tis":
+    links.append(obj_lib.truncated_is(cap=cap, level=level))
+  elif correction == "mis":
+    links.append(obj_lib.masked_is(high=cap, level=level))
+  return optax.chain(*links) if links else _reinforce()
+
+
+def optimizer(opt: Mapping[str, Any], num_updates: int) -> _Tx:
+  """The optax optimizer of the ``optimizer`` section (name, lr, schedule...).
+
+  Args:
+    opt: the config's ``optimizer`` section.
+    num_updates: optimizer updates of the whole run (for the cosine decay).
+  """
+  lr = float(_get(opt, "learning_rate", 1e-6))
+  warmup = int(_get(opt, "warmup_steps", 0))
+  schedule_name = _get(opt, "schedule", "constant")
+  check_choice("optimizer.schedule", schedule_name, ("constant", "cosine"))
+  if schedule_name == "cosine":
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, lr, max(warmup, 1), max(num_updates, warmup + 1),
+        end_value=lr * float(_get(opt, "final_lr_fraction", 0.1)))
+  elif warmup:
+    schedule = optax.linear_schedule(0.0, lr, warmup)
+  else:
+    schedule = lr
+  name = _get(opt, "name", "adamw")
+  check_choice("optimizer.name", name, tuple(optim_lib.OPTIMIZERS))
+  ess = opt.get("ess_scaling")
+  if ess is not None:
+    check_choice("optimizer.ess_scaling", ess, (None,) + optim_lib.ESS_RULES)
+  return optim_lib.make_optimizer(
+      name, schedule,
+      weight_decay=float(_get(opt, "weight_decay", 0.0)),
+      b1=opt.get("b1"), b2=opt.get("b2"),
+      max_grad_norm=opt.get("max_grad_norm", 1.0),
+      ess_scaling=ess,
+      max_consecutive_nonfinite=opt.get("max_consecutive_nonfinite"))
+
+
+def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any]) -> Algorithm:
+  """The ``Algorithm`` named by a config's ``rl`` and ``optimizer`` sections."""
+  name = _get(rl, "advantage", "grpo")
+  mc = name == "mc_grpo"
+  group_size = int(rl["group_size"]) + (1 if mc else 0)
+  objective = _get(rl, "objective", "ppo_clip")
+  num_updates = (int(rl["num_steps"]) * int(_get(rl, "num_epochs", 1))
+                 * int(_get(rl, "num_minibatches", 1)))
+  ess_kl = _get(rl, "ess_kl_coef", 1.0 if objective == "ess" else 0.0)
+  return Algorithm(
+      advantage=advantage_chain(rl, group_size),
+      coefficient=coefficient_chain(rl),
+      optimizer=optimizer(opt, num_updates),
+      extra_samples=1 if mc else 0,
+      drop_pivot=mc,
+      ess_kl_coef=float(ess_kl),
+      ess_pooling=_get(rl, "ess_pooling", "microbatch"),
+      name=f"{name}/{objective}")

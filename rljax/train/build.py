@@ -1,0 +1,527 @@
+"""Config -> components: the only module that reads an ml_collections ConfigDict.
+
+``build(config)`` checks the config (``validate``, before anything is
+compiled) and turns it into ``Components``: the mesh, the task's examples,
+the tokenizer, the model config (and, with ``model.path``, the Hugging Face
+checkpoint's params), the reward evaluator, the ``Algorithm`` and the step
+settings. Everything below this module takes plain arguments or frozen
+dataclasses, and the launchers call the public functions here (``load_task``,
+``reward_specs``, ``sampler_config``, ...) instead of reading the config.
+
+With ``model.path`` the run starts from a Hugging Face checkpoint: its
+config, weights (``models.load_hf_pretrained``), tokenizer
+(``tokenizers.load_hf_tokenizer``) and EOS ids, and, with
+``tokenizer.chat_template``, its chat template around each prompt. Otherwise
+a sentencepiece tokenizer is trained or read and ``model.preset`` is
+initialised from scratch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import math
+import os
+import shutil
+from typing import Any
+
+import jax
+
+from rljax import data as data_lib
+from rljax import models, sampling, sharding
+from rljax import objectives as obj_lib
+from rljax import optim as optim_lib
+from rljax import rewards as rewards_lib
+from rljax import tokenizers as tok_lib
+from rljax.train import algorithm as alg_lib
+from rljax.train.sft import SFTConfig
+from rljax.train.steps import OLD_LOGPROBS, RLStepConfig
+
+log = logging.getLogger("rljax")
+
+HF_DIR = "tokenizer"
+"""The subdirectory of a run that holds a Hugging Face checkpoint's files."""
+
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "chat_template.jinja", "generation_config.json", "tokenizer.model",
+            "config.json")
+"""The files ``save_hf_files`` copies (those that exist)."""
+
+HF_OVERRIDES = ("param_dtype", "dtype", "remat")
+"""The ``model.overrides`` accepted with ``model.path``: the checkpoint fixes
+every other field."""
+
+
+# ----------------------------------------------------------------------------
+# Validation.
+
+
+def _positive(field: str, value: Any) -> None:
+  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    raise ValueError(f"{field}={value!r}: a positive integer is required.")
+
+
+def _finite(field: str, value: Any, *, positive: bool = False,
+            nonnegative: bool = False) -> None:
+  ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+        and math.isfinite(value))
+  if ok and positive:
+    ok = value > 0
+  if ok and nonnegative:
+    ok = value >= 0
+  if not ok:
+    want = ("a finite number > 0" if positive else
+            "a finite number >= 0" if nonnegative else "a finite number")
+    raise ValueError(f"{field}={value!r}: {want} is required.")
+
+
+def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
+  """Checks the config before anything is compiled; errors name the field."""
+  rl = config.rl
+  for field in ("num_steps", "prompts_per_step", "group_size", "num_epochs",
+                "num_minibatches", "num_microbatches"):
+    _positive(f"rl.{field}", rl[field])
+  for field in ("eval.every", "checkpoint.every", "eval.num_examples",
+                "eval.num_samples", "sampler.max_new_tokens"):
+    section, name = field.split(".")
+    _positive(field, config[section][name])
+  advantage = rl.advantage
+  if "+" in advantage:
+    for link in advantage.split("+"):
+      alg_lib.check_choice("rl.advantage (a link of a '+' chain)", link,
+                           alg_lib.ADVANTAGE_TRANSFORMS)
+  else:
+    alg_lib.check_choice("rl.advantage", advantage,
+                         alg_lib.ADVANTAGE_PRESETS + alg_lib.ADVANTAGE_TRANSFORMS)
+  alg_lib.check_choice("rl.objective", rl.objective, alg_lib.OBJECTIVES)
+  alg_lib.check_choice("rl.is_correction", rl.is_correction,
+                       alg_lib.IS_CORRECTIONS)
+  alg_lib.check_choice("rl.is_level", rl.get("is_level", "token"),
+                       obj_lib.LEVELS)
+  alg_lib.check_choice("rl.aggregation", rl.aggregation, obj_lib.AGGREGATIONS)
+  alg_lib.check_choice("rl.old_logprobs", rl.get("old_logprobs", "recompute"),
+                       OLD_LOGPROBS)
+  alg_lib.check_choice("rl.ess_pooling", rl.get("ess_pooling", "microbatch"),
+                       alg_lib.ESS_POOLINGS)
+  alg_lib.check_choice("optimizer.name", config.optimizer.name,
+                       optim_lib.OPTIMIZERS)
+  alg_lib.check_choice("optimizer.ess_scaling",
+                       config.optimizer.get("ess_scaling"),
+                       (None,) + optim_lib.ESS_RULES)
+  _finite("optimizer.learning_rate", config.optimizer.learning_rate,
+          positive=True)
+  for field in ("kl_coef", "entropy_coef"):
+    _finite(f"rl.{field}", rl[field], nonnegative=True)
+  _finite("rl.training_temperature", rl.training_temperature, positive=True)
+  if "rank_weights" in advantage.split("+"):
+    alg_lib.parse_rank_weights(rl.get("rank_weights") or "median:3",
+                               rl.group_size)
+  if rl.group_size < 2 and any(
+      n in alg_lib.GROUP_STATISTIC_ADVANTAGES for n in advantage.split("+")):
+    raise ValueError(
+        f"rl.group_size={rl.group_size} with rl.advantage={advantage!r}: "
+        "a group baseline needs at least 2 samples per prompt; use "
+        "rl.group_size >= 2, or rl.advantage='batch_std'.")
+  n = rl.prompts_per_step * rl.group_size
+  if n % (rl.num_minibatches * rl.num_microbatches):
+    raise ValueError(
+        f"rl.prompts_per_step x rl.group_size = {n} rows do not split into "
+        f"rl.num_minibatches={rl.num_minibatches} x rl.num_microbatches="
+        f"{rl.num_microbatches}: use counts whose product divides {n}.")
+  if config.task.name not in data_lib.TASKS and not config.task.get("path"):
+    raise ValueError(f"task.name={config.task.name!r} is unknown; accepted: "
+                     f"{tuple(data_lib.TASKS)} (or set task.path to a JSONL file).")
+  if not config.rewards.names:
+    raise ValueError("rewards.names=(): at least one reward function is "
+                     "required (a built-in name or 'package.module:function').")
+  for name in config.rewards.names:
+    reward_fn(name)
+  if len(config.rewards.weights) != len(config.rewards.names):
+    raise ValueError(
+        f"rewards.weights has {len(config.rewards.weights)} entries for "
+        f"{len(config.rewards.names)} rewards.names: give one weight each.")
+  for i, w in enumerate(config.rewards.weights):
+    _finite(f"rewards.weights[{i}]", w)
+  correctness = config.eval.get("reward")
+  labels = [reward_fn(n)[0] for n in config.rewards.names]
+  if correctness and correctness not in labels:
+    raise ValueError(f"eval.reward={correctness!r} is not a reward of "
+                     f"rewards.names; accepted: {tuple(labels)}.")
+  if config.model.get("path"):
+    hf_overrides(config)
+    if config.tokenizer.get("path"):
+      raise ValueError(
+          f"tokenizer.path={config.tokenizer.path!r} is set with model.path="
+          f"{config.model.path!r}: a Hugging Face run uses the checkpoint's "
+          "tokenizer files; accepted: tokenizer.path=''.")
+  if mesh is not None:
+    sharding.check_batch_divisible(rl.prompts_per_step, mesh,
+                                   "rl.prompts_per_step")
+    sharding.check_batch_divisible(config.eval.num_examples, mesh,
+                                   "eval.num_examples")
+    micro = n // (rl.num_minibatches * rl.num_microbatches)
+    sharding.check_batch_divisible(micro, mesh, "rows per microbatch "
+                                   "(rl.prompts_per_step x rl.group_size / "
+                                   "(rl.num_minibatches x rl.num_microbatches))")
+
+
+# ----------------------------------------------------------------------------
+# Rewards, data, tokenizer, model.
+
+
+def reward_fn(name: str):
+  """``(label, fn)``: a built-in reward by name, or ``"package.module:function"``."""
+  if ":" in name:
+    module, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"rewards.names contains {name!r}, which cannot be "
+                       f"imported ({e}); accepted: a built-in name or "
+                       "'package.module:function'.") from e
+    return attr, fn
+  if name not in rewards_lib.REWARD_FNS:
+    raise ValueError(f"rewards.names contains {name!r}; accepted: "
+                     f"{tuple(sorted(rewards_lib.REWARD_FNS))} or "
+                     "'package.module:function'.")
+  return name, rewards_lib.get_reward_fn(name)
+
+
+def reward_specs(config: Any) -> list[rewards_lib.RewardSpec]:
+  """One ``RewardSpec`` per ``rewards.names`` entry, weighted by ``rewards.weights``."""
+  return [rewards_lib.RewardSpec(*reward_fn(n), weight=float(w))
+          for n, w in zip(config.rewards.names, config.rewards.weights)]
+
+
+def make_evaluator(config: Any, num_workers: int | None = None
+                   ) -> rewards_lib.RewardEvaluator:
+  """The reward evaluator of ``rewards.*`` (``num_workers`` overrides)."""
+  return rewards_lib.RewardEvaluator(
+      reward_specs(config),
+      num_workers=(config.rewards.num_workers if num_workers is None
+                   else num_workers),
+      timeout_s=config.rewards.timeout_s)
+
+
+def correctness_reward(config: Any) -> str:
+  """The reward whose value >= 1 counts as correct (``eval.reward``, or the first)."""
+  return config.eval.get("reward") or reward_fn(config.rewards.names[0])[0]
+
+
+def load_task(config: Any):
+  """``(task or None, train examples, held-out examples)``.
+
+  A JSONL task (``task.path``) has no ``task`` object; its held-out split is
+  ``task.heldout_path`` or the head of the training file.
+  """
+  t = config.task
+  seed = config.seed
+  if t.get("path"):
+    train = list(data_lib.read_jsonl(t.path))
+    heldout = (list(data_lib.read_jsonl(t.heldout_path)) if t.get("heldout_path")
+               else train[:config.eval.num_examples])
+    return None, train, heldout[:config.eval.num_examples]
+  task = data_lib.get_task(t.name, **dict(t.get("kwargs", {}) or {}))
+  train = task.examples("train", t.num_train, seed)
+  heldout = task.examples("heldout", config.eval.num_examples, seed + 1)
+  return task, train, heldout
+
+
+def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]]):
+  """The sentencepiece tokenizer of ``tokenizer.path``, or one trained on the task."""
+  if config.tokenizer.get("path"):
+    return tok_lib.SentencePieceTokenizer(config.tokenizer.path)
+  if task is not None:
+    corpus = task.tokenizer_corpus(config.tokenizer.corpus_size, config.seed)
+  else:
+    corpus = [e["prompt"] for e in train_examples]
+  return tok_lib.train_sentencepiece(corpus, config.tokenizer.vocab_size)
+
+
+def hf_overrides(config: Any) -> dict[str, Any]:
+  """``model.overrides`` for a run with ``model.path``, checked.
+
+  Raises:
+    ValueError: naming a field the checkpoint fixes.
+  """
+  overrides = dict(config.model.get("overrides", {}) or {})
+  for name in overrides:
+    if name not in HF_OVERRIDES:
+      raise ValueError(
+          f"model.overrides.{name} is set with model.path="
+          f"{config.model.path!r}: the checkpoint's config.json fixes the "
+          f"model's shape; accepted overrides: {HF_OVERRIDES}.")
+  return overrides
+
+
+def hf_model_config(directory: str, config: Any) -> models.ModelConfig:
+  """The model config of a checkpoint's ``config.json`` with the run's overrides."""
+  overrides = hf_overrides(config)
+  model_config = models.load_hf_config(directory,
+                                       param_dtype=overrides.get("param_dtype"),
+                                       dtype=overrides.get("dtype"))
+  if overrides.get("remat"):
+    model_config = model_config.replace(remat=overrides["remat"])
+  return model_config
+
+
+def preset_model_config(config: Any, vocab_size: int) -> models.ModelConfig:
+  """``model.preset`` with ``model.overrides`` and the tokenizer's vocab size."""
+  overrides = dict(config.model.get("overrides", {}) or {})
+  overrides.setdefault("vocab_size", vocab_size)
+  return models.get_preset(config.model.preset, **overrides)
+
+
+def hf_tokenizer(directory: str, config: Any):
+  """A checkpoint's tokenizer, through its chat template if the config asks."""
+  tokenizer = tok_lib.load_hf_tokenizer(directory)
+  chat = bool(config.tokenizer.get("chat_template"))
+  if chat and getattr(tokenizer, "chat_template", None) is None:
+    log.warning("tokenizer.chat_template=True, but %s has no chat template: "
+                "prompts are encoded as plain text.", directory)
+  return tok_lib.prompt_tokenizer(tokenizer, chat)
+
+
+def save_hf_files(source: str, workdir: str) -> list[str]:
+  """Copies a checkpoint's tokenizer files and config.json to ``workdir/tokenizer``."""
+  out = os.path.join(workdir, HF_DIR)
+  os.makedirs(out, exist_ok=True)
+  copied = []
+  for name in HF_FILES:
+    path = os.path.join(os.fspath(source), name)
+    if os.path.exists(path):
+      shutil.copyfile(path, os.path.join(out, name))
+      copied.append(name)
+  return copied
+
+
+def run_model_and_tokenizer(config: Any, workdir: str):
+  """``(model_config, tokenizer, description)`` of a finished run's directory."""
+  hf_dir = os.path.join(workdir, HF_DIR)
+  if os.path.isdir(hf_dir):
+    return (hf_model_config(hf_dir, config), hf_tokenizer(hf_dir, config),
+            f"{config.model.path} (config.json in {hf_dir})")
+  tokenizer = tok_lib.SentencePieceTokenizer(
+      os.path.join(workdir, "tokenizer.model"))
+  return (preset_model_config(config, tokenizer.vocab_size), tokenizer,
+          config.model.preset)
+
+
+def eos_ids(tokenizer: Any) -> tuple[int, ...]:
+  """Every id that ends a completion: ``tokenizer.eos_ids`` if it has them."""
+  return tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
+
+
+def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
+                   greedy: bool = False,
+                   record_policy_logprobs: bool = False
+                   ) -> sampling.SamplerConfig:
+  """The ``SamplerConfig`` of ``sampler.*`` for ``num_samples`` per prompt."""
+  s = config.sampler
+  method = (sampling.SamplingMethod(greedy=True) if greedy else
+            sampling.SamplingMethod(temperature=s.temperature,
+                                    top_k=s.get("top_k"), top_p=s.get("top_p"),
+                                    min_p=s.get("min_p")))
+  return sampling.SamplerConfig(
+      num_samples=num_samples, max_new_tokens=s.max_new_tokens, method=method,
+      training_temperature=config.rl.training_temperature,
+      eos_ids=eos_ids(tokenizer), pad_id=tokenizer.pad_id,
+      cache_dtype=s.cache_dtype, prompt_buckets=tuple(s.prompt_buckets),
+      share_prefix=s.share_prefix,
+      record_policy_logprobs=record_policy_logprobs)
+
+
+def algorithm(config: Any) -> alg_lib.Algorithm:
+  """The ``Algorithm`` named by ``rl.*`` and ``optimizer.*``."""
+  return alg_lib.from_config(config.rl, config.optimizer)
+
+
+def step_config(config: Any) -> RLStepConfig:
+  """The ``RLStepConfig`` of ``rl.*`` (the algorithm's ESS settings are added
+  by ``build``)."""
+  rl = config.rl
+  return RLStepConfig(
+      num_epochs=rl.num_epochs, num_minibatches=rl.num_minibatches,
+      num_microbatches=rl.num_microbatches, aggregation=rl.aggregation,
+      max_length=config.sampler.max_new_tokens, kl_coef=float(rl.kl_coef),
+      entropy_coef=float(rl.entropy_coef),
+      training_temperature=float(rl.training_temperature),
+      old_logprobs=rl.get("old_logprobs", "recompute"))
+
+
+def sft_config(config: Any) -> SFTConfig:
+  """The ``SFTConfig`` of ``sft.*``."""
+  s = config.sft
+  return SFTConfig(num_steps=s.num_steps, batch_size=s.batch_size,
+                   learning_rate=float(s.learning_rate),
+                   num_examples=s.num_examples, max_length=s.max_length,
+                   label_noise=float(s.get("label_noise", 0.0)),
+                   seed=config.seed)
+
+
+def checkpoint_options(config: Any) -> dict[str, Any]:
+  """Keyword arguments of ``checkpoint.CheckpointManager``."""
+  c = config.checkpoint
+  return {"max_to_keep": c.max_to_keep,
+          "best_metric": c.get("best_metric") or None,
+          "best_mode": c.get("best_mode", "max")}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+  """The host loop's settings, read from the config once.
+
+  Attributes:
+    seed: the run's seed.
+    num_steps: RL steps.
+    prompts_per_step: prompts per RL step (B).
+    group_size: trained rows per prompt (G).
+    num_rewards: reward functions (R).
+    eval_every, checkpoint_every: cadences in RL steps.
+    eval_num_samples: samples per held-out prompt.
+    eval_greedy: also evaluate greedy decoding.
+    best_metric: the metric whose best checkpoint is kept ("" for none).
+    max_consecutive_nonfinite: stop after this many skipped updates in a
+      row (None: never).
+    sampling_temperature: for the log line.
+    task_name: for the plot title.
+  """
+
+  seed: int
+  num_steps: int
+  prompts_per_step: int
+  group_size: int
+  num_rewards: int
+  eval_every: int
+  checkpoint_every: int
+  eval_num_samples: int
+  eval_greedy: bool
+  best_metric: str
+  max_consecutive_nonfinite: int | None
+  sampling_temperature: float
+  task_name: str
+
+
+def loop_settings(config: Any) -> LoopSettings:
+  """The ``LoopSettings`` of a config."""
+  rl = config.rl
+  return LoopSettings(
+      seed=config.seed, num_steps=rl.num_steps,
+      prompts_per_step=rl.prompts_per_step, group_size=rl.group_size,
+      num_rewards=len(config.rewards.names), eval_every=config.eval.every,
+      checkpoint_every=config.checkpoint.every,
+      eval_num_samples=config.eval.num_samples,
+      eval_greedy=bool(config.eval.get("greedy", True)),
+      best_metric=config.checkpoint.get("best_metric") or "",
+      max_consecutive_nonfinite=config.optimizer.get(
+          "max_consecutive_nonfinite"),
+      sampling_temperature=float(config.sampler.temperature),
+      task_name=config.task.name)
+
+
+# ----------------------------------------------------------------------------
+# Everything at once.
+
+
+@dataclasses.dataclass
+class Components:
+  """What a training run is made of, built from its config by ``build``.
+
+  Attributes:
+    config: the config (kept for ``sampler`` and for saving).
+    settings: the host loop's settings.
+    mesh: the device mesh.
+    task: the built-in task, or None for a JSONL task.
+    train_examples, heldout: the examples.
+    tokenizer: encodes prompts (through a chat template if asked).
+    model_config: the model's config.
+    param_shardings: shardings of the params on ``mesh``.
+    initial_params: a Hugging Face checkpoint's params (``model.path``), or
+      None (initialise ``model_config``).
+    evaluator: the reward functions (close it when done).
+    correctness: the reward that counts as correct.
+    algorithm: advantage chain, coefficient chain, optimizer.
+    step_config: the RL step's static settings.
+    sft: the SFT warm-up's settings.
+    buckets: prompt length buckets.
+    eos_ids: ids that end a completion.
+    hf_path: ``model.path`` or "".
+  """
+
+  config: Any
+  settings: LoopSettings
+  mesh: jax.sharding.Mesh
+  task: Any
+  train_examples: list[dict[str, Any]]
+  heldout: list[dict[str, Any]]
+  tokenizer: Any
+  model_config: models.ModelConfig
+  param_shardings: Any
+  initial_params: Any
+  evaluator: rewards_lib.RewardEvaluator
+  correctness: str
+  algorithm: alg_lib.Algorithm
+  step_config: RLStepConfig
+  sft: SFTConfig
+  buckets: tuple[int, ...]
+  eos_ids: tuple[int, ...]
+  hf_path: str
+
+  def sampler(self, num_samples: int, *, greedy: bool = False,
+              record_policy_logprobs: bool = False):
+    """A jitted sampler with explicit shardings (``sampling.make_sampler``)."""
+    return sampling.make_sampler(
+        self.model_config,
+        sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
+                       record_policy_logprobs=record_policy_logprobs),
+        self.mesh, self.param_shardings)
+
+
+def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None
+          ) -> Components:
+  """Validates ``config`` and builds its components (no compile).
+
+  Args:
+    config: an ml_collections config (``configs/*.py``).
+    algorithm_override: a user-built ``Algorithm`` used instead of the one
+      ``rl.advantage`` / ``rl.objective`` / ``optimizer`` name.
+  """
+  mesh = sharding.mesh_from_config(config.mesh)
+  validate(config, mesh)
+  alg = algorithm_override if algorithm_override is not None else algorithm(config)
+  if not isinstance(alg, alg_lib.Algorithm):
+    raise TypeError(f"algorithm={alg!r}: an rljax.train.Algorithm is required.")
+  rl = config.rl
+  num_rewards = len(config.rewards.names)
+  alg.check_advantage_shapes(rl.prompts_per_step * (rl.group_size
+                                                    + alg.extra_samples),
+                             num_rewards, rl.group_size + alg.extra_samples)
+  task, train_examples, heldout = load_task(config)
+  hf_path = config.model.get("path") or ""
+  initial_params = None
+  if hf_path:
+    overrides = hf_overrides(config)
+    model_config, initial_params = models.load_hf_pretrained(
+        hf_path, mesh, param_dtype=overrides.get("param_dtype"),
+        dtype=overrides.get("dtype"))
+    if overrides.get("remat"):
+      model_config = model_config.replace(remat=overrides["remat"])
+    tokenizer = hf_tokenizer(hf_path, config)
+  else:
+    tokenizer = make_tokenizer(config, task, train_examples)
+    model_config = preset_model_config(config, tokenizer.vocab_size)
+  buckets = tuple(config.sampler.prompt_buckets)
+  tok_lib.check_prompt_lengths(
+      tokenizer, [e["prompt"] for e in train_examples + heldout], buckets)
+  step = dataclasses.replace(step_config(config),
+                             ess_kl_coef=alg.ess_kl_coef,
+                             ess_pooling=alg.ess_pooling)
+  return Components(
+      config=config, settings=loop_settings(config), mesh=mesh, task=task, train_examples=train_examples,
+      heldout=heldout, tokenizer=tokenizer, model_config=model_config,
+      param_shardings=models.param_shardings(model_config, mesh),
+      initial_params=initial_params, evaluator=make_evaluator(config),
+      correctness=correctness_reward(config), algorithm=alg,
+      step_config=step, sft=sft_config(config), buckets=buckets,
+      eos_ids=eos_ids(tokenizer), hf_path=hf_path)

@@ -1,0 +1,221 @@
+"""One rollout batch: prompts -> Rollout -> rewards ``[N, R]`` -> advantages -> RLBatch.
+
+``Collector.collect`` is the sampling half of an RL step (DESIGN.md section
+3). The rollout stays on the devices; only the completion tokens cross to the
+host (to be decoded and scored), and only the rewards ``[N, R]`` cross back.
+The advantage chain, MC-GRPO's pivot drop and the trainer's ``[N, P + T]``
+layout run in one jitted function whose outputs are sharded as ``rl_step``
+takes them.
+
+Rewards. Each reward function is a column of ``rewards_NxR`` (NaN where it
+gave no reward); the ``RewardSpec`` weights reach the advantage chain as
+``reward_weights_R`` and are applied there, once. A row whose every reward
+failed is outside ``mask_N``: no group statistic sees it and its advantage
+is 0 (TRL's semantics); ``reward/all_failed`` counts such rows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import data as data_lib
+from rljax import rewards as rewards_lib
+from rljax import sampling
+from rljax import tokenizers as tok_lib
+from rljax.advantages import advantage_metrics
+from rljax.train.algorithm import Algorithm
+from rljax.train.steps import RLBatch, batch_shardings
+
+
+def pivot_rows(rewards_N: jax.Array, valid_N: jax.Array,
+               group_size: int) -> jax.Array:
+  """Row indices that keep all but each group's median pivot (MC-GRPO).
+
+  The pivot of a group of ``group_size = G + 1`` rows is the valid row at the
+  lower-median position of a stable sort of the valid rewards (the row that
+  ``advantages.center_by_group_median`` gives advantage exactly 0, and
+  ``advantages.group_median_pivot_mask`` marks); a group with no valid row
+  drops its last row. Returns ``[num_groups * G]`` int32 indices, in order.
+
+  References:
+    Kim, "MC-GRPO: Median-Centered Group Relative Policy Optimization for
+    Small-Rollout Reinforcement Learning", https://arxiv.org/abs/2601.22582.
+  """
+  x = rewards_N.reshape(-1, group_size)
+  valid = valid_N.reshape(-1, group_size)
+  order = jnp.argsort(jnp.where(valid, x, jnp.inf), axis=-1, stable=True)
+  n = jnp.sum(valid, -1, keepdims=True)
+  pivot = jnp.take_along_axis(order, jnp.maximum((n - 1) // 2, 0), axis=-1)
+  pivot = jnp.where(n > 0, pivot, group_size - 1)
+  is_pivot = jnp.arange(group_size)[None] == pivot
+  keep = jnp.argsort(is_pivot, axis=-1, stable=True)[:, :group_size - 1]
+  groups = jnp.arange(x.shape[0])[:, None] * group_size
+  return (groups + keep).reshape(-1).astype(jnp.int32)
+
+
+def _weighted_total(rewards_NxR, weights_R):
+  return jnp.sum(jnp.where(jnp.isfinite(rewards_NxR), rewards_NxR, 0.0)
+                 * weights_R, axis=-1)
+
+
+def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
+                 algorithm: Algorithm, group_size: int):
+  """Advantages, the pivot drop and the trainer's layout (jitted)."""
+  sampled = group_size + algorithm.extra_samples
+  advantages_N, adv_state = algorithm.advantage.update(
+      rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
+      reward_weights_R=weights_R)
+  total_N = _weighted_total(rewards_NxR, weights_R)
+  metrics = advantage_metrics(total_N, advantages_N, group_size=sampled,
+                              mask_N=valid_N)
+  tokens, input_mask = rollout.sequences()
+  zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
+  layout = {
+      "tokens_NxL": tokens, "input_mask_NxL": input_mask,
+      "loss_mask_NxL": jnp.concatenate(
+          [jnp.zeros_like(rollout.prompt_mask), rollout.completion_mask], 1),
+      "advantages_N": advantages_N.astype(jnp.float32),
+      "sampler_logprobs_NxL": jnp.concatenate(
+          [zeros, rollout.sampler_logprobs], 1),
+  }
+  if rollout.policy_logprobs is not None:
+    layout["old_logprobs_NxL"] = jnp.concatenate(
+        [zeros, rollout.policy_logprobs], 1)
+  if algorithm.drop_pivot:
+    rows = pivot_rows(total_N, valid_N, sampled)
+    layout = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), layout)
+  return RLBatch(**layout), adv_state, metrics
+
+
+class Collected(NamedTuple):
+  """What ``Collector.collect`` returns.
+
+  Attributes:
+    batch: the ``RLBatch`` for ``rl_step`` (on the devices; ``N = B * G``).
+    adv_state: the advantage chain's new state.
+    metrics: host floats: the reward evaluator's metrics,
+      ``reward/all_failed``, ``accuracy``, completion lengths, ``adv/*``
+      and ``time/{sample,reward,advantage}`` (seconds; the advantage time
+      includes the wait for the device).
+    completions: the decoded completions (``B * (G + extra)``).
+    rewards_NxR: the rewards as scored (NaN: no reward).
+  """
+
+  batch: RLBatch
+  adv_state: Any
+  metrics: dict[str, float]
+  completions: list[str]
+  rewards_NxR: np.ndarray
+
+
+class Collector:
+  """Samples, scores and turns one batch of prompts into an ``RLBatch``.
+
+  Args:
+    sampler: ``fn(params, tokens_BxP, mask_BxP, key) -> Rollout`` drawing
+      ``group_size + algorithm.extra_samples`` samples per prompt
+      (``sampling.make_sampler``).
+    tokenizer: encodes prompts (through a chat template if it has one) and
+      decodes completions.
+    evaluator: the reward functions.
+    algorithm: its advantage chain, extra samples and pivot drop are used.
+    group_size: rows per prompt that are trained (``rl.group_size``).
+    buckets: prompt length buckets.
+    eos_ids: ids that end a completion (removed before decoding).
+    correctness: the reward whose value >= 1 counts as correct (``accuracy``).
+    mesh: the device mesh (outputs are sharded as ``rl_step`` takes them).
+  """
+
+  def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
+               algorithm: Algorithm, group_size: int, buckets: Sequence[int],
+               eos_ids: Sequence[int], correctness: str,
+               mesh: jax.sharding.Mesh | None = None):
+    self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
+    self.algorithm, self.group_size = algorithm, group_size
+    self.samples_per_prompt = group_size + algorithm.extra_samples
+    self.buckets, self.eos_ids = tuple(buckets), tuple(eos_ids)
+    names = list(evaluator.names)
+    if correctness not in names:
+      raise ValueError(f"eval.reward={correctness!r} is not one of the reward "
+                       f"names {tuple(names)}.")
+    self._correct_column = names.index(correctness)
+    self._weights_R = np.asarray(evaluator.weights, np.float32)
+    self.mesh = mesh
+    self._jitted = {}
+
+  def _postprocess_fn(self, has_old_logprobs: bool):
+    """The jitted postprocessing, outputs sharded as ``rl_step`` takes them."""
+    if has_old_logprobs not in self._jitted:
+      fn = functools.partial(_postprocess, algorithm=self.algorithm,
+                             group_size=self.group_size)
+      if self.mesh is None:
+        self._jitted[has_old_logprobs] = jax.jit(fn)
+      else:
+        replicated = jax.sharding.NamedSharding(self.mesh,
+                                                jax.sharding.PartitionSpec())
+        self._jitted[has_old_logprobs] = jax.jit(fn, out_shardings=(
+            batch_shardings(self.mesh, has_old_logprobs), replicated,
+            replicated))
+    return self._jitted[has_old_logprobs]
+
+  def collect(self, params: Any, examples: Mapping[str, Sequence[Any]],
+              key: jax.Array, adv_state: Any) -> Collected:
+    """Samples ``examples["prompt"]``, scores them and builds the batch.
+
+    Args:
+      params: the policy params (sharded as the sampler takes them).
+      examples: a batch of ``B`` examples, ``{field: list of B values}``
+        (``prompt`` and whatever the reward functions read).
+      key: PRNG key of the sampler.
+      adv_state: the advantage chain's state.
+    """
+    g = self.samples_per_prompt
+    t_start = time.time()
+    prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
+    tokens, mask = sampling.pad_prompts(prompts, self.buckets,
+                                        self.tokenizer.pad_id)
+    rollout = self.sampler(params, tokens, mask, key)
+    completion_tokens, completion_mask, lengths, finished = jax.device_get(
+        (rollout.completion_tokens, rollout.completion_mask, rollout.lengths,
+         rollout.finished))
+    t_sample = time.time()
+    completions = tok_lib.decode_completions(
+        self.tokenizer, completion_tokens, completion_mask, self.eos_ids)
+    fields = data_lib.repeat_each(examples, g)
+    result = self.evaluator.evaluate(fields["prompt"], completions, fields)
+    t_reward = time.time()
+    valid_N = result.valid_NxR.any(axis=1)
+    fn = self._postprocess_fn(rollout.policy_logprobs is not None)
+    with (jax.set_mesh(self.mesh) if self.mesh is not None
+          else contextlib.nullcontext()):
+      batch, adv_state, adv_metrics = fn(
+          rollout, result.rewards_NxR, valid_N, self._weights_R, adv_state)
+      adv_metrics = jax.device_get(adv_metrics)
+    t_advantage = time.time()
+    correct = np.nan_to_num(result.rewards_NxR[:, self._correct_column],
+                            nan=0.0) >= 1.0
+    metrics = dict(result.metrics)
+    metrics.update({f"adv/{k}": float(v)
+                    for k, v in adv_metrics.items()})
+    metrics.update({
+        "reward/all_failed": float(np.sum(~valid_N)),
+        "accuracy": float(correct.mean()),
+        "completion_length/mean": float(lengths.mean()),
+        "completion_length/max": float(lengths.max()),
+        "truncation_rate": float(1.0 - finished.mean()),
+        "num_generated_tokens": float(lengths.sum()),
+        "time/sample": t_sample - t_start, "time/reward": t_reward - t_sample,
+        "time/advantage": t_advantage - t_reward,
+    })
+    return Collected(batch, adv_state, metrics, completions, result.rewards_NxR)
+
+
+__all__ = ["Collector", "Collected", "pivot_rows"]
