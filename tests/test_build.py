@@ -1,0 +1,460 @@
+"""``rljax.train.build``: every check of ``validate`` and the advantage-shape
+check of ``build``, all without compiling anything."""
+
+import contextlib
+import glob
+import importlib.util
+import math
+import os
+import re
+
+import jax
+import ml_collections
+import optax
+import pytest
+
+from rljax import advantages, sharding
+from rljax.train import build as build_lib
+from rljax.train import algorithm as alg_lib
+
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
+CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
+                 if os.path.basename(p) != "common.py")
+
+
+def load_config(name="arithmetic_grpo.py", arg="tiny"):
+  path = os.path.join(CONFIG_DIR, name)
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+@pytest.fixture
+def config():
+  return load_config()
+
+
+@pytest.fixture(scope="module")
+def mesh8():
+  """Eight-way data parallelism: the batch axes split rows 8 ways."""
+  return sharding.mesh_from_config(
+      ml_collections.ConfigDict({"data": 8, "fsdp": 1, "tensor": 1}))
+
+
+@contextlib.contextmanager
+def no_compiles():
+  """Fails if XLA compiles anything inside the block (tracing is allowed)."""
+  events = []
+
+  def listener(event, duration, **kwargs):
+    del duration, kwargs
+    if "backend_compile" in event:
+      events.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert not events, f"compiled during the block: {events}"
+
+
+def raises(*fields_and_values):
+  """``pytest.raises(ValueError)`` whose message contains every given text."""
+  pattern = "".join(f"(?=.*{re.escape(s)})" for s in fields_and_values)
+  return pytest.raises(ValueError, match=re.compile(pattern, re.S))
+
+
+def test_no_compiles_detects_a_compile():
+  with pytest.raises(AssertionError, match="compiled"):
+    with no_compiles():
+      jax.jit(lambda x: x * 3 + 1)(jax.numpy.float32(2.0)).block_until_ready()
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+@pytest.mark.parametrize("arg", ["", "tiny"])
+def test_every_config_validates(path, arg):
+  config = load_config(path, arg)
+  with no_compiles():
+    build_lib.validate(config)
+    build_lib.validate(config, sharding.mesh_from_config(config.mesh))
+
+
+def test_tiny_config_validates_on_an_eight_way_data_mesh(config, mesh8):
+  with no_compiles():
+    build_lib.validate(config, mesh8)
+
+
+# ----------------------------------------------------------------------------
+# Positive integers.
+
+
+@pytest.mark.parametrize("field", ["num_steps", "prompts_per_step", "group_size",
+                                   "num_epochs", "num_minibatches",
+                                   "num_microbatches"])
+@pytest.mark.parametrize("value", [0, -3])
+def test_rl_counts_must_be_positive(config, field, value):
+  config.rl[field] = value
+  with raises(f"rl.{field}={value}", "positive integer"):
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("field", ["eval.every", "checkpoint.every",
+                                   "eval.num_examples", "eval.num_samples",
+                                   "sampler.max_new_tokens"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_section_counts_must_be_positive(config, field, value):
+  section, name = field.split(".")
+  config[section][name] = value
+  with raises(f"{field}={value}", "positive integer"):
+    build_lib.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# Names chosen from a list.
+
+
+def test_unknown_advantage_preset(config):
+  config.rl.advantage = "gpro"
+  with raises("rl.advantage='gpro' is unknown", "'grpo'",
+              "center_by_group_mean"):
+    build_lib.validate(config)
+
+
+def test_unknown_link_of_an_advantage_chain(config):
+  config.rl.advantage = "center_by_group_mean+scale_by_group_sdt"
+  with raises("rl.advantage (a link of a '+' chain)='scale_by_group_sdt'",
+              "'scale_by_group_std'"):
+    build_lib.validate(config)
+
+
+def test_a_preset_is_not_a_link_of_a_chain(config):
+  config.rl.advantage = "grpo+clip_advantages"
+  with raises("rl.advantage (a link of a '+' chain)='grpo' is unknown"):
+    build_lib.validate(config)
+
+
+def test_a_known_chain_validates(config):
+  config.rl.advantage = "center_by_group_median+scale_by_group_mad"
+  build_lib.validate(config)
+
+
+@pytest.mark.parametrize("path,value,accepted", [
+    ("rl.objective", "ppo", "ppo_clip"),
+    ("rl.is_correction", "truncated", "tis"),
+    ("rl.is_level", "word", "sequence"),
+    ("rl.aggregation", "sequence_sum", "sequence_mean_token_sum_norm"),
+    ("rl.old_logprobs", "cached", "recompute"),
+    ("rl.ess_pooling", "batch", "minibatch"),
+    ("optimizer.name", "sgdm", "adamw"),
+    ("optimizer.ess_scaling", "cubic", "sqrt"),
+])
+def test_unknown_choice(config, path, value, accepted):
+  section, name = path.split(".")
+  config[section][name] = value
+  with raises(f"{path}={value!r} is unknown", f"'{accepted}'"):
+    build_lib.validate(config)
+
+
+def test_every_accepted_choice_validates(config):
+  for path, values in [("rl.objective", alg_lib.OBJECTIVES),
+                       ("rl.is_correction", alg_lib.IS_CORRECTIONS),
+                       ("rl.is_level", ("token", "sequence")),
+                       ("rl.aggregation", ("token_mean",
+                                           "sequence_mean_token_mean",
+                                           "sequence_mean_token_sum",
+                                           "sequence_mean_token_sum_norm")),
+                       ("rl.old_logprobs", ("recompute", "sampler")),
+                       ("rl.ess_pooling", ("microbatch", "minibatch")),
+                       ("optimizer.name", ("adamw", "adam", "sgd", "lion")),
+                       ("optimizer.ess_scaling", ("sqrt", "linear"))]:
+    section, name = path.split(".")
+    default = config[section][name]
+    for value in values:
+      config[section][name] = value
+      build_lib.validate(config)
+    config[section][name] = default
+
+
+# ----------------------------------------------------------------------------
+# Finite numbers.
+
+
+@pytest.mark.parametrize("value", [-1e-3, float("nan"), 0.0, float("inf")])
+def test_learning_rate_must_be_finite_and_positive(config, value):
+  config.optimizer.learning_rate = value
+  with raises(f"optimizer.learning_rate={value!r}", "finite number > 0"):
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("field", ["kl_coef", "entropy_coef"])
+@pytest.mark.parametrize("value", [-0.1, float("nan")])
+def test_penalty_coefficients_must_be_finite_and_nonnegative(config, field,
+                                                             value):
+  config.rl[field] = value
+  with raises(f"rl.{field}={value!r}", "finite number >= 0"):
+    build_lib.validate(config)
+
+
+def test_zero_penalty_coefficients_validate(config):
+  config.rl.kl_coef = 0.0
+  config.rl.entropy_coef = 0.0
+  build_lib.validate(config)
+
+
+@pytest.mark.parametrize("value", [0.0, -1.5, float("inf")])
+def test_training_temperature_must_be_positive(config, value):
+  config.rl.training_temperature = value
+  with raises(f"rl.training_temperature={value!r}", "finite number > 0"):
+    build_lib.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# Rank weights and group baselines.
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("mean:3", ("rl.rank_weights preset='mean' is unknown", "'median'")),
+    ("median:4", ("rl.rank_weights='median:4'", "k=4", "= 3]")),
+    ("median:0", ("rl.rank_weights='median:0'", "k=0")),
+    ("median", ("rl.rank_weights='median'", "'median:k'")),
+    ("cvar:2", ("rl.rank_weights='cvar:2'", "'cvar:k:alpha'")),
+    ("median:two", ("rl.rank_weights='median:two'", "k='two'", "integer")),
+    ("cvar:3:2.0", ("rl.rank_weights='cvar:3:2.0'", "alpha")),
+    ("trimmed_mean:3:5", ("rl.rank_weights='trimmed_mean:3:5'", "trim")),
+])
+def test_bad_rank_weights(config, spec, expected):
+  config.rl.advantage = "rank_weights"
+  config.rl.rank_weights = spec
+  assert config.rl.group_size == 4
+  with raises(*expected):
+    build_lib.validate(config)
+
+
+def test_bad_rank_weights_in_a_chain(config):
+  config.rl.advantage = "center_by_group_mean+rank_weights"
+  config.rl.rank_weights = "best_of_k:9"
+  with raises("rl.rank_weights='best_of_k:9'", "k=9"):
+    build_lib.validate(config)
+
+
+def test_good_rank_weights_validate(config):
+  config.rl.advantage = "rank_weights"
+  for spec in ("median:3", "best_of_k:1", "cvar:3:0.5", "trimmed_mean:3:1"):
+    config.rl.rank_weights = spec
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("advantage", ["grpo", "rloo",
+                                       "center_by_batch_mean+scale_by_group_std"])
+def test_group_baseline_needs_two_samples(config, advantage):
+  config.rl.group_size = 1
+  config.rl.advantage = advantage
+  with raises("rl.group_size=1", f"rl.advantage={advantage!r}",
+              "rl.group_size >= 2"):
+    build_lib.validate(config)
+
+
+def test_batch_baseline_accepts_one_sample_per_prompt(config):
+  config.rl.group_size = 1
+  config.rl.advantage = "batch_std"
+  build_lib.validate(config)
+
+
+def test_rows_must_split_into_minibatches_and_microbatches(config):
+  assert config.rl.prompts_per_step * config.rl.group_size == 32
+  config.rl.num_minibatches = 3
+  config.rl.num_microbatches = 2
+  with raises("= 32 rows", "rl.num_minibatches=3", "rl.num_microbatches=2"):
+    build_lib.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# Task and rewards.
+
+
+def test_unknown_task_without_a_path(config):
+  config.task.name = "sudoku"
+  config.task.path = ""
+  with raises("task.name='sudoku' is unknown", "'arithmetic'", "task.path"):
+    build_lib.validate(config)
+
+
+def test_unknown_task_with_a_path_validates(config):
+  config.task.name = "sudoku"
+  config.task.path = "data/sudoku.jsonl"
+  build_lib.validate(config)
+
+
+def test_rewards_are_required(config):
+  config.rewards.names = ()
+  config.rewards.weights = ()
+  with raises("rewards.names=()", "at least one"):
+    build_lib.validate(config)
+
+
+def test_unknown_reward_name(config):
+  config.rewards.names = ("numeric_mtach",)
+  with raises("rewards.names contains 'numeric_mtach'", "'numeric_match'"):
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("name", ["no_such_package_rljax.mod:fn",
+                                  "math:no_such_function"])
+def test_unimportable_reward(config, name):
+  config.rewards.names = (name,)
+  with raises(f"rewards.names contains {name!r}", "cannot be imported"):
+    build_lib.validate(config)
+
+
+def test_importable_reward_validates(config):
+  config.rewards.names = ("math:isfinite",)
+  build_lib.validate(config)
+
+
+def test_reward_weights_one_per_name(config):
+  config.rewards.names = ("numeric_match", "format")
+  config.rewards.weights = (1.0,)
+  with raises("rewards.weights has 1 entries for 2 rewards.names"):
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_reward_weights_must_be_finite(config, value):
+  config.rewards.names = ("numeric_match", "format")
+  config.rewards.weights = (1.0, value)
+  with raises(f"rewards.weights[1]={value!r}", "finite number"):
+    build_lib.validate(config)
+
+
+def test_eval_reward_must_be_a_reward(config):
+  config.eval.reward = "format"
+  with raises("eval.reward='format'", "('numeric_match',)"):
+    build_lib.validate(config)
+
+
+def test_eval_reward_of_an_imported_function_is_its_attribute_name(config):
+  config.rewards.names = ("numeric_match", "math:isfinite")
+  config.rewards.weights = (1.0, 0.5)
+  config.eval.reward = "isfinite"
+  build_lib.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face checkpoints.
+
+
+def test_hf_overrides_only_change_numerics(config):
+  config.model.path = "/ckpt/qwen"
+  config.model.overrides = ml_collections.ConfigDict({"d_model": 32})
+  with raises("model.overrides.d_model", "model.path='/ckpt/qwen'",
+              "'param_dtype'"):
+    build_lib.validate(config)
+
+
+def test_allowed_hf_overrides_validate(config):
+  config.model.path = "/ckpt/qwen"
+  config.model.overrides = ml_collections.ConfigDict(
+      {"param_dtype": "float32", "dtype": "bfloat16", "remat": "full"})
+  build_lib.validate(config)
+
+
+def test_preset_overrides_are_free_without_a_checkpoint(config):
+  config.model.overrides = ml_collections.ConfigDict({"d_model": 32})
+  build_lib.validate(config)
+
+
+def test_tokenizer_path_with_a_checkpoint(config):
+  config.model.path = "/ckpt/qwen"
+  config.tokenizer.path = "/tok/sp.model"
+  with raises("tokenizer.path='/tok/sp.model'", "model.path='/ckpt/qwen'"):
+    build_lib.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# Mesh divisibility (8 data-parallel ways).
+
+
+def test_prompts_per_step_must_divide_over_the_mesh(config, mesh8):
+  config.rl.prompts_per_step = 4  # 16 rows: the microbatch still divides.
+  with raises("rl.prompts_per_step=4", "multiple of 8"):
+    build_lib.validate(config, mesh8)
+  build_lib.validate(config)
+
+
+def test_eval_examples_must_divide_over_the_mesh(config, mesh8):
+  config.eval.num_examples = 12
+  with raises("eval.num_examples=12", "multiple of 8"):
+    build_lib.validate(config, mesh8)
+  build_lib.validate(config)
+
+
+def test_rows_per_microbatch_must_divide_over_the_mesh(config, mesh8):
+  config.rl.num_minibatches = 2
+  config.rl.num_microbatches = 4  # 32 rows / 8 = 4 rows per microbatch.
+  with raises("rows per microbatch", "=4 does not divide", "multiple of 8"):
+    build_lib.validate(config, mesh8)
+  build_lib.validate(config)
+
+
+# ----------------------------------------------------------------------------
+# build(): the advantage chain's shapes, checked before any compile.
+
+
+def _user_algorithm(advantage):
+  return alg_lib.Algorithm(
+      advantage=advantage,
+      coefficient=alg_lib.coefficient_chain({"objective": "reinforce"}),
+      optimizer=optax.sgd(1e-3))
+
+
+@pytest.mark.parametrize("advantage", [
+    # Fails on [N, R] input: it wants rewards [N].
+    optax.chain(advantages.center_by_group_mean()),
+    # Runs, but returns [N, R] instead of [N].
+    optax.with_extra_args_support(optax.identity()),
+], ids=["raises_on_2d", "keeps_2d"])
+def test_build_rejects_an_advantage_chain_without_a_reward_head(
+    config, monkeypatch, advantage):
+
+  def too_late(*args, **kwargs):
+    raise AssertionError("build loaded the task before checking the chain")
+
+  monkeypatch.setattr(build_lib, "load_task", too_late)
+  with no_compiles():
+    with raises("Algorithm.advantage", "[32, 1]", "sum_rewards"):
+      build_lib.build(config, algorithm_override=_user_algorithm(advantage))
+
+
+def test_build_accepts_a_chain_with_a_reward_head(config, monkeypatch):
+  """The same check passes once the chain starts with sum_rewards."""
+
+  class Reached(Exception):
+    pass
+
+  def reached(*args, **kwargs):
+    raise Reached
+
+  monkeypatch.setattr(build_lib, "load_task", reached)
+  chain = optax.chain(advantages.sum_rewards(),
+                      advantages.center_by_group_mean())
+  with no_compiles():
+    with pytest.raises(Reached):
+      build_lib.build(config, algorithm_override=_user_algorithm(chain))
+
+
+def test_build_validates_first(config):
+  config.rl.objective = "ppo"
+  with raises("rl.objective='ppo'"):
+    build_lib.build(config)
+
+
+def test_build_rejects_a_non_algorithm(config):
+  with pytest.raises(TypeError, match="rljax.train.Algorithm"):
+    build_lib.build(config, algorithm_override=optax.sgd(1e-3))
+
+
+def test_math_isfinite_is_a_callable_reward():
+  """The importable reward used above resolves to the function itself."""
+  assert build_lib.reward_fn("math:isfinite") == ("isfinite", math.isfinite)
