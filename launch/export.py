@@ -5,7 +5,7 @@ r"""Exports the params of a training run's checkpoint.
 
 ``safetensors`` writes one file with rljax's parameter names (``layers_0.attn.
 q_kernel``, ...) plus the model config as metadata; ``hf`` writes a Hugging
-Face checkpoint directory (``hf`` extra) when the model maps onto a
+Face checkpoint directory (no extra needed) when the model maps onto a
 transformers architecture.
 """
 
@@ -15,7 +15,7 @@ import os
 
 from absl import app, flags
 
-from rljax import checkpoint
+from rljax import models, safetensors
 from rljax.train import load_policy
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "training run directory", required=True)
@@ -29,13 +29,14 @@ def main(argv):
   del argv
   policy = load_policy(_WORKDIR.value, _STEP.value)
   if _FORMAT.value == "safetensors":
-    checkpoint.save_safetensors(policy.params, _OUT.value, metadata={
+    metadata = {
         "rljax_model_config": json.dumps(dataclasses.asdict(policy.model_config)),
-        "step": str(policy.step)})
+        "step": str(policy.step)}
+    safetensors.save_file(safetensors.flatten_names(policy.params), _OUT.value,
+                          metadata)
   else:
-    from rljax.models import hf
     tokenizer_dir = os.path.join(_WORKDIR.value, "tokenizer")
-    hf.save_hf_checkpoint(
+    models.save_hf_checkpoint(
         _OUT.value, policy.model_config, policy.params,
         tokenizer_from=tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
   print(f"wrote step {policy.step} params to {_OUT.value}")

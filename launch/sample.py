@@ -10,8 +10,7 @@ Prints each prompt followed by its completions.
 from absl import app, flags
 import jax
 
-from rljax import models, sampling
-from rljax.train import batching
+from rljax import models, sampling, tokenizers
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run directory")
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default latest)")
@@ -64,13 +63,13 @@ def main(argv):
   config = sampling.SamplerConfig(
       num_samples=_NUM.value, max_new_tokens=_MAX.value, method=method,
       eos_ids=tuple(getattr(tok, "eos_ids", (tok.eos_id,))), pad_id=tok.pad_id)
-  tokens, mask = sampling.pad_prompts(batching.encode_prompts(tok, prompts),
+  tokens, mask = sampling.pad_prompts(tokenizers.encode_prompts(tok, prompts),
                                       config.prompt_buckets, tok.pad_id)
   rollout = jax.device_get(sampling.sample(
       params, tokens, mask, jax.random.key(_SEED.value), model_config=mc,
       config=config))
-  texts = batching.decode_completions(tok, rollout.completion_tokens,
-                                      rollout.completion_mask, config.eos_ids)
+  texts = tokenizers.decode_completions(tok, rollout.completion_tokens,
+                                        rollout.completion_mask, config.eos_ids)
   for i, prompt in enumerate(prompts):
     print(f"=== {prompt!r}")
     for j in range(_NUM.value):

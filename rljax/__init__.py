@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 
 _SUBMODULES = (
     "advantages", "checkpoint", "data", "logprobs", "metrics", "models",
-    "objectives", "optim", "rewards", "sampling", "sharding", "tokenizers",
-    "train", "types",
+    "objectives", "optim", "rewards", "safetensors", "sampling", "sharding",
+    "tokenizers", "train", "types",
 )
 __all__ = list(_SUBMODULES)
 

@@ -9,7 +9,8 @@ abstract target (``jax.ShapeDtypeStruct`` with shardings), so a checkpoint
 saved on one mesh restores onto another.
 
 PRNG keys must be stored as raw ``uint32`` key data
-(``jax.random.key_data``); no pickle is involved anywhere.
+(``jax.random.key_data``); no pickle is involved anywhere. Exported weights
+(``.safetensors``) are ``rljax.safetensors``'s business, not this module's.
 """
 
 from __future__ import annotations
@@ -162,78 +163,3 @@ class CheckpointManager:
   def close(self) -> None:
     self._manager.wait_until_finished()
     self._manager.close()
-
-
-# --- safetensors export --------------------------------------------------------
-
-_ST_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16",
-              "float64": "F64", "int32": "I32", "int64": "I64", "int8": "I8",
-              "uint8": "U8", "uint32": "U32", "bool": "BOOL"}
-
-
-def flatten_names(tree: Any, sep: str = ".") -> dict[str, Any]:
-  """``{"layers_0.attn.q_kernel": array, ...}`` from a nested dict pytree."""
-  flat = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    name = sep.join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-    flat[name] = leaf
-  return flat
-
-
-def save_safetensors(tree: Any, path: str | os.PathLike,
-                     metadata: dict[str, str] | None = None) -> None:
-  """Writes a pytree of arrays as one ``.safetensors`` file (bf16 kept as bf16).
-
-  The format (an 8-byte little-endian header size, a JSON header, then the raw
-  little-endian tensors) is simple enough to write directly, so export needs no
-  torch or safetensors install. The file is written to a temporary name and
-  renamed, so a crash never leaves half a file under ``path``.
-  """
-  import numpy as np
-  flat = flatten_names(tree)
-  header: dict[str, Any] = {}
-  if metadata:
-    header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-  offset, buffers = 0, []
-  for name in sorted(flat):
-    array = np.asarray(jax.device_get(flat[name]))
-    dtype = _ST_DTYPES.get(array.dtype.name)
-    if dtype is None:
-      raise TypeError(f"save_safetensors: {name} has dtype {array.dtype}; "
-                      f"accepted: {sorted(_ST_DTYPES)}.")
-    data = np.ascontiguousarray(array).astype(array.dtype.newbyteorder("<"),
-                                               copy=False).tobytes()
-    header[name] = {"dtype": dtype, "shape": list(array.shape),
-                    "data_offsets": [offset, offset + len(data)]}
-    buffers.append(data)
-    offset += len(data)
-  encoded = json.dumps(header, separators=(",", ":")).encode()
-  encoded += b" " * (-len(encoded) % 8)
-  tmp = os.fspath(path) + ".tmp"
-  with open(tmp, "wb") as f:
-    f.write(len(encoded).to_bytes(8, "little"))
-    f.write(encoded)
-    for data in buffers:
-      f.write(data)
-  os.replace(tmp, path)
-
-
-def load_safetensors(path: str | os.PathLike) -> dict[str, Any]:
-  """Reads a ``.safetensors`` file into ``{name: numpy array}`` (bf16 via ml_dtypes)."""
-  import ml_dtypes
-  import numpy as np
-  names = {v: k for k, v in _ST_DTYPES.items()}
-  with open(path, "rb") as f:
-    size = int.from_bytes(f.read(8), "little")
-    header = json.loads(f.read(size))
-    base = 8 + size
-    out = {}
-    for name, info in header.items():
-      if name == "__metadata__":
-        continue
-      dtype = names[info["dtype"]]
-      np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
-      start, end = info["data_offsets"]
-      f.seek(base + start)
-      out[name] = np.frombuffer(f.read(end - start), np_dtype).reshape(info["shape"])
-  return out

@@ -1,8 +1,15 @@
-"""Hugging Face import/export: logit and greedy-decoding parity with transformers.
+"""Hugging Face config and weights: rljax.models.hf_config and hf_weights.
 
-Each family is a tiny random ``transformers`` model (fp32, GQA, weights and
-norms moved away from their init), saved with ``save_pretrained`` and read
-back by ``rljax.models.load_hf_checkpoint``.
+Two kinds of test:
+  * pure JAX (always run): ``config.json`` dicts written out by hand as
+    ``transformers`` writes them, checkpoints written by rljax and read back
+    by the ``safetensors`` package itself, layouts checked against the torch
+    ``Linear`` convention (``y = W x``), broken checkpoints;
+  * parity with ``transformers`` (``requires_hf``: torch and transformers):
+    each family is a tiny random ``transformers`` model (fp32, GQA, weights
+    and norms moved away from their init), saved with ``save_pretrained`` and
+    read back by ``rljax.models.load_hf_checkpoint``; logits, greedy decoding
+    and the reload of an export are compared.
 """
 
 import functools
@@ -13,19 +20,344 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors as st_package
 
-torch = pytest.importorskip(
-    "torch", reason="the Hugging Face parity tests need the hf extra (torch)")
-transformers = pytest.importorskip(
-    "transformers", reason="the Hugging Face parity tests need the hf extra "
-    "(transformers)")
-hf_tokenizers = pytest.importorskip(
-    "tokenizers", reason="the tokenizer adapter tests need the hf extra")
+from rljax import models, sampling, sharding
+from tests.hf_extra import requires_hf
 
-from rljax import hf_tokenizer, models, sampling, sharding  # noqa: E402
-from rljax import tokenizers as rljax_tokenizers  # noqa: E402
+requires_torch = requires_hf("torch", "transformers")
 
-transformers.utils.logging.disable_progress_bar()
+
+def _hf():
+  """``(torch, transformers)``, imported only by the tests that need them."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  transformers.utils.logging.disable_progress_bar()
+  return torch, transformers
+
+
+# --------------------------------------------------------------------------
+# config.json <-> ModelConfig (pure)
+
+_SHAPES = dict(vocab_size=160, hidden_size=64, intermediate_size=96,
+               num_attention_heads=4, num_key_value_heads=2)
+
+# As transformers writes them: Qwen2 in the pre-v5 field names, Llama in the
+# v5 ``rope_parameters``, Gemma 3 with per-layer attention types.
+QWEN2_JSON = dict(
+    architectures=["Qwen2ForCausalLM"], model_type="qwen2", num_hidden_layers=2,
+    rms_norm_eps=1e-6, rope_theta=1_000_000.0, hidden_act="silu",
+    tie_word_embeddings=False, torch_dtype="float32", use_sliding_window=False,
+    sliding_window=None, max_window_layers=28, **_SHAPES)
+LLAMA_JSON = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=2,
+    head_dim=16, rms_norm_eps=1e-5, hidden_act="silu", attention_bias=False,
+    mlp_bias=False, tie_word_embeddings=True, dtype="bfloat16",
+    rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0,
+                     "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 16}, **_SHAPES)
+GEMMA3_JSON = dict(
+    architectures=["Gemma3ForCausalLM"], model_type="gemma3_text",
+    num_hidden_layers=4, head_dim=16, hidden_activation="gelu_pytorch_tanh",
+    query_pre_attn_scalar=24, sliding_window=4, rope_theta=1_000_000.0,
+    rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear",
+                                              "factor": 2.0},
+    layer_types=["sliding_attention", "full_attention"] * 2, **_SHAPES)
+
+
+@pytest.mark.parametrize("hf, expected", [
+    (QWEN2_JSON, dict(qkv_bias=True, qk_norm=False, head_dim=16,
+                      num_kv_heads=2, rope_theta=1e6, rope_scaling=None,
+                      sliding_window=None, tie_embeddings=False,
+                      param_dtype="float32", norm_eps=1e-6)),
+    (LLAMA_JSON, dict(qkv_bias=False, qk_norm=False, rope_theta=5e5,
+                      rope_scaling=models.RopeScaling(
+                          factor=8.0, low_freq_factor=1.0,
+                          high_freq_factor=4.0, original_max_position=16),
+                      tie_embeddings=True, param_dtype="bfloat16",
+                      dtype="bfloat16")),
+    (GEMMA3_JSON, dict(qk_norm=True, post_norms=True, norm_offset=1.0,
+                       activation="gelu_tanh", embed_scale=True,
+                       sliding_window=4, global_every=2,
+                       rope_local_theta=100.0, query_scale=24 ** -0.5,
+                       rope_scaling=models.RopeScaling(factor=2.0,
+                                                       rope_type="linear"),
+                       tie_embeddings=True, attn_logit_softcap=None)),
+], ids=["qwen2", "llama3", "gemma3"])
+def test_config_json_translation_and_round_trip(hf, expected):
+  config = models.model_config_from_hf(hf)
+  for field, value in expected.items():
+    got = getattr(config, field)
+    if isinstance(value, float):
+      assert got == pytest.approx(value), field
+    else:
+      assert got == value, field
+  arch = hf["architectures"][0]
+  assert models.infer_architecture(config) == arch
+  written = models.hf_config_from_model_config(config)
+  assert written["architectures"] == [arch]
+  assert models.model_config_from_hf(written) == config
+
+
+def test_read_hf_config_errors(tmp_path):
+  with pytest.raises(FileNotFoundError, match="not a Hugging Face checkpoint"):
+    models.read_hf_config(tmp_path)
+  (tmp_path / "config.json").write_text("{oops")
+  with pytest.raises(ValueError, match="config.json is not valid JSON"):
+    models.load_hf_config(tmp_path)
+
+
+def test_export_refuses_configs_the_architecture_cannot_express(tmp_path):
+  config = models.get_preset("tiny").replace(final_logit_softcap=3.0)
+  with pytest.raises(ValueError, match="final_logit_softcap=3.0 cannot be "
+                     "exported as LlamaForCausalLM"):
+    models.save_hf_checkpoint(tmp_path, config, None)
+  with pytest.raises(ValueError, match="qkv_bias=False cannot be exported as "
+                     "Qwen2ForCausalLM"):
+    models.hf_config_from_model_config(models.get_preset("tiny"),
+                                       "Qwen2ForCausalLM")
+  with pytest.raises(TypeError, match=r"save_hf_checkpoint\(path, config, "
+                     r"params\): config is a dict"):
+    models.save_hf_checkpoint(tmp_path, {}, models.get_preset("tiny"))
+
+
+# --------------------------------------------------------------------------
+# Weights written by rljax (pure)
+
+
+def _perturbed_params(config, seed=0):
+  """Random params with biases and norms moved away from their init too."""
+  leaves, treedef = jax.tree.flatten(models.init_params(config,
+                                                        jax.random.key(seed)))
+  keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+  return treedef.unflatten([
+      p + 0.1 * jax.random.normal(k, p.shape, p.dtype)
+      for p, k in zip(leaves, keys)])
+
+
+@pytest.fixture(scope="module")
+def rljax_checkpoint(tmp_path_factory):
+  """``(path, config, params, files)``: a Qwen2 checkpoint in several shards."""
+  config = models.model_config_from_hf(QWEN2_JSON)
+  params = _perturbed_params(config)
+  path = tmp_path_factory.mktemp("rljax_qwen2")
+  files = models.save_hf_checkpoint(path, config, params,
+                                    max_shard_size=40_000)
+  return path, config, params, files
+
+
+def _package_tensor(path, name):
+  """A tensor read by the safetensors package itself, through the index."""
+  with open(path / "model.safetensors.index.json") as f:
+    file = json.load(f)["weight_map"][name]
+  with st_package.safe_open(str(path / file), framework="numpy") as f:
+    return f.get_tensor(name)
+
+
+def test_rljax_checkpoint_round_trip(rljax_checkpoint):
+  path, config, params, files = rljax_checkpoint
+  assert "model.safetensors.index.json" in files and "config.json" in files
+  shards = [f for f in files if f.endswith(".safetensors")]
+  assert len(shards) > 1 and sorted(shards) == sorted(
+      f for f in os.listdir(path) if f.endswith(".safetensors"))
+  config2, params2 = models.load_hf_checkpoint(path)
+  assert config2 == config
+  assert jax.tree.structure(params2) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+def test_written_layouts_follow_torch_linear(rljax_checkpoint):
+  """Each file tensor acts as torch's ``Linear`` (``y = W x``) on rljax's maths."""
+  path, config, params, _ = rljax_checkpoint
+  n, k, h, d = (config.num_heads, config.num_kv_heads, config.head_dim,
+                config.d_model)
+  rng = np.random.RandomState(0)
+  x = rng.randn(d).astype(np.float32)
+  attn, mlp = params["layers_1"]["attn"], params["layers_1"]["mlp"]
+  tensor = functools.partial(_package_tensor, path)
+  close = functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-5)
+  for proj, heads in (("q", n), ("k", k), ("v", k)):
+    w = tensor(f"model.layers.1.self_attn.{proj}_proj.weight")
+    assert w.shape == (heads * h, d)
+    close((w @ x).reshape(heads, h),
+          np.einsum("d,dnh->nh", x, np.asarray(attn[f"{proj}_kernel"])))
+    b = tensor(f"model.layers.1.self_attn.{proj}_proj.bias")
+    close(b.reshape(heads, h), np.asarray(attn[f"{proj}_bias"]))
+  a = rng.randn(n, h).astype(np.float32)
+  close(tensor("model.layers.1.self_attn.o_proj.weight") @ a.reshape(-1),
+        np.einsum("nh,nhd->d", a, np.asarray(attn["o_kernel"])))
+  y = rng.randn(config.mlp_dim).astype(np.float32)
+  close(tensor("model.layers.1.mlp.gate_proj.weight") @ x,
+        x @ np.asarray(mlp["gate_kernel"]))
+  close(tensor("model.layers.1.mlp.up_proj.weight") @ x,
+        x @ np.asarray(mlp["up_kernel"]))
+  close(tensor("model.layers.1.mlp.down_proj.weight") @ y,
+        y @ np.asarray(mlp["down_kernel"]))
+  close(tensor("lm_head.weight") @ x, x @ np.asarray(params["lm_head"]))
+  close(tensor("model.embed_tokens.weight"), np.asarray(params["embedding"]))
+  close(tensor("model.layers.1.post_attention_layernorm.weight"),
+        np.asarray(params["layers_1"]["pre_mlp_norm"]["scale"]))
+
+
+def test_import_onto_mesh_follows_the_logical_rules(rljax_checkpoint):
+  path, config, params, _ = rljax_checkpoint
+  mesh = sharding.make_mesh(2, 2, 2)
+  config8, params8 = models.load_hf_checkpoint(path, mesh)
+  assert config8 == config
+  expected = models.param_shardings(config, mesh)
+  flat, _ = jax.tree_util.tree_flatten_with_path(params8)
+  for (keypath, array), want, single in zip(
+      flat, jax.tree.leaves(expected), jax.tree.leaves(params)):
+    assert array.sharding == want, jax.tree_util.keystr(keypath)
+    np.testing.assert_array_equal(np.asarray(array), np.asarray(single))
+  q = params8["layers_0"]["attn"]["q_kernel"]
+  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
+  assert {s.data.shape for s in q.addressable_shards} == {(32, 2, 16)}
+
+
+def test_bf16_export_and_import(rljax_checkpoint, tmp_path):
+  _, config, params, _ = rljax_checkpoint
+  files = models.save_hf_checkpoint(tmp_path, config, params, dtype="bfloat16")
+  assert files == ["model.safetensors", "config.json"]
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f)["torch_dtype"] == "bfloat16"
+  with st_package.safe_open(str(tmp_path / "model.safetensors"),
+                            framework="numpy") as f:
+    assert {f.get_slice(name).get_dtype() for name in f.keys()} == {"BF16"}
+  config16, params16 = models.load_hf_checkpoint(tmp_path)
+  assert config16 == config.replace(param_dtype="bfloat16", dtype="bfloat16")
+  for got, want in zip(jax.tree.leaves(params16), jax.tree.leaves(params)):
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got),
+                                  np.asarray(want.astype(jnp.bfloat16)))
+  _, params32 = models.load_hf_checkpoint(tmp_path, param_dtype="float32")
+  assert params32["embedding"].dtype == jnp.float32
+  np.testing.assert_array_equal(
+      np.asarray(params32["embedding"]),
+      np.asarray(params16["embedding"]).astype(np.float32))
+
+
+def test_load_hf_pretrained_returns_config_and_params_only(rljax_checkpoint,
+                                                           tmp_path):
+  path, config, params, _ = rljax_checkpoint
+  source = tmp_path / "tokenizer_source"
+  source.mkdir()
+  (source / "tokenizer.json").write_text('{"any": "bytes"}')
+  (source / "chat_template.jinja").write_text("{{ messages }}")
+  out = tmp_path / "out"
+  files = models.save_hf_checkpoint(out, config, params, tokenizer_from=source)
+  # Tokenizer files are copied as bytes; the model package never parses them.
+  assert files[-2:] == ["tokenizer.json", "chat_template.jinja"]
+  assert (out / "tokenizer.json").read_text() == '{"any": "bytes"}'
+  loaded = models.load_hf_pretrained(out)
+  assert isinstance(loaded, models.HFModel) and len(loaded) == 2
+  config2, params2 = loaded
+  assert config2 == loaded.config == config
+  jax.tree.map(np.testing.assert_array_equal, params2, params)
+
+
+# --------------------------------------------------------------------------
+# Broken checkpoints and unsupported configs (pure)
+
+
+def _copy(src, dst):
+  os.makedirs(dst, exist_ok=True)
+  for name in os.listdir(src):
+    with open(os.path.join(src, name), "rb") as f, open(dst / name, "wb") as g:
+      g.write(f.read())
+  return dst
+
+
+def _edit_config(path, **changes):
+  file = os.path.join(path, "config.json")
+  with open(file) as f:
+    config = json.load(f)
+  config.update(changes)
+  with open(file, "w") as f:
+    json.dump(config, f)
+
+
+def _shard_of(path, tensor):
+  with open(path / "model.safetensors.index.json") as f:
+    return json.load(f)["weight_map"][tensor]
+
+
+def _rewrite_shard(path, shard, **replace):
+  """Rewrites one shard with the package, replacing or adding tensors."""
+  from safetensors import numpy as st_numpy  # pylint: disable=import-outside-toplevel
+  tensors = st_numpy.load_file(str(path / shard))
+  tensors.update(replace)
+  st_numpy.save_file(tensors, str(path / shard), metadata={"format": "pt"})
+
+
+def test_missing_shard_is_a_clear_error(rljax_checkpoint, tmp_path):
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  shard = sorted(n for n in os.listdir(path) if n.startswith("model-"))[-1]
+  os.remove(path / shard)
+  with pytest.raises(FileNotFoundError, match=f"{shard}.*missing"):
+    models.load_hf_checkpoint(path)
+
+
+def test_wrong_shape_is_a_clear_error(rljax_checkpoint, tmp_path):
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  _edit_config(path, intermediate_size=100)
+  with pytest.raises(ValueError, match=r"gate_proj.weight' has shape \[96, 64\]"
+                     r", but config.json implies \[100, 64\]"):
+    models.load_hf_checkpoint(path)
+
+
+def test_integer_tensor_is_a_clear_error(rljax_checkpoint, tmp_path):
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  name = "model.layers.0.mlp.up_proj.weight"
+  shard = _shard_of(path, name)
+  _rewrite_shard(path, shard, **{name: np.zeros((96, 64), np.int32)})
+  with pytest.raises(ValueError, match=rf"{shard}: tensor '{name}' has dtype "
+                     r"'I32'; accepted: \('F64', 'F32', 'F16', 'BF16'\)"):
+    models.load_hf_checkpoint(path)
+
+
+def test_unexpected_tensor_is_a_clear_error(rljax_checkpoint, tmp_path):
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  _rewrite_shard(path, _shard_of(path, "model.norm.weight"),
+                 **{"model.layers.0.mlp.extra.weight": np.zeros(3, np.float32)})
+  with pytest.raises(ValueError, match=r"1 tensor\(s\) that rljax's "
+                     r"Qwen2ForCausalLM does not use, e.g. \['model.layers.0."
+                     r"mlp.extra.weight'\]"):
+    models.load_hf_checkpoint(path)
+
+
+def test_corrupt_shard_names_the_file(rljax_checkpoint, tmp_path):
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  shard = _shard_of(path, "model.norm.weight")
+  data = (path / shard).read_bytes()
+  (path / shard).write_bytes(data[:-4])  # the last tensor loses its tail
+  with pytest.raises(ValueError, match=rf"{shard} is not a valid safetensors "
+                     r"file \(tensor '.*': data_offsets .* lie outside"):
+    models.load_hf_checkpoint(path)
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"architectures": ["MistralForCausalLM"]},
+     r"architectures=\['MistralForCausalLM'\].*accepted: one of \("),
+    ({"hidden_act": "gelu"}, r"Qwen2ForCausalLM: .*hidden_act='gelu'.*'silu'"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
+                          "rope_theta": 1e4}},
+     r"rope_parameters.rope_type='yarn'.*accepted: \('default', 'linear'"),
+    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
+      "layer_types": None},
+     r"layer_types=None.*every k-th layer full_attention"),
+])
+def test_unsupported_config_is_a_clear_error(rljax_checkpoint, tmp_path,
+                                             changes, match):
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  _edit_config(path, **changes)
+  with pytest.raises(ValueError, match=match):
+    models.load_hf_checkpoint(path)
+
+
+# --------------------------------------------------------------------------
+# Parity with transformers (torch, transformers)
 
 VOCAB = 160
 _COMMON = dict(
@@ -35,7 +367,7 @@ _COMMON = dict(
 
 
 def _family_configs():
-  t = transformers
+  _, t = _hf()
   return {
       "llama3": (t.LlamaForCausalLM, t.LlamaConfig(
           num_hidden_layers=2, rope_theta=500_000.0, rope_scaling={
@@ -63,6 +395,7 @@ MAX_DIFFS = {}  # filled by the logit test, printed with -s
 
 
 def _hf_model(name):
+  torch, _ = _hf()
   cls, config = _family_configs()[name]
   config._attn_implementation = "eager"  # Gemma 2's soft-cap needs eager
   torch.manual_seed(sorted(FAMILIES).index(name))
@@ -94,6 +427,7 @@ def prompts():
 
 
 def _hf_logits(model, tokens):
+  torch, _ = _hf()
   with torch.no_grad():
     return model(torch.tensor(np.asarray(tokens)[None])).logits[0].numpy()
 
@@ -114,6 +448,7 @@ def _left_padded(prompts, width=16):
   return sampling.pad_prompts([list(p) for p in prompts], (width,))
 
 
+@requires_torch
 def test_config_translation(family):
   name, model, _, config, params = family
   hf_config = model.config
@@ -135,6 +470,7 @@ def test_config_translation(family):
         original_max_position=16)
 
 
+@requires_torch
 def test_logits_match_transformers_on_ragged_left_padded_batch(family, prompts):
   name, model, _, config, params = family
   tokens, mask = _left_padded(prompts)
@@ -148,7 +484,9 @@ def test_logits_match_transformers_on_ragged_left_padded_batch(family, prompts):
   assert diff <= 1e-4
 
 
+@requires_torch
 def test_greedy_generation_matches_transformers(family, prompts):
+  torch, _ = _hf()
   _, model, _, config, params = family
   tokens, mask = _left_padded(prompts)
   sampler = sampling.SamplerConfig(
@@ -167,9 +505,11 @@ def test_greedy_generation_matches_transformers(family, prompts):
                                   out[0, len(p):].numpy())
 
 
+@requires_torch
 def test_export_then_transformers_reload_gives_the_same_logits(
     family, prompts, tmp_path):
-  name, model, path, config, params = family
+  _, transformers = _hf()
+  _, model, _, config, params = family
   files = models.save_hf_checkpoint(tmp_path, config, params,
                                     max_shard_size=40_000)
   assert "model.safetensors.index.json" in files  # several shards were written
@@ -184,23 +524,10 @@ def test_export_then_transformers_reload_gives_the_same_logits(
   jax.tree.map(np.testing.assert_array_equal, params2, params)
 
 
-def test_import_onto_mesh_follows_the_logical_rules(family):
-  _, _, path, config, params = family
-  mesh = sharding.make_mesh(2, 2, 2)
-  config8, params8 = models.load_hf_checkpoint(path, mesh)
-  assert config8 == config
-  expected = models.param_shardings(config, mesh)
-  flat, _ = jax.tree_util.tree_flatten_with_path(params8)
-  for (keypath, array), want, single in zip(
-      flat, jax.tree.leaves(expected), jax.tree.leaves(params)):
-    assert array.sharding == want, jax.tree_util.keystr(keypath)
-    np.testing.assert_array_equal(np.asarray(array), np.asarray(single))
-  q = params8["layers_0"]["attn"]["q_kernel"]
-  assert q.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor", None)
-  assert {s.data.shape for s in q.addressable_shards} == {(32, 2, 16)}
-
-
-def test_bf16_checkpoint_loads_without_torch_conversion(tmp_path):
+@requires_torch
+def test_bf16_checkpoint_of_transformers_loads_without_torch_conversion(
+    tmp_path):
+  torch, transformers = _hf()
   model = _hf_model("qwen3").to(torch.bfloat16)
   model.save_pretrained(tmp_path)
   config, params = models.load_hf_checkpoint(tmp_path)
@@ -212,6 +539,7 @@ def test_bf16_checkpoint_loads_without_torch_conversion(tmp_path):
       np.asarray(q, np.float32),
       want.reshape(config.num_heads, config.head_dim, -1).transpose(2, 0, 1))
   config32, params32 = models.load_hf_checkpoint(tmp_path, param_dtype="float32")
+  assert config32.param_dtype == "float32"
   assert params32["embedding"].dtype == jnp.float32
   files = models.save_hf_checkpoint(tmp_path / "out", config, params)
   assert files == ["model.safetensors", "config.json"]
@@ -221,216 +549,11 @@ def test_bf16_checkpoint_loads_without_torch_conversion(tmp_path):
                              model.model.embed_tokens.weight, atol=0, rtol=0)
 
 
-# --------------------------------------------------------------------------
-# Broken checkpoints and unsupported configs
-
-
-@pytest.fixture(scope="module")
-def sharded_checkpoint(tmp_path_factory):
-  path = tmp_path_factory.mktemp("sharded")
+@requires_torch
+def test_sharded_checkpoint_of_transformers_loads(tmp_path):
+  path = tmp_path / "sharded"
   _hf_model("qwen2.5").save_pretrained(path, max_shard_size="40KB")
-  return path
-
-
-def _copy(src, dst):
-  os.makedirs(dst, exist_ok=True)
-  for name in os.listdir(src):
-    with open(os.path.join(src, name), "rb") as f, open(dst / name, "wb") as g:
-      g.write(f.read())
-  return dst
-
-
-def _edit_config(path, **changes):
-  file = os.path.join(path, "config.json")
-  with open(file) as f:
-    config = json.load(f)
-  config.update(changes)
-  with open(file, "w") as f:
-    json.dump(config, f)
-
-
-def test_sharded_checkpoint_loads(sharded_checkpoint):
-  with open(sharded_checkpoint / "model.safetensors.index.json") as f:
+  with open(path / "model.safetensors.index.json") as f:
     assert len(set(json.load(f)["weight_map"].values())) > 1
-  config, params = models.load_hf_checkpoint(sharded_checkpoint)
+  config, params = models.load_hf_checkpoint(path)
   assert config.qkv_bias and params["layers_1"]["attn"]["k_bias"].shape == (2, 16)
-
-
-def test_missing_shard_is_a_clear_error(sharded_checkpoint, tmp_path):
-  path = _copy(sharded_checkpoint, tmp_path / "ckpt")
-  shard = sorted(n for n in os.listdir(path) if n.startswith("model-"))[-1]
-  os.remove(path / shard)
-  with pytest.raises(FileNotFoundError, match=f"{shard}.*missing"):
-    models.load_hf_checkpoint(path)
-
-
-def test_wrong_shape_is_a_clear_error(sharded_checkpoint, tmp_path):
-  path = _copy(sharded_checkpoint, tmp_path / "ckpt")
-  _edit_config(path, intermediate_size=100)
-  with pytest.raises(ValueError, match=r"gate_proj.weight' has shape \[96, 64\]"
-                     r", but config.json implies \[100, 64\]"):
-    models.load_hf_checkpoint(path)
-
-
-@pytest.mark.parametrize("changes, match", [
-    ({"architectures": ["MistralForCausalLM"]},
-     r"architectures=\['MistralForCausalLM'\].*accepted: one of \("),
-    ({"hidden_act": "gelu"}, r"Qwen2ForCausalLM: .*hidden_act='gelu'.*'silu'"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                          "rope_theta": 1e4}},
-     r"rope_parameters.rope_type='yarn'.*accepted: \('default', 'linear'"),
-    ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1,
-      "layer_types": None},
-     r"layer_types=None.*every k-th layer full_attention"),
-])
-def test_unsupported_config_is_a_clear_error(sharded_checkpoint, tmp_path,
-                                             changes, match):
-  path = _copy(sharded_checkpoint, tmp_path / "ckpt")
-  _edit_config(path, **changes)
-  with pytest.raises(ValueError, match=match):
-    models.load_hf_checkpoint(path)
-
-
-def test_export_refuses_configs_the_architecture_cannot_express(tmp_path):
-  config = models.get_preset("tiny").replace(final_logit_softcap=3.0)
-  with pytest.raises(ValueError, match="final_logit_softcap=3.0 cannot be "
-                     "exported as LlamaForCausalLM"):
-    models.save_hf_checkpoint(tmp_path, config, None)
-  with pytest.raises(ValueError, match="qkv_bias=False cannot be exported as "
-                     "Qwen2ForCausalLM"):
-    models.hf_config_from_model_config(models.get_preset("tiny"),
-                                       "Qwen2ForCausalLM")
-  with pytest.raises(TypeError, match=r"save_hf_checkpoint\(path, config, "
-                     r"params\): config is a dict"):
-    models.save_hf_checkpoint(tmp_path, {}, models.get_preset("tiny"))
-
-
-# --------------------------------------------------------------------------
-# Tokenizers
-
-
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
-    "{{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-MESSAGES = [{"role": "system", "content": "Be brief. "},
-            {"role": "user", "content": "What is 7 * 6?"}]
-
-
-@pytest.fixture(scope="module")
-def bpe_dir(tmp_path_factory):
-  """A byte-level BPE tokenizer trained in-process, saved as tokenizer.json."""
-  path = tmp_path_factory.mktemp("bpe")
-  tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.BPE())
-  tok.pre_tokenizer = hf_tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = hf_tokenizers.decoders.ByteLevel()
-  trainer = hf_tokenizers.trainers.BpeTrainer(
-      vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
-      initial_alphabet=hf_tokenizers.pre_tokenizers.ByteLevel.alphabet())
-  corpus = [f"What is {a} * {b}? The answer is {a * b}." for a in range(20)
-            for b in range(20)]
-  tok.train_from_iterator(corpus, trainer)
-  tok.save(str(path / "tokenizer.json"))
-  with open(path / "tokenizer_config.json", "w") as f:
-    # The EOS in the older AddedToken form, which some checkpoints still use.
-    json.dump({"bos_token": "<s>", "pad_token": "<pad>",
-               "eos_token": {"__type": "AddedToken", "content": "</s>",
-                             "special": True},
-               "chat_template": TEMPLATE,
-               "tokenizer_class": "PreTrainedTokenizerFast"}, f)
-  with open(path / "generation_config.json", "w") as f:
-    json.dump({"eos_token_id": [2, 0]}, f)
-  return path
-
-
-@pytest.mark.parametrize("text", [
-    "What is 12 * 3? The answer is 36.",
-    "  leading spaces,\ttabs and\nnewlines ",
-    "unseen: ünïcödé €100 — 😀",
-])
-def test_hf_tokenizer_round_trips_and_matches_transformers(bpe_dir, text):
-  tok = hf_tokenizer.load_tokenizer(bpe_dir)
-  assert isinstance(tok, hf_tokenizer.HFTokenizer)
-  assert isinstance(tok, rljax_tokenizers.Tokenizer)
-  ids = tok.encode(text)
-  assert tok.decode(ids) == text
-  assert all(0 <= i < tok.vocab_size for i in ids)
-  reference = transformers.PreTrainedTokenizerFast(
-      tokenizer_file=str(bpe_dir / "tokenizer.json"))
-  assert ids == reference.encode(text, add_special_tokens=False)
-
-
-def test_hf_tokenizer_special_tokens(bpe_dir):
-  tok = hf_tokenizer.load_tokenizer(bpe_dir)
-  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
-  assert tok.eos_ids == (2, 0)
-  assert tok.vocab_size == 300
-  assert tok.decode([1] + tok.encode("7") + [2]) == "7"
-
-
-def test_chat_template_matches_transformers(bpe_dir):
-  tok = hf_tokenizer.load_tokenizer(bpe_dir)
-  text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True)
-  assert text == ("<s><|system|>\nBe brief.</s>\n<|user|>\nWhat is 7 * 6?</s>\n"
-                  "<|assistant|>\n")
-  reference = transformers.AutoTokenizer.from_pretrained(bpe_dir)
-  for gen in (True, False):
-    assert tok.apply_chat_template(MESSAGES, add_generation_prompt=gen) == (
-        reference.apply_chat_template(MESSAGES, add_generation_prompt=gen,
-                                      tokenize=False))
-  assert tok.encode(text)[0] == tok.bos_id  # the template wrote the BOS
-
-
-def test_sentencepiece_checkpoint_tokenizer_with_template_file(tmp_path):
-  sp = rljax_tokenizers.train_sentencepiece(
-      [f"What is {a} * {b}?" for a in range(30) for b in range(30)], 64)
-  sp.save(tmp_path / "tokenizer.model")
-  with open(tmp_path / "chat_template.jinja", "w") as f:
-    f.write(TEMPLATE)
-  with open(tmp_path / "tokenizer_config.json", "w") as f:
-    json.dump({"bos_token": "<s>", "eos_token": "</s>"}, f)
-  tok = hf_tokenizer.load_tokenizer(tmp_path)
-  assert isinstance(tok, hf_tokenizer.SentencePieceChatTokenizer)
-  assert tok.decode(tok.encode("What is 3 * 4?")) == "What is 3 * 4?"
-  assert tok.apply_chat_template(MESSAGES[1:]).startswith("<s><|user|>\nWhat")
-
-
-def test_missing_tokenizer_and_template_are_clear_errors(tmp_path, bpe_dir):
-  with pytest.raises(FileNotFoundError, match="neither tokenizer.json nor"):
-    hf_tokenizer.load_tokenizer(tmp_path)
-  tok = hf_tokenizer.HFTokenizer.from_file(bpe_dir / "tokenizer.json",
-                                           eos_token="</s>")
-  with pytest.raises(ValueError, match="no chat template"):
-    tok.apply_chat_template(MESSAGES)
-  with pytest.raises(ValueError, match="eos_token='<eos>' is not in"):
-    hf_tokenizer.HFTokenizer.from_file(bpe_dir / "tokenizer.json",
-                                       eos_token="<eos>")
-
-
-def test_load_hf_pretrained_returns_config_params_and_tokenizer(
-    sharded_checkpoint, bpe_dir, tmp_path):
-  config, params = models.load_hf_checkpoint(sharded_checkpoint)
-  models.save_hf_checkpoint(tmp_path, config, params, tokenizer_from=bpe_dir)
-  config2, params2, tok = models.load_hf_pretrained(tmp_path)
-  assert config2 == config and isinstance(tok, hf_tokenizer.HFTokenizer)
-  jax.tree.map(np.testing.assert_array_equal, params2, params)
-  assert tok.apply_chat_template(MESSAGES).endswith("<|assistant|>\n")
-
-
-def test_gsm8k_config_validates():
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  from rljax.train import loop  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location(
-      "gsm8k_grpo", os.path.join(os.path.dirname(__file__), "..", "configs",
-                                 "gsm8k_grpo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  mesh = sharding.make_mesh(1, -1, 1)
-  for arg in (None, "tiny"):
-    loop.validate(module.get_config(arg), mesh)
-  config = module.get_config()
-  assert config.model.path == "" and config.rewards.names == ("math_answer",)
-  assert config.task.path.endswith(".jsonl") and config.sft.num_steps == 0
-  config.task.path = ""
-  with pytest.raises(ValueError, match="set task.path to a JSONL file"):
-    loop.validate(config, mesh)

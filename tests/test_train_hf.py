@@ -1,9 +1,11 @@
 """Training from a Hugging Face checkpoint: ``train.run`` with ``model.path``.
 
-A tiny random Llama (``transformers``, fp32) with a character-level
-``tokenizer.json`` and a chat template in ``tokenizer_config.json`` is trained
-for two GRPO steps on a JSONL addition task; the run directory is then
-reloaded with ``load_policy``.
+A tiny random Llama checkpoint (written by ``models.save_hf_checkpoint``,
+fp32) with a character-level ``tokenizer.json`` and a chat template in
+``tokenizer_config.json`` is trained for two GRPO steps on a JSONL addition
+task; the run directory is then reloaded with ``load_policy``. No torch is
+needed: the tests that read the tokenizer need the ``tokenizers`` and
+``jinja2`` packages of the hf extra (``requires_hf``) and skip without them.
 """
 
 import importlib.util
@@ -14,19 +16,10 @@ import jax
 import numpy as np
 import pytest
 
-torch = pytest.importorskip(
-    "torch", reason="training a Hugging Face checkpoint needs the hf extra")
-transformers = pytest.importorskip(
-    "transformers", reason="training a Hugging Face checkpoint needs the hf "
-    "extra")
-hf_tokenizers = pytest.importorskip(
-    "tokenizers", reason="training a Hugging Face checkpoint needs the hf extra")
-pytest.importorskip("jinja2", reason="chat templates need the hf extra")
+from rljax import metrics, models, sampling, sharding, tokenizers
+from tests.hf_extra import requires_hf
 
-from rljax import hf_tokenizer, metrics, models, sampling, train  # noqa: E402
-from rljax.train import batching, policy  # noqa: E402
-
-transformers.utils.logging.disable_progress_bar()
+requires_tokenizer = requires_hf("tokenizers", "jinja2")
 
 TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n"
@@ -39,9 +32,28 @@ MODEL_VOCAB = 32  # padded embeddings: more rows than the tokenizer's 18 ids
 LEARNING_RATE = 1e-4
 
 
+LLAMA_JSON = dict(
+    architectures=["LlamaForCausalLM"], vocab_size=MODEL_VOCAB, hidden_size=64,
+    intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+    hidden_act="silu", torch_dtype="float32")
+
+
+def starts_with_digit(prompts, completions, **unused_fields):
+  """1.0 for a completion that starts with a digit.
+
+  A random policy earns it for some samples of a group and not others, so
+  the advantages are not all zero and RL must move the weights (the sums of
+  ``numeric_match`` are out of a random policy's reach).
+  """
+  del prompts, unused_fields
+  return [float(c[:1].isdigit()) for c in completions]
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
   """A tiny Llama checkpoint directory with tokenizer files and a template."""
+  hf_tokenizers = pytest.importorskip("tokenizers")
   path = tmp_path_factory.mktemp("hf_llama")
   tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.WordLevel(
       {t: i for i, t in enumerate(VOCAB)}, unk_token="<pad>"))
@@ -54,17 +66,15 @@ def checkpoint(tmp_path_factory):
     json.dump({"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>",
                "chat_template": TEMPLATE,
                "tokenizer_class": "PreTrainedTokenizerFast"}, f)
-  torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-      vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128,
-      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-      head_dim=16, tie_word_embeddings=False, bos_token_id=BOS,
-      eos_token_id=EOS, pad_token_id=PAD))
-  with torch.no_grad():
-    for p in model.parameters():
-      if p.ndim > 1:
-        p.normal_(0.0, 0.2)
-  model.save_pretrained(path)
+  config = models.model_config_from_hf(LLAMA_JSON)
+  leaves, treedef = jax.tree.flatten(models.init_params(config,
+                                                        jax.random.key(0)))
+  keys = jax.random.split(jax.random.key(1), len(leaves))
+  params = treedef.unflatten([  # matrices ~N(0, 0.2), far from rljax's init
+      0.2 * jax.random.normal(k, p.shape, p.dtype) if p.ndim > 1 else p
+      for p, k in zip(leaves, keys)])
+  models.save_hf_checkpoint(path, config, params, extra_config={
+      "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD})
   return str(path)
 
 
@@ -91,8 +101,11 @@ def _config(checkpoint, task_files):
   config.model.path = checkpoint
   config.task.path = task_files["train"]
   config.task.heldout_path = task_files["test"]
+  config.sft.num_steps = 0  # a JSONL task has no reference completions
   config.tokenizer.chat_template = True
-  config.rewards.names = ("numeric_match",)
+  config.rewards.names = ("numeric_match",
+                           "tests.test_train_hf:starts_with_digit")
+  config.rewards.weights = (1.0, 1.0)
   config.rewards.num_workers = 0
   config.sampler.max_new_tokens = 4
   config.sampler.prompt_buckets = (16,)
@@ -106,29 +119,50 @@ def _config(checkpoint, task_files):
 
 
 def _tokenizer(checkpoint, chat_template=True):
-  return batching.prompt_tokenizer(hf_tokenizer.load_tokenizer(checkpoint),
-                                   chat_template)
+  return tokenizers.prompt_tokenizer(tokenizers.load_hf_tokenizer(checkpoint),
+                                     chat_template)
 
 
+@requires_tokenizer
 def test_prompts_are_rendered_through_the_chat_template(checkpoint):
   tok = _tokenizer(checkpoint)
-  assert isinstance(tok, batching.ChatPromptTokenizer)
-  assert batching.render_prompts(tok, ["1+2="]) == [
+  assert isinstance(tok, tokenizers.ChatPromptTokenizer)
+  assert tokenizers.render_prompts(tok, ["1+2="]) == [
       "<s><|user|>\n1+2=</s>\n<|assistant|>\n"]
-  ids = batching.encode_prompts(tok, ["1+2="])[0]
+  ids = tokenizers.encode_prompts(tok, ["1+2="])[0]
   digits = [VOCAB.index(c) for c in "1+2="]
   # One BOS, written by the template; encode_prompts adds no second one.
   assert ids == [BOS, USER, NEWLINE, *digits, EOS, NEWLINE, ASSISTANT, NEWLINE]
   plain = _tokenizer(checkpoint, chat_template=False)
-  assert not isinstance(plain, batching.ChatPromptTokenizer)
-  assert batching.encode_prompts(plain, ["1+2="])[0] == [BOS, *digits]
+  assert not isinstance(plain, tokenizers.ChatPromptTokenizer)
+  assert tokenizers.encode_prompts(plain, ["1+2="])[0] == [BOS, *digits]
   # Prompt-length validation counts the template's tokens.
-  assert batching.check_prompt_lengths(plain, ["1+2="], (5,)) == 5
+  assert tokenizers.check_prompt_lengths(plain, ["1+2="], (5,)) == 5
   with pytest.raises(ValueError, match="rendered through the chat template"):
-    batching.check_prompt_lengths(tok, ["1+2="], (5,))
+    tokenizers.check_prompt_lengths(tok, ["1+2="], (5,))
 
 
+def test_gsm8k_config_validates():
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location(
+      "gsm8k_grpo", os.path.join(os.path.dirname(__file__), "..", "configs",
+                                 "gsm8k_grpo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  mesh = sharding.make_mesh(1, -1, 1)
+  for arg in (None, "tiny"):
+    train.validate(module.get_config(arg), mesh)
+  config = module.get_config()
+  assert config.model.path == "" and config.rewards.names == ("math_answer",)
+  assert config.task.path.endswith(".jsonl") and config.sft.num_steps == 0
+  config.task.path = ""
+  with pytest.raises(ValueError, match="set task.path to a JSONL file"):
+    train.validate(config, mesh)
+
+
+@requires_tokenizer
 def test_checkpoint_fields_cannot_be_overridden(checkpoint, task_files):
+  from rljax import train  # pylint: disable=import-outside-toplevel
   config = _config(checkpoint, task_files)
   config.model.overrides.num_layers = 4
   with pytest.raises(ValueError, match="model.overrides.num_layers"):
@@ -139,8 +173,11 @@ def test_checkpoint_fields_cannot_be_overridden(checkpoint, task_files):
     train.validate(config)
 
 
+@requires_tokenizer
 def test_run_trains_the_checkpoint_and_load_policy_reloads_it(
     checkpoint, task_files, tmp_path, monkeypatch):
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from rljax.train import build  # pylint: disable=import-outside-toplevel
   seen = []
   pad_prompts = sampling.pad_prompts
 
@@ -170,24 +207,30 @@ def test_run_trains_the_checkpoint_and_load_policy_reloads_it(
     assert ids.count(BOS) == 1
 
   # The run directory holds what load_policy needs; no tokenizer.model.
-  saved = set(os.listdir(os.path.join(workdir, policy.HF_DIR)))
+  saved = set(os.listdir(os.path.join(workdir, build.HF_DIR)))
   assert {"tokenizer.json", "tokenizer_config.json", "config.json"} <= saved
   assert not os.path.exists(os.path.join(workdir, "tokenizer.model"))
   loaded = train.load_policy(workdir)
   assert loaded.step == 2
   assert loaded.model_config == models.load_hf_config(checkpoint)
   assert loaded.model_config.vocab_size == MODEL_VOCAB
-  assert isinstance(loaded.tokenizer, batching.ChatPromptTokenizer)
+  assert isinstance(loaded.tokenizer, tokenizers.ChatPromptTokenizer)
   assert loaded.tokenizer.vocab_size == len(VOCAB)
   assert loaded.tokenizer.eos_ids == (EOS,)
 
   # RL started from the checkpoint's weights: two steps of Adam (2 updates
   # each) move every weight by at most a few learning rates, while the
-  # weights themselves are ~0.2 apart from any other initialisation.
+  # weights themselves are ~0.2 apart from any other initialisation ...
   _, hf_params = models.load_hf_checkpoint(checkpoint)
   assert jax.tree.structure(loaded.params) == jax.tree.structure(hf_params)
+  moved = 0.0
   for got, want in zip(jax.tree.leaves(loaded.params),
                        jax.tree.leaves(hf_params)):
     assert got.shape == want.shape and got.dtype == want.dtype
     np.testing.assert_allclose(np.asarray(got), np.asarray(want),
                                atol=4 * 3 * LEARNING_RATE, rtol=0)
+    moved = max(moved, float(np.abs(np.asarray(got) - np.asarray(want)).max()))
+  # ... and it trained them: an Adam update moves a weight with a non-zero
+  # gradient by about one learning rate (starts_with_digit makes the
+  # advantages, and so the gradients, non-zero).
+  assert moved > LEARNING_RATE / 2, moved

@@ -1,15 +1,17 @@
-"""Policy models: the decoder, its configs and presets, parameter creation."""
+"""Policy models: the decoder, its KV cache, configs and presets, parameter
+creation, and Hugging Face config and weights I/O."""
 
 from rljax.models.config import PRESETS, ModelConfig, RopeScaling, get_preset
-from rljax.models.hf import (HFModel, hf_config_from_model_config,
-                             load_hf_checkpoint, load_hf_config,
-                             load_hf_pretrained, model_config_from_hf,
-                             save_hf_checkpoint)
+from rljax.models.hf_config import (ARCHITECTURES, hf_config_from_model_config,
+                                    infer_architecture, load_hf_config,
+                                    model_config_from_hf, read_hf_config)
+from rljax.models.hf_weights import (HFModel, load_hf_checkpoint,
+                                     load_hf_pretrained, save_hf_checkpoint)
+from rljax.models.kv_cache import KVCache, LayerKV, init_cache
 from rljax.models.scoring import sequence_logprobs
 from rljax.models.params import (count_params, init_params, param_logical_axes,
                                  param_shapes, param_shardings)
-from rljax.models.transformer import (Decoder, KVCache, LayerKV, attend,
-                                      compute_logits, init_cache,
+from rljax.models.transformer import (Decoder, attend, compute_logits,
                                       output_projection, positions_from_mask)
 
 __all__ = [
@@ -17,7 +19,8 @@ __all__ = [
     "init_params", "param_logical_axes", "param_shapes", "param_shardings",
     "Decoder", "KVCache", "LayerKV", "attend", "compute_logits", "init_cache",
     "output_projection", "positions_from_mask", "sequence_logprobs",
-    "HFModel", "hf_config_from_model_config", "load_hf_checkpoint",
-    "load_hf_config", "load_hf_pretrained", "model_config_from_hf",
+    "ARCHITECTURES", "HFModel", "hf_config_from_model_config",
+    "infer_architecture", "load_hf_checkpoint", "load_hf_config",
+    "load_hf_pretrained", "model_config_from_hf", "read_hf_config",
     "save_hf_checkpoint",
 ]

@@ -8,16 +8,16 @@ slots are never attended to.
 
 Attention is causal in *slot* order (the index of a token in the sequence or
 the KV cache), with the padding slots masked out; RoPE uses the explicit
-positions. A ``KVCache`` may carry a read-only ``prefix`` with one row per
-group of ``G`` consecutive batch rows: the prompt of a group is then stored
-(and read) once, not ``G`` times.
+positions. The KV cache (``rljax.models.kv_cache``) may carry a read-only
+``prefix`` with one row per group of ``G`` consecutive batch rows: the prompt
+of a group is then stored (and read) once, not ``G`` times.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -26,48 +26,9 @@ import numpy as np
 
 from rljax import sharding
 from rljax.models.config import ModelConfig
+from rljax.models.kv_cache import KVCache, LayerKV
 
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not NaN
-
-
-class LayerKV(NamedTuple):
-  """Keys and values of one layer.
-
-  Attributes:
-    k: ``[B, S, K, H]`` keys (already rotated by RoPE), cache dtype.
-    v: ``[B, S, K, H]`` values, cache dtype.
-  """
-
-  k: jax.Array
-  v: jax.Array
-
-
-class KVCache(NamedTuple):
-  """The decoding cache: a plain pytree, written with ``dynamic_update_slice``.
-
-  Attributes:
-    layers: one ``LayerKV`` per layer, each ``[B, S, K, H]``.
-    mask: ``[B, S]`` bool, whether a slot holds a real token.
-    index: ``[]`` int32, the next slot to write (shared by all rows).
-    prefix: optional read-only cache of ``B // G`` rows holding each group's
-      shared prompt; its slots precede this cache's slots.
-  """
-
-  layers: tuple[LayerKV, ...]
-  mask: jax.Array
-  index: jax.Array
-  prefix: "KVCache | None" = None
-
-
-def init_cache(config: ModelConfig, batch_size: int, num_slots: int,
-               dtype: Any = jnp.bfloat16, prefix: KVCache | None = None,
-               ) -> KVCache:
-  """Returns an empty cache of ``num_slots`` slots for ``batch_size`` rows."""
-  shape = (batch_size, num_slots, config.num_kv_heads, config.head_dim)
-  layers = tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                 for _ in range(config.num_layers))
-  return KVCache(layers, jnp.zeros((batch_size, num_slots), jnp.bool_),
-                 jnp.zeros((), jnp.int32), prefix)
 
 
 def positions_from_mask(input_mask_BxT: jax.Array) -> jax.Array:

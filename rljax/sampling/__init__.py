@@ -1,6 +1,6 @@
 """Rollout sampling: KV cache, prefill + decode loop, sampling methods."""
 
-from rljax.models.transformer import KVCache, LayerKV, init_cache
+from rljax.models.kv_cache import KVCache, LayerKV, init_cache
 from rljax.sampling.methods import (SamplingMethod, apply_temperature,
                                     inverse_cdf_sample, min_p,
                                     sample_tokens, top_k, top_p)

@@ -1,8 +1,4 @@
-"""Tokenizers: a small protocol, a sentencepiece implementation and a trainer.
-
-Everything in rljax that turns text into ids uses the ``Tokenizer`` protocol,
-so a sentencepiece model, a Hugging Face ``tokenizers`` model (``hf`` extra)
-or a test double are interchangeable.
+"""Sentencepiece tokenizers: a ``Tokenizer`` over a model, and an in-process trainer.
 
 Example:
   >>> texts = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
@@ -16,30 +12,8 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterable, Sequence
-from typing import Protocol, runtime_checkable
 
 import sentencepiece as spm
-
-
-@runtime_checkable
-class Tokenizer(Protocol):
-  """What rljax needs of a tokenizer."""
-
-  @property
-  def vocab_size(self) -> int: ...
-
-  @property
-  def bos_id(self) -> int | None: ...
-
-  @property
-  def eos_id(self) -> int: ...
-
-  @property
-  def pad_id(self) -> int: ...
-
-  def encode(self, text: str) -> list[int]: ...
-
-  def decode(self, ids: Sequence[int]) -> str: ...
 
 
 class SentencePieceTokenizer:

@@ -30,7 +30,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from rljax.tokenizers import SentencePieceTokenizer
+from rljax.tokenizers.sentencepiece import SentencePieceTokenizer
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token",
                         "sep_token", "cls_token", "mask_token")
