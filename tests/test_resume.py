@@ -119,14 +119,13 @@ def test_nonfinite_gradient_step_is_skipped_and_counted():
   mc = models.get_preset("tiny")
   params = models.init_params(mc, jax.random.key(4))
   optimizer = optim.make_optimizer("adamw", 1e-2, max_consecutive_nonfinite=3)
-  coef_tx = train.coefficient_transform({"objective": "ppo_clip"})
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
   step = jax.jit(train.make_rl_step(mc, train.RLStepConfig(), optimizer, coef_tx))
   state = _state(optimizer, coef_tx, params)
   good = _batch(seed=1)
-  bad = good._replace(advantages=good.advantages.at[0].set(jnp.nan)
-                      if isinstance(good.advantages, jax.Array) else
-                      np.where(np.arange(len(good.advantages)) == 0, np.nan,
-                               good.advantages).astype(np.float32))
+  bad = good._replace(advantages_N=np.where(
+      np.arange(len(good.advantages_N)) == 0, np.nan,
+      good.advantages_N).astype(np.float32))
   state, m = step(state, bad)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -140,14 +139,15 @@ def test_nonfinite_gradient_step_is_skipped_and_counted():
 
 @pytest.mark.slow
 def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
-  from rljax.train import batching, loop
-  original = batching.rollout_to_batch
+  from rljax.train import rollout
+  original = rollout.Collector.collect
 
-  def poisoned(rollout, advantages):
-    batch = original(rollout, advantages)
-    return batch._replace(advantages=np.full_like(batch.advantages, np.nan))
+  def poisoned(self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    return out._replace(batch=out.batch._replace(
+        advantages_N=out.batch.advantages_N * jnp.nan))
 
-  monkeypatch.setattr(loop.batching, "rollout_to_batch", poisoned)
+  monkeypatch.setattr(rollout.Collector, "collect", poisoned)
   config = tiny_config()
   config.rl.num_steps = 5
   config.optimizer.max_consecutive_nonfinite = 2

@@ -11,8 +11,9 @@ import pytest
 
 from rljax import metrics, models, train
 
-CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..",
-                                        "configs", "*.py")))
+CONFIGS = sorted(p for p in glob.glob(os.path.join(
+    os.path.dirname(__file__), "..", "configs", "*.py"))
+                 if os.path.basename(p) != "common.py")
 
 
 def load_config(path, arg=None):
@@ -167,7 +168,7 @@ def _state(optimizer, coef_tx, params):
 def test_microbatch_accumulation_equals_whole_batch(aggregation):
   params = models.init_params(MC, jax.random.key(1))
   optimizer = optax.sgd(1.0)
-  coef_tx = train.coefficient_transform({"objective": "ppo_clip"})
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
   batch = _batch()
   out = []
   for micro in (1, 4):
@@ -185,15 +186,15 @@ def test_on_policy_update_equals_reinforce_gradient():
   """One SGD step of rl_step == params - lr * grad of -mean(A * logp)."""
   params = models.init_params(MC, jax.random.key(2))
   optimizer = optax.sgd(0.1)
-  coef_tx = train.coefficient_transform({"objective": "ppo_clip"})
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
   batch = _batch(seed=3)
   step = jax.jit(train.make_rl_step(MC, train.RLStepConfig(), optimizer, coef_tx))
   state, _ = step(_state(optimizer, coef_tx, params), batch)
 
   def reinforce(p):
-    lp, _ = models.sequence_logprobs(p, MC, batch.tokens, batch.input_mask)
-    m = batch.loss_mask
-    return -jnp.sum(jnp.where(m, batch.advantages[:, None] * lp, 0.0)) / m.sum()
+    lp, _ = models.sequence_logprobs(p, MC, batch.tokens_NxL, batch.input_mask_NxL)
+    m = batch.loss_mask_NxL
+    return -jnp.sum(jnp.where(m, batch.advantages_N[:, None] * lp, 0.0)) / m.sum()
 
   grads = jax.grad(reinforce)(params)
   expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)

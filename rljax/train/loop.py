@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from rljax import checkpoint as ckpt_lib
 from rljax import data as data_lib
@@ -206,7 +207,10 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
       summary["preempted"] = True
       break
     t_start = time.time()
-    sample_key = jax.random.fold_in(jax.random.wrap_key_data(state.key), 1)
+    # The key data comes to the host (8 bytes): an uncommitted key gives one
+    # fold_in program whatever the state's sharding.
+    sample_key = jax.random.fold_in(
+        jax.random.wrap_key_data(np.asarray(jax.device_get(state.key))), 1)
     collected = collector.collect(state.params, next(iterator), sample_key,
                                   state.adv_state)
     state = state._replace(adv_state=collected.adv_state)
@@ -221,8 +225,8 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
         "time/train": t_train - t_collect, "time/step": t_train - t_start,
         "tokens_per_s/sample": m["num_generated_tokens"]
                                / max(m["time/sample"], 1e-9),
-        "tokens_per_s/train": float(jnp.sum(collected.batch.input_mask_NxL))
-                              * c.step_config.num_epochs / max(t_train - t_collect, 1e-9),
+        "tokens_per_s/train": m["num_train_tokens"] * c.step_config.num_epochs
+                              / max(t_train - t_collect, 1e-9),
     })
     if step % s.eval_every == 0 or step == s.num_steps:
       m.update(evaluate(c, state.params, jax.random.fold_in(eval_key, step),

@@ -212,6 +212,9 @@ class Collector:
         "completion_length/max": float(lengths.max()),
         "truncation_rate": float(1.0 - finished.mean()),
         "num_generated_tokens": float(lengths.sum()),
+        # Tokens of the trained rows (with a pivot drop, completions pro rata).
+        "num_train_tokens": float(np.sum(mask)) * self.group_size + float(
+            np.sum(completion_mask)) * self.group_size / g,
         "time/sample": t_sample - t_start, "time/reward": t_reward - t_sample,
         "time/advantage": t_advantage - t_reward,
     })
