@@ -27,7 +27,7 @@ def prompts():
 BASE = sampling.SamplerConfig(
     num_samples=3, max_new_tokens=12, cache_dtype="float32",
     method=sampling.SamplingMethod(temperature=0.8, top_k=40),
-    training_temperature=1.0)
+    training_temperature=1.0, record_policy_logprobs=True)
 
 
 def run(params, prompts, config=BASE, key=1):
@@ -240,3 +240,14 @@ def test_config_errors():
     sampling.SamplerConfig(num_samples=0)
   with pytest.raises(ValueError, match="longer than the largest"):
     sampling.pad_prompts([[1] * 20], (8, 16))
+
+
+def test_policy_logprobs_are_not_computed_unless_asked(params, prompts,
+                                                       base_rollout):
+  r = run(params, prompts, BASE.replace(record_policy_logprobs=False))
+  assert r.policy_logprobs is None
+  # Everything else is the same rollout.
+  np.testing.assert_array_equal(r.completion_tokens,
+                                base_rollout.completion_tokens)
+  np.testing.assert_allclose(r.sampler_logprobs, base_rollout.sampler_logprobs,
+                             atol=1e-6)
