@@ -6,12 +6,16 @@ training tokens/s and the achieved fraction of the machine's matmul FLOP/s
 measured in the same run. It also checks that steps after the first compile
 nothing (the jit cache holds one entry).
 
-Part 2 runs a few steps of the main-job config and prints where an RL step's
-time goes (sample / reward / train), so the slowest stage is visible.
+Part 2 runs a few steps of a config (the main job by default) twice, with
+``rl.old_logprobs="recompute"`` and ``="sampler"``, and prints where an RL
+step's time goes (sample / reward / advantage / train) side by side: the
+sampler's logprobs save the trainer's no-gradient forward pass.
 
   python -m launch.bench_train_step --batch=16 --length=256
+  python -m launch.bench_train_step --config=configs/arithmetic_grpo.py --split_steps=8
 """
 
+import copy
 import os
 import statistics
 import tempfile
@@ -23,8 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ml_collections import config_flags
+
 from launch.benchlib import matmul_flops_per_s
 from rljax import metrics, models, train
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs",
+                           "arithmetic_grpo.py"),
+    "config of part 2 (the main job by default)")
 
 _PRESET = flags.DEFINE_string("preset", "small", "model preset")
 _BATCH = flags.DEFINE_integer("batch", 16, "rows per step")
@@ -49,7 +60,7 @@ def part1():
   b, t = _BATCH.value, _LENGTH.value
   params = models.init_params(mc, jax.random.key(0))
   optimizer = optax.adamw(1e-5)
-  coef_tx = train.coefficient_transform({"objective": "ppo_clip"})
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
   step = jax.jit(train.make_rl_step(mc, train.RLStepConfig(), optimizer, coef_tx),
                  donate_argnums=(0,))
   rng = np.random.RandomState(0)
@@ -86,24 +97,37 @@ def part1():
         f"({'no recompiles' if step._cache_size() == 1 else 'RECOMPILED'})")
 
 
-def part2():
-  from configs.arithmetic_grpo import get_config
-  config = get_config()
-  config.sft.num_steps = 20
-  config.rl.num_steps = _SPLIT_STEPS.value
-  config.eval.every = 10_000
-  config.eval.num_examples = 32
+STAGES = ("sample", "reward", "advantage", "train")
+
+
+def _split(config, old_logprobs):
+  config = copy.deepcopy(config)
+  config.rl.old_logprobs = old_logprobs
   with tempfile.TemporaryDirectory() as workdir:
     train.run(config, workdir)
     rows = [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
             if r["step"] > 1]  # step 1 includes compiles
-  split = {k: statistics.mean(r[f"time/{k}"] for r in rows)
-           for k in ("sample", "reward", "train")}
-  total = sum(split.values())
-  print(f"\nmain-job RL step time split (mean of steps 2..{_SPLIT_STEPS.value}):")
-  for k, v in split.items():
-    print(f"  {k:<7} {v * 1e3:8.1f} ms  {100 * v / total:5.1f}%")
-  print(f"  slowest stage: {max(split, key=split.get)}")
+  return {k: statistics.mean(r[f"time/{k}"] for r in rows) for k in STAGES}
+
+
+def part2():
+  config = copy.deepcopy(_CONFIG.value)
+  config.sft.num_steps = min(config.sft.num_steps, 20)
+  config.rl.num_steps = _SPLIT_STEPS.value
+  config.eval.every = 10_000
+  config.eval.num_examples = 32
+  config.checkpoint.every = 10_000
+  split = {mode: _split(config, mode) for mode in train.OLD_LOGPROBS}
+  print(f"\nRL step time split, mean of steps 2..{_SPLIT_STEPS.value} "
+        f"({config.rl.num_epochs} epoch(s) x {config.rl.num_minibatches} "
+        "minibatch(es)):")
+  print(f"  {'stage':<10} {'recompute':>12} {'sampler':>12}   sampler/recompute")
+  for k in STAGES + ("total",):
+    a, b = ((sum(split[m].values()) if k == "total" else split[m][k])
+            for m in train.OLD_LOGPROBS)
+    print(f"  {k:<10} {a * 1e3:9.1f} ms {b * 1e3:9.1f} ms   {b / a:6.2f}x")
+  slowest = max(split["recompute"], key=split["recompute"].get)
+  print(f"  slowest stage (recompute): {slowest}")
 
 
 def main(argv):
