@@ -5,7 +5,7 @@ from rljax.models.config import PRESETS, ModelConfig, RopeScaling, get_preset
 from rljax.models.hf_config import (ARCHITECTURES, hf_config_from_model_config,
                                     infer_architecture, load_hf_config,
                                     model_config_from_hf, read_hf_config)
-from rljax.models.hf_weights import (HFModel, load_hf_checkpoint,
+from rljax.models.hf_weights import (HFModel, copy_files, load_hf_checkpoint,
                                      load_hf_pretrained, save_hf_checkpoint)
 from rljax.models.kv_cache import KVCache, LayerKV, init_cache
 from rljax.models.scoring import sequence_logprobs
@@ -19,7 +19,7 @@ __all__ = [
     "init_params", "param_logical_axes", "param_shapes", "param_shardings",
     "Decoder", "KVCache", "LayerKV", "attend", "compute_logits", "init_cache",
     "output_projection", "positions_from_mask", "sequence_logprobs",
-    "ARCHITECTURES", "HFModel", "hf_config_from_model_config",
+    "ARCHITECTURES", "HFModel", "copy_files", "hf_config_from_model_config",
     "infer_architecture", "load_hf_checkpoint", "load_hf_config",
     "load_hf_pretrained", "model_config_from_hf", "read_hf_config",
     "save_hf_checkpoint",

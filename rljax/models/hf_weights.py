@@ -444,9 +444,22 @@ def save_hf_checkpoint(path: str | os.PathLike, config: ModelConfig,
     json.dump(hf, f, indent=2)
   written.append("config.json")
   if tokenizer_from is not None:
-    for name in _TOKENIZER_FILES:
-      source = os.path.join(os.fspath(tokenizer_from), name)
-      if os.path.exists(source):
-        shutil.copyfile(source, os.path.join(path, name))
-        written.append(name)
+    written += copy_files(tokenizer_from, path, _TOKENIZER_FILES)
   return written
+
+
+def copy_files(source: str | os.PathLike, destination: str | os.PathLike,
+               names: tuple[str, ...]) -> list[str]:
+  """Copies those of ``names`` that exist in ``source`` into ``destination``.
+
+  Returns:
+    The names copied.
+  """
+  os.makedirs(destination, exist_ok=True)
+  copied = []
+  for name in names:
+    path = os.path.join(os.fspath(source), name)
+    if os.path.exists(path):
+      shutil.copyfile(path, os.path.join(os.fspath(destination), name))
+      copied.append(name)
+  return copied

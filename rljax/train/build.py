@@ -23,7 +23,6 @@ import importlib
 import logging
 import math
 import os
-import shutil
 from typing import Any
 
 import jax
@@ -285,15 +284,7 @@ def hf_tokenizer(directory: str, config: Any):
 
 def save_hf_files(source: str, workdir: str) -> list[str]:
   """Copies a checkpoint's tokenizer files and config.json to ``workdir/tokenizer``."""
-  out = os.path.join(workdir, HF_DIR)
-  os.makedirs(out, exist_ok=True)
-  copied = []
-  for name in HF_FILES:
-    path = os.path.join(os.fspath(source), name)
-    if os.path.exists(path):
-      shutil.copyfile(path, os.path.join(out, name))
-      copied.append(name)
-  return copied
+  return models.copy_files(source, os.path.join(workdir, HF_DIR), HF_FILES)
 
 
 def run_model_and_tokenizer(config: Any, workdir: str):
