@@ -497,3 +497,33 @@ def test_chain_passes_extra_args_and_matches_steps():
   tx = optax.chain(adv.center_by_group_median(), adv.clip_advantages(0.5))
   expected = np.clip(ref_center_group_median(r, 6, m), -0.5, 0.5)
   np.testing.assert_allclose(run(tx, r, 6, m), expected, atol=1e-6)
+
+
+def test_reward_heads_read_the_weights_from_the_extra_argument():
+  rng = np.random.default_rng(3)
+  r = rng.normal(size=(8, 3)).astype(np.float32)
+  r[2, 1] = np.nan
+  w = np.array([1.0, 0.5, -2.0], np.float32)
+  total, _ = adv.sum_rewards().update(jnp.asarray(r), optax.EmptyState(),
+                                      reward_weights_R=w)
+  np.testing.assert_allclose(total, np.nansum(r * w, axis=1), rtol=1e-6)
+  # normalize_each_reward: the weights multiply each column's group z-score.
+  z = r.reshape(2, 4, 3).astype(np.float64)
+  ok = np.isfinite(z)
+  mean = np.nansum(z, 1, keepdims=True) / ok.sum(1, keepdims=True)
+  std = np.sqrt(np.nansum((z - mean) ** 2, 1, keepdims=True)
+                / (ok.sum(1, keepdims=True) - 1))
+  expected = np.nansum((z - mean) / (std + 1e-4) * w, -1).reshape(-1)
+  got, _ = adv.normalize_each_reward().update(
+      jnp.asarray(r), optax.EmptyState(), group_size=4, reward_weights_R=w)
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+  with pytest.raises(ValueError, match="given twice"):
+    adv.sum_rewards(w).update(jnp.asarray(r), optax.EmptyState(),
+                              reward_weights_R=w)
+
+
+def test_sum_rewards_leaves_rows_outside_the_mask_at_zero():
+  r = jnp.ones((4, 2))
+  total, _ = adv.sum_rewards().update(
+      r, optax.EmptyState(), mask_N=jnp.array([True, False, True, True]))
+  np.testing.assert_array_equal(total, [2.0, 0.0, 2.0, 2.0])
