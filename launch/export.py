@@ -4,9 +4,10 @@ r"""Exports the params of a training run's checkpoint.
   python -m launch.export --workdir=/tmp/rljax_demo --format=hf --out=/tmp/hf_dir
 
 ``safetensors`` writes one file with rljax's parameter names (``layers_0.attn.
-q_kernel``, ...) plus the model config as metadata; ``hf`` writes a Hugging
-Face checkpoint directory (no extra needed) when the model maps onto a
-transformers architecture.
+q_kernel``, ...) plus the model config as metadata (``--out`` must not be a
+directory); ``hf`` writes a Hugging Face checkpoint directory (no extra
+needed) when the model maps onto a transformers architecture, replacing the
+weights, index and ``config.json`` of an earlier export there.
 """
 
 import dataclasses
@@ -36,9 +37,10 @@ def main(argv):
                           metadata)
   else:
     tokenizer_dir = os.path.join(_WORKDIR.value, "tokenizer")
-    models.save_hf_checkpoint(
+    files = models.save_hf_checkpoint(
         _OUT.value, policy.model_config, policy.params,
         tokenizer_from=tokenizer_dir if os.path.isdir(tokenizer_dir) else None)
+    print(f"wrote {', '.join(files)}")
   print(f"wrote step {policy.step} params to {_OUT.value}")
 
 

@@ -175,9 +175,10 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike,
               metadata: Mapping[str, Any] | None = None) -> None:
   """Writes ``{name: array}`` as one ``.safetensors`` file.
 
-  The file is written under a temporary name and renamed, so ``path`` never
-  holds half a file. Every array is brought to the host (a ``jax.Array`` must
-  be fully addressable) and keeps its dtype.
+  The file is written under a temporary name (``path + ".tmp"``, removed if
+  anything fails) and renamed, so ``path`` never holds half a file. Every
+  array is brought to the host (a ``jax.Array`` must be fully addressable)
+  and keeps its dtype.
 
   Args:
     tensors: names to arrays (NumPy, JAX or anything ``np.asarray`` takes)
@@ -186,9 +187,13 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike,
     metadata: the header's ``__metadata__``; values are written with ``str``.
 
   Raises:
+    IsADirectoryError: if ``path`` is a directory (nothing is written).
     TypeError: naming the tensor whose dtype safetensors cannot store.
   """
   path = os.fspath(path)
+  if os.path.isdir(path):
+    raise IsADirectoryError(f"{path} is a directory; save_file writes one "
+                            ".safetensors file: name a file path.")
   arrays = {}
   for name, value in tensors.items():
     array = np.asarray(value)
@@ -199,8 +204,12 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike,
   header = None if metadata is None else {
       str(k): str(v) for k, v in metadata.items()}
   tmp = path + ".tmp"
-  safetensors.numpy.save_file(arrays, tmp, metadata=header)
-  os.replace(tmp, path)
+  try:
+    safetensors.numpy.save_file(arrays, tmp, metadata=header)
+    os.replace(tmp, path)
+  finally:  # after a failure, no half-written file is left behind
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 def flatten_names(tree: Any, sep: str = ".") -> dict[str, Any]:
@@ -213,13 +222,15 @@ def flatten_names(tree: Any, sep: str = ".") -> dict[str, Any]:
 
 
 def _invalid_file_message(path: str, error: Exception) -> str:
-  culprit = _culprit(path)
+  problem = _header_problem(path)
   return (f"{path} is not a valid safetensors file"
-          + (f" (tensor {culprit})" if culprit else "") + f": {error}")
+          + (f" ({problem})" if problem else "") + f": {error}")
 
 
-def _culprit(path: str) -> str:
-  """The first tensor whose header entry is at fault, described ('' if none).
+def _header_problem(path: str) -> str:
+  """What is wrong with a file's header, naming the tensor at fault.
+
+  Returns '' when nothing is found.
 
   The package's messages do not always name the tensor; this reads the JSON
   header again only to say which entry is wrong.
@@ -227,36 +238,53 @@ def _culprit(path: str) -> str:
   try:
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-      n = int.from_bytes(f.read(8), "little")
+      prefix = f.read(8)
+      if len(prefix) < 8:
+        return (f"the file has {size} bytes, fewer than the 8 that hold the "
+                "header size")
+      n = int.from_bytes(prefix, "little")
       if n > size - 8:
-        return ""
+        return (f"the header size {n} exceeds the {size - 8} bytes that "
+                "follow it")
       header = json.loads(f.read(n))
-  except (OSError, ValueError):  # includes JSON and UTF-8 decoding errors
+  except OSError:
     return ""
+  except ValueError as e:  # JSON and UTF-8 decoding errors
+    return f"the header is not valid JSON: {e}"
   if not isinstance(header, dict):
-    return ""
+    return (f"the header is a JSON {type(header).__name__}; a JSON object "
+            "mapping tensor names to entries is required")
   data_bytes = size - 8 - n
-  spans = []
+  spans, unknown = [], ""
   for name, info in header.items():
     if name == "__metadata__":
       continue
+    if not isinstance(info, dict):
+      return (f"tensor {name!r}: header entry {info!r} is not an object with "
+              "dtype, shape and data_offsets")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+      return f"tensor {name!r}: header entry {info!r} lacks {missing}"
     try:
       code, shape = info["dtype"], [int(d) for d in info["shape"]]
       begin, end = (int(x) for x in info["data_offsets"])
-    except (TypeError, KeyError, ValueError):
-      return f"{name!r}: malformed header entry {info!r}"
-    if code not in DTYPES:
-      return f"{name!r}: dtype {code!r}; rljax accepts {tuple(DTYPES)}"
+    except (TypeError, ValueError):
+      return f"tensor {name!r}: malformed header entry {info!r}"
     if not 0 <= begin <= end <= data_bytes:
-      return (f"{name!r}: data_offsets [{begin}, {end}] lie outside the "
-              f"file's {data_bytes} data bytes")
-    if end - begin != math.prod(shape) * DTYPES[code].itemsize:
-      return (f"{name!r}: shape {shape} of {code} needs "
+      return (f"tensor {name!r}: data_offsets [{begin}, {end}] lie outside "
+              f"the file's {data_bytes} data bytes")
+    if code not in DTYPES:
+      # Reported only if nothing else is wrong: the package knows dtypes
+      # (F8_*, sub-byte) that rljax does not read.
+      unknown = unknown or (f"tensor {name!r}: dtype {code!r}; rljax "
+                            f"accepts {tuple(DTYPES)}")
+    elif end - begin != math.prod(shape) * DTYPES[code].itemsize:
+      return (f"tensor {name!r}: shape {shape} of {code} needs "
               f"{math.prod(shape) * DTYPES[code].itemsize} bytes, "
               f"data_offsets [{begin}, {end}] hold {end - begin}")
     spans.append((begin, end, name))
   spans.sort()
   for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
     if begin < end:
-      return f"{second!r}: its bytes overlap those of {first!r}"
-  return ""
+      return f"tensor {second!r}: its bytes overlap those of {first!r}"
+  return unknown

@@ -295,3 +295,52 @@ def test_jsonl_missing_kept_field(tmp_path):
   data.write_jsonl(path, [{"prompt": "a", "answer": "1"}, {"prompt": "b"}])
   with pytest.raises(ValueError, match="d.jsonl:2: field 'answer' is missing"):
     data.JsonlSource(path, fields=["answer"])
+
+
+def test_jsonl_required_fields_name_the_file_line_and_field(tmp_path):
+  # Without required_fields the missing answer used to surface later as a
+  # bare KeyError: 'answer', with no file or line.
+  path = tmp_path / "d.jsonl"
+  data.write_jsonl(path, [{"prompt": "a", "answer": "1"}, {"prompt": "b"},
+                          {"prompt": "c", "answer": None}])
+  assert len(data.read_jsonl(path)) == 3  # the default requires the prompt only
+  with pytest.raises(ValueError, match=r"d.jsonl:2: required field 'answer' "
+                     r"is missing \(required_fields=\('prompt', 'answer'\)\); "
+                     r"fields present: \['prompt'\]"):
+    data.read_jsonl(path, required_fields=("prompt", "answer"))
+  data.write_jsonl(path, [{"prompt": "a", "answer": "1"},
+                          {"prompt": "c", "answer": None}])
+  with pytest.raises(ValueError, match=r"d.jsonl:2: required field 'answer' "
+                     r"is null"):
+    data.JsonlSource(path, required_fields=["answer"])
+  with pytest.raises(TypeError, match=r"required_fields='answer'"):
+    data.JsonlSource(path, required_fields="answer")
+
+
+def test_jsonl_required_fields_are_kept(tmp_path):
+  path = tmp_path / "d.jsonl"
+  data.write_jsonl(path, [{"q": "a", "answer": "1", "extra": 2}])
+  assert data.read_jsonl(path, prompt_field="q", fields=[],
+                         required_fields=("prompt", "answer")) == [
+                             {"prompt": "a", "answer": "1"}]
+
+
+def test_jsonl_non_utf8_byte_names_the_file_and_line(tmp_path):
+  path = tmp_path / "d.jsonl"
+  path.write_bytes(b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n')  # Latin-1 e-acute
+  with pytest.raises(ValueError, match=r"d.jsonl:2: not valid UTF-8 \(invalid "
+                     r"continuation byte: byte b'\\xe9' at column 16\)"):
+    data.read_jsonl(path)
+
+
+def test_check_answers_counts_non_empty_answers():
+  from rljax.data.sources import check_answers  # pylint: disable=import-outside-toplevel
+  examples = [{"answer": "4"}, {"answer": 0}, {"answer": "  "}, {"answer": ""},
+              {"answer": None}, {"answer": []}, {"prompt": "no answer"},
+              {"target": 24}]
+  assert check_answers(examples, "train.jsonl") == 2
+  assert check_answers(examples, "train.jsonl", field="target") == 1
+  assert check_answers([], "train.jsonl") == 0
+  with pytest.raises(TypeError, match=r"train.jsonl: example 1 is a str; a "
+                     "dict of fields is required"):
+    check_answers([{"answer": "1"}, "2"], "train.jsonl")

@@ -15,6 +15,9 @@ Two kinds of test:
 import functools
 import json
 import os
+import re
+import struct
+import types
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +26,8 @@ import pytest
 import safetensors as st_package
 
 from rljax import models, sampling, sharding
+from rljax import safetensors as rljax_safetensors
+from rljax.tokenizers.hf import HFTokenizer, check_tokenizer_vocab
 from tests.hf_extra import requires_hf
 
 requires_torch = requires_hf("torch", "transformers")
@@ -354,6 +359,193 @@ def test_unsupported_config_is_a_clear_error(rljax_checkpoint, tmp_path,
   _edit_config(path, **changes)
   with pytest.raises(ValueError, match=match):
     models.load_hf_checkpoint(path)
+
+
+def _write_config(directory, hf):
+  os.makedirs(directory, exist_ok=True)
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json.dump(hf, f)
+  return directory
+
+
+_LLAMA_ROPE = LLAMA_JSON["rope_parameters"]
+
+
+@pytest.mark.parametrize("base, changes, match", [
+    (QWEN2_JSON, {"num_attention_heads": 0},
+     r"num_attention_heads=0 is invalid; accepted: a positive integer"),
+    (QWEN2_JSON, {"num_key_value_heads": 0},
+     r"num_key_value_heads=0 is invalid; accepted: a positive integer"),
+    (QWEN2_JSON, {"num_key_value_heads": 3},
+     r"num_key_value_heads=3 is invalid; accepted: a divisor of "
+     r"num_attention_heads=4"),
+    (QWEN2_JSON, {"hidden_size": 66},
+     r"hidden_size=66 is invalid; accepted: a multiple of "
+     r"num_attention_heads=4, since there is no head_dim"),
+    (LLAMA_JSON, {"head_dim": -16}, r"head_dim=-16 is invalid"),
+    (QWEN2_JSON, {"intermediate_size": 0}, r"intermediate_size=0 is invalid"),
+    (QWEN2_JSON, {"vocab_size": "160"}, r"vocab_size='160' is invalid"),
+    (QWEN2_JSON, {"num_hidden_layers": True},
+     r"num_hidden_layers=True is invalid"),
+    (QWEN2_JSON, {"num_hidden_layers": None},
+     r"config.json has no 'num_hidden_layers'"),
+    (QWEN2_JSON, {"max_position_embeddings": 0},
+     r"max_position_embeddings=0 is invalid"),
+    (QWEN2_JSON, {"rms_norm_eps": -1e-6},
+     r"rms_norm_eps=-1e-06 is invalid; accepted: a finite number >= 0"),
+    (QWEN2_JSON, {"rope_theta": 0},
+     r"rope_theta=0 is invalid; accepted: a finite number > 0"),
+    (QWEN2_JSON, {"tie_word_embeddings": "yes"},
+     r"tie_word_embeddings='yes' is invalid; accepted: true or false"),
+    (QWEN2_JSON, {"hidden_act": "relu"},
+     r"hidden_act='relu' is not supported by rljax; accepted: \('silu',\)"),
+    (QWEN2_JSON, {"rope_scaling": [8.0]}, r"rope_scaling=\[8.0\] is invalid"),
+    (LLAMA_JSON, {"rope_parameters": {**_LLAMA_ROPE, "high_freq_factor": 1.0}},
+     r"rope_parameters.high_freq_factor=1.0 is invalid; accepted: a finite "
+     r"number > 1"),
+    (LLAMA_JSON, {"rope_parameters": {"rope_type": "linear", "factor": 0}},
+     r"rope_parameters.factor=0 is invalid"),
+    (GEMMA3_JSON, {"query_pre_attn_scalar": 0},
+     r"query_pre_attn_scalar=0 is invalid"),
+    (GEMMA3_JSON, {"sliding_window": 0}, r"sliding_window=0 is invalid"),
+    (GEMMA3_JSON, {"final_logit_softcapping": -3.0},
+     r"final_logit_softcapping=-3.0 is invalid"),
+    (GEMMA3_JSON, {"rope_local_base_freq": -1.0},
+     r"rope_local_base_freq=-1.0 is invalid"),
+])
+def test_invalid_config_values_name_the_file_and_field(tmp_path, base,
+                                                       changes, match):
+  path = _write_config(tmp_path / "ckpt", {**base, **changes})
+  file = re.escape(os.path.join(path, "config.json"))
+  with pytest.raises(ValueError,
+                     match=rf"^{file}: \w+ForCausalLM: .*{match}"):
+    models.load_hf_config(path)
+
+
+def test_config_json_that_is_not_an_object_names_the_file(tmp_path):
+  (tmp_path / "config.json").write_text("[1, 2]")
+  with pytest.raises(ValueError, match=r"config.json holds a JSON list; a "
+                     "JSON object of config fields is required"):
+    models.load_hf_config(tmp_path)
+  (tmp_path / "config.json").write_bytes(b'{"vocab_size": "\xff"}')
+  with pytest.raises(ValueError, match=r"config.json is not valid JSON"):
+    models.load_hf_config(tmp_path)
+
+
+def test_zero_heads_in_a_checkpoint_is_a_clear_error(rljax_checkpoint,
+                                                     tmp_path):
+  # Used to be a bare ZeroDivisionError (hidden_size // num_attention_heads).
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  _edit_config(path, num_attention_heads=0, head_dim=None)
+  file = re.escape(os.path.join(path, "config.json"))
+  with pytest.raises(ValueError, match=rf"^{file}: Qwen2ForCausalLM: "
+                     r"config.json field num_attention_heads=0 is invalid"):
+    models.load_hf_checkpoint(path)
+
+
+def _alias(file, name, other):
+  """Points ``name``'s data_offsets at ``other``'s bytes, byte by byte."""
+  raw = file.read_bytes()
+  n = struct.unpack("<Q", raw[:8])[0]
+  header = json.loads(raw[8:8 + n])
+  header[name]["data_offsets"] = header[other]["data_offsets"]
+  blob = json.dumps(header).encode()
+  blob += b" " * (-len(blob) % 8)
+  file.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + n:])
+
+
+def test_aliased_weights_are_refused(rljax_checkpoint, tmp_path):
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  name = "model.norm.weight"
+  shard = _shard_of(path, name)
+  with st_package.safe_open(str(path / shard), framework="numpy") as f:
+    other = next(t for t in f.keys() if t != name
+                 and f.get_slice(t).get_shape() == [64])
+  _alias(path / shard, name, other)
+  with pytest.raises(ValueError, match=rf"{shard} is not a valid safetensors "
+                     r"file \(tensor '.*': its bytes overlap those of") as e:
+    models.load_hf_checkpoint(path)
+  assert name in str(e.value) and other in str(e.value)
+
+
+def test_all_tensors_are_checked_before_any_is_read(rljax_checkpoint,
+                                                    tmp_path, monkeypatch):
+  reads = []
+  read = rljax_safetensors.SafetensorsFile.read
+
+  def counting_read(self, name, **kwargs):
+    reads.append(name)
+    return read(self, name, **kwargs)
+
+  monkeypatch.setattr(rljax_safetensors.SafetensorsFile, "read", counting_read)
+  path = _copy(rljax_checkpoint[0], tmp_path / "ckpt")
+  models.load_hf_checkpoint(path)
+  assert reads and reads[-1] == "lm_head.weight"  # the last tensor read
+  name = "lm_head.weight"
+  shard = _shard_of(path, name)
+  for bad, match in ((np.zeros((160, 64), np.int32), r"has dtype 'I32'"),
+                     (np.zeros((160, 63), np.float32),
+                      r"has shape \[160, 63\], but config.json implies")):
+    reads.clear()
+    _rewrite_shard(path, shard, **{name: bad})
+    with pytest.raises(ValueError, match=rf"{shard}: tensor '{name}' {match}"):
+      models.load_hf_checkpoint(path)
+    assert not reads
+
+
+def test_export_over_an_older_export_removes_its_files(rljax_checkpoint,
+                                                       tmp_path):
+  _, config, params, _ = rljax_checkpoint
+  out = _copy(rljax_checkpoint[0], tmp_path / "out")  # an older sharded export
+  (out / "README.md").write_text("kept")
+  new = _perturbed_params(config, seed=5)
+  files = models.save_hf_checkpoint(out, config, new)
+  assert files == ["model.safetensors", "config.json"]
+  assert sorted(os.listdir(out)) == ["README.md", "config.json",
+                                     "model.safetensors"]
+  _, loaded = models.load_hf_checkpoint(out)
+  jax.tree.map(np.testing.assert_array_equal, loaded, new)
+  # And back to shards: no model.safetensors is left beside the index.
+  files = models.save_hf_checkpoint(out, config, params, max_shard_size=40_000)
+  assert sorted(os.listdir(out)) == sorted(files + ["README.md"])
+  _, loaded = models.load_hf_checkpoint(out)
+  jax.tree.map(np.testing.assert_array_equal, loaded, params)
+
+
+# --------------------------------------------------------------------------
+# Tokenizer ids against the model's vocabulary (pure, and tokenizers)
+
+
+def test_tokenizer_ids_past_the_model_vocab_are_a_clear_error():
+  tok = types.SimpleNamespace(vocab_size=100, bos_id=1, eos_id=2, pad_id=0,
+                              eos_ids=(2, 130))
+  assert check_tokenizer_vocab(tok, 131, "ckpt") == 130
+  with pytest.raises(ValueError, match=r"^ckpt: the tokenizer's largest id is "
+                     r"130 \(eos_ids\[1\]\), but the model has vocab_size=120 "
+                     r"\(ids 0..119\)"):
+    check_tokenizer_vocab(tok, 120, "ckpt")
+  tok = types.SimpleNamespace(vocab_size=100, bos_id=None, eos_id=2, pad_id=0)
+  assert check_tokenizer_vocab(tok, 100, "ckpt") == 99
+  with pytest.raises(ValueError, match=r"largest id is 99 "
+                     r"\(tokenizer.vocab_size - 1\).*vocab_size=64"):
+    check_tokenizer_vocab(tok, 64, "ckpt")
+  tok.pad_id = 100
+  with pytest.raises(ValueError, match=r"largest id is 100 \(pad_id\)"):
+    check_tokenizer_vocab(tok, 100, "ckpt")
+
+
+@requires_hf("tokenizers")
+def test_tokenizer_json_ids_are_checked_beyond_its_vocab_size():
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  # Ids with a hole: get_vocab_size() is 3, but 'z' has id 9.
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(
+      {"a": 0, "</s>": 1, "z": 9}, unk_token="a"))
+  tok = HFTokenizer(backend, eos_token="</s>")
+  assert tok.vocab_size == 3
+  assert check_tokenizer_vocab(tok, 10, "ckpt") == 9
+  with pytest.raises(ValueError, match=r"largest id is 9 \(the id of token "
+                     r"'z'\), but the model has vocab_size=5"):
+    check_tokenizer_vocab(tok, 5, "ckpt")
 
 
 # --------------------------------------------------------------------------

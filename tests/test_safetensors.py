@@ -137,12 +137,43 @@ _F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
      bytes(8), r"tensor 'a'.*shape \[3\] of F32 needs 12 bytes"),
     ({"ok": _F32x2, "q": {"dtype": "Q7", "shape": [2], "data_offsets": [8, 16]}},
      bytes(16), r"tensor 'q'.*dtype 'Q7'"),
+    # Two names for the same bytes: an aliased weight if it were accepted.
+    ({"a": _F32x2, "b": _F32x2}, bytes(8),
+     r"tensor 'b': its bytes overlap those of 'a'"),
+    ({"a": {"dtype": "F32", "shape": [2]}}, bytes(8),
+     r"tensor 'a': header entry .* lacks \['data_offsets'\]"),
+    ({"a": [0, 8]}, bytes(8),
+     r"tensor 'a': header entry \[0, 8\] is not an object"),
+    ([_F32x2], bytes(8), r"the header is a JSON list; a JSON object"),
 ])
 def test_bad_headers_name_the_file_and_tensor(tmp_path, header, data, match):
   path = _write_raw(tmp_path / "bad.safetensors", header, data)
   with pytest.raises(ValueError, match=rf"bad.safetensors is not a valid "
                      rf"safetensors file \({match}"):
     safetensors.SafetensorsFile(path)
+  with pytest.raises(ValueError, match=rf"bad.safetensors.*\({match}"):
+    safetensors.load_file(path)
+
+
+def test_save_into_a_directory_is_refused_and_leaves_no_tmp(tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  with pytest.raises(IsADirectoryError, match=r"out is a directory"):
+    safetensors.save_file({"w": np.zeros(2, np.float32)}, out)
+  assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_failed_write_leaves_no_tmp(tmp_path, monkeypatch):
+  def fail_half_way(arrays, file, metadata=None):
+    with open(file, "wb") as f:
+      f.write(b"half")
+    raise OSError("disk full")
+
+  monkeypatch.setattr(st_numpy, "save_file", fail_half_way)
+  with pytest.raises(OSError, match="disk full"):
+    safetensors.save_file({"w": np.zeros(2, np.float32)},
+                          tmp_path / "w.safetensors")
+  assert not os.listdir(tmp_path)
 
 
 def test_truncated_and_garbled_files_name_the_file(tmp_path):

@@ -47,24 +47,35 @@ class JsonlSource:
   (renamed from ``prompt_field``) plus the kept fields.
 
   Args:
-    path: the ``.jsonl`` file. Blank lines are skipped.
+    path: the ``.jsonl`` file (UTF-8). Blank lines are skipped.
     prompt_field: the field holding the prompt string.
     fields: other fields to keep (each must be in every line); None keeps all.
+    required_fields: fields every line must have, not null, named as in the
+      returned examples (``"prompt"`` is the ``prompt_field``, which is always
+      required); e.g. ``("prompt", "answer")`` for a task whose rewards
+      compare with an answer. They are kept even if ``fields`` omits them.
 
   Raises:
-    ValueError: naming the line number and the field, for a line that is not
-      a JSON object, lacks the prompt or a kept field, or has a non-string
-      prompt; or for an empty file.
+    ValueError: naming the file, the line number and the field, for a line
+      that is not UTF-8 or not a JSON object, lacks the prompt, a kept or a
+      required field, or has a non-string prompt; or for an empty file.
   """
 
   def __init__(self, path: str | os.PathLike, *, prompt_field: str = "prompt",
-               fields: Sequence[str] | None = None):
+               fields: Sequence[str] | None = None,
+               required_fields: Sequence[str] = ("prompt",)):
     self._path = os.fspath(path)
     self._prompt_field = prompt_field
+    if isinstance(required_fields, str):
+      raise TypeError(f"required_fields={required_fields!r}: a sequence of "
+                      "field names is required, e.g. ('prompt', 'answer').")
+    self._required = tuple(f for f in required_fields if f != "prompt")
     self._fields = None if fields is None else tuple(fields)
     if self._fields is not None and "prompt" in self._fields:
       raise ValueError(f"fields={self._fields!r}: 'prompt' is always kept; "
                        "do not list it.")
+    if self._fields is not None:
+      self._fields += tuple(f for f in self._required if f not in self._fields)
     offsets = []
     with open(self._path, "rb") as f:
       offset = 0
@@ -83,6 +94,10 @@ class JsonlSource:
     except json.JSONDecodeError as exc:
       raise ValueError(f"{self._path}:{line_number}: not valid JSON "
                        f"({exc.msg}).") from exc
+    except UnicodeDecodeError as exc:
+      raise ValueError(f"{self._path}:{line_number}: not valid UTF-8 "
+                       f"({exc.reason}: byte {exc.object[exc.start:exc.end]!r}"
+                       f" at column {exc.start + 1}).") from exc
     if not isinstance(record, dict):
       raise ValueError(f"{self._path}:{line_number}: a JSON object is "
                        f"required, got {type(record).__name__}.")
@@ -95,6 +110,13 @@ class JsonlSource:
           f"{self._path}:{line_number}: prompt_field={self._prompt_field!r} "
           f"is {'missing' if prompt is None else repr(prompt)}; accepted is a "
           f"string field. Fields present: {sorted(record)}.")
+    for field in self._required:
+      if record.get(field) is None:
+        raise ValueError(
+            f"{self._path}:{line_number}: required field {field!r} is "
+            f"{'null' if field in record else 'missing'} (required_fields="
+            f"{('prompt',) + self._required!r}); fields present: "
+            f"{sorted(record)}.")
     for field in self._fields or ():
       if field not in record:
         raise ValueError(f"{self._path}:{line_number}: field {field!r} is "
@@ -124,11 +146,55 @@ class JsonlSource:
   def __repr__(self) -> str:
     return (f"JsonlSource({self._path!r}, prompt_field="
             f"{self._prompt_field!r}, fields={self._fields!r}, "
+            f"required_fields={('prompt',) + self._required!r}, "
             f"len={len(self)})")
 
 
 def read_jsonl(path: str | os.PathLike, *, prompt_field: str = "prompt",
-               fields: Sequence[str] | None = None) -> list[dict[str, Any]]:
+               fields: Sequence[str] | None = None,
+               required_fields: Sequence[str] = ("prompt",),
+               ) -> list[dict[str, Any]]:
   """All examples of a JSONL file as a list (see ``JsonlSource``)."""
-  source = JsonlSource(path, prompt_field=prompt_field, fields=fields)
+  source = JsonlSource(path, prompt_field=prompt_field, fields=fields,
+                       required_fields=required_fields)
   return [source[i] for i in range(len(source))]
+
+
+def check_answers(examples: Sequence[Mapping[str, Any]], where: str, *,
+                  field: str = "answer") -> int:
+  """The number of examples with a non-empty ``field``.
+
+  An answer is empty when it is absent, null, or a string, list or dict with
+  nothing in it (whitespace only, for a string); ``0`` and ``False`` are
+  answers. The caller decides what a count of 0 means (no correctness
+  metric can be computed).
+
+  Args:
+    examples: dicts, e.g. from ``read_jsonl`` or a task's ``examples``.
+    where: names the examples in errors, e.g. the file they came from.
+    field: the answer field.
+
+  Returns:
+    How many examples have an answer.
+
+  Raises:
+    TypeError: naming ``where`` and the index of an example that is not a
+      dict.
+
+  Example:
+    >>> check_answers([{"answer": "4"}, {"answer": " "}, {"prompt": "x"}],
+    ...               "train.jsonl")
+    1
+  """
+  count = 0
+  for i, example in enumerate(examples):
+    if not isinstance(example, Mapping):
+      raise TypeError(f"{where}: example {i} is a {type(example).__name__}; "
+                      "a dict of fields is required.")
+    value = example.get(field)
+    if isinstance(value, str):
+      value = value.strip()
+    if value is not None and not (isinstance(value, (str, list, tuple, dict))
+                                  and len(value) == 0):
+      count += 1
+  return count

@@ -10,12 +10,14 @@ Supported architectures (``config.json: architectures``):
 ``Gemma3ForCausalLM``  Gemma 3 text (q/k norm, 5:1 windows, local RoPE base)
 =====================  ====================================================
 
-Anything else, and any config value rljax cannot represent exactly, is a
-``ValueError`` naming the architecture, the field, the value and what is
-accepted. Both the ``transformers`` 5 field names (``rope_parameters``,
-``layer_types``) and the older ones are read; export writes the pre-v5 names,
-which ``transformers`` 5 still reads. The weights themselves are
-``rljax.models.hf_weights``.
+Anything else, any config value rljax cannot represent exactly, and any
+invalid one (a size that is not a positive integer, key/value heads that do
+not divide the query heads, a non-positive scale) is a ``ValueError`` naming
+the architecture, the field, the value and what is accepted, after the path
+of the ``config.json`` when it was read from a file. Both the
+``transformers`` 5 field names (``rope_parameters``, ``layer_types``) and the
+older ones are read; export writes the pre-v5 names, which ``transformers`` 5
+still reads. The weights themselves are ``rljax.models.hf_weights``.
 
 Example:
   >>> config = load_hf_config("/ckpt/qwen2.5-0.5b")  # doctest: +SKIP
@@ -69,24 +71,71 @@ def _unsupported(arch: str, field: str, value: Any, accepted: Any) -> ValueError
                     f"supported by rljax; accepted: {accepted}.")
 
 
+def _invalid(arch: str, field: str, value: Any, accepted: Any) -> ValueError:
+  return ValueError(f"{arch}: config.json field {field}={value!r} is "
+                    f"invalid; accepted: {accepted}.")
+
+
+def _integer(arch: str, hf: Mapping[str, Any], field: str,
+             default: int | None = None, *, minimum: int = 1,
+             where: str | None = None) -> int:
+  """``hf[field]`` (``default`` when absent or null), an integer >= ``minimum``.
+
+  ``where`` names the field in errors (``field`` if None); a missing field
+  without a default is an error.
+  """
+  value = hf.get(field)
+  if value is None:
+    if default is None:
+      raise _missing(arch, where or field)
+    return default
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise _invalid(arch, where or field, value,
+                   "a positive integer" if minimum == 1
+                   else f"an integer >= {minimum}")
+  return value
+
+
+def _real(arch: str, hf: Mapping[str, Any], field: str, default: float | None,
+          *, minimum: float = 0.0, strict: bool = True,
+          where: str | None = None) -> float | None:
+  """``hf[field]`` (``default`` when absent or null), a finite number.
+
+  It must be above ``minimum``, or equal to it if ``strict`` is false.
+
+  ``where`` names the field in errors (``field`` if None).
+  """
+  value = hf.get(field)
+  if value is None:
+    return default
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not math.isfinite(value)
+      or (value <= minimum if strict else value < minimum)):
+    raise _invalid(arch, where or field, value,
+                   f"a finite number {'>' if strict else '>='} {minimum:g}")
+  return float(value)
+
+
 def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
   """The ``config.json`` of a checkpoint directory, as a dict."""
   file = os.path.join(os.fspath(path), "config.json")
   if not os.path.exists(file):
     raise FileNotFoundError(f"{file} does not exist: {os.fspath(path)!r} is "
                             "not a Hugging Face checkpoint directory.")
-  with open(file, encoding="utf-8") as f:
+  with open(file, "rb") as f:
     try:
-      return json.load(f)
-    except json.JSONDecodeError as e:
+      hf = json.loads(f.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise ValueError(f"{file} is not valid JSON: {e}") from e
+  if not isinstance(hf, dict):
+    raise ValueError(f"{file} holds a JSON {type(hf).__name__}; a JSON object "
+                     "of config fields is required.")
+  return hf
 
 
-def _required(arch: str, hf: Mapping[str, Any], field: str) -> Any:
-  if hf.get(field) is None:
-    raise ValueError(f"{arch}: config.json has no {field!r}, which rljax "
-                     "needs; the file is incomplete.")
-  return hf[field]
+def _missing(arch: str, field: str) -> ValueError:
+  return ValueError(f"{arch}: config.json has no {field!r}, which rljax "
+                    "needs; the file is incomplete.")
 
 
 def hf_architecture(hf: Mapping[str, Any]) -> str:
@@ -112,25 +161,34 @@ def _rope(arch: str, params: Mapping[str, Any], where: str,
   partial = params.get("partial_rotary_factor", 1.0)
   if partial not in (None, 1, 1.0):
     raise _unsupported(arch, f"{where}.partial_rotary_factor", partial, 1.0)
-  theta = float(params.get("rope_theta") or default_theta)
+  theta = _real(arch, params, "rope_theta", default_theta,
+                where=f"{where}.rope_theta")
   if kind == "default":
     return theta, None
-  factor = _required(arch, params, "factor")
+  factor = _real(arch, params, "factor", None, where=f"{where}.factor")
+  if factor is None:
+    raise _missing(arch, f"{where}.factor")
   if kind == "linear":
-    return theta, RopeScaling(factor=float(factor), rope_type="linear")
+    return theta, RopeScaling(factor=factor, rope_type="linear")
+  low = _real(arch, params, "low_freq_factor", 1.0,
+              where=f"{where}.low_freq_factor")
+  high = _real(arch, params, "high_freq_factor", 4.0, minimum=low,
+               where=f"{where}.high_freq_factor")
   return theta, RopeScaling(
-      factor=float(factor),
-      low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-      high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-      original_max_position=int(params.get("original_max_position_embeddings")
-                                or max_position),
+      factor=factor, low_freq_factor=low, high_freq_factor=high,
+      original_max_position=_integer(
+          arch, params, "original_max_position_embeddings", max_position,
+          where=f"{where}.original_max_position_embeddings"),
       rope_type="llama3")
 
 
 def _rope_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
   """RoPE fields from either the v5 ``rope_parameters`` or the older keys."""
-  max_pos = int(hf.get("max_position_embeddings") or 8192)
+  max_pos = _integer(arch, hf, "max_position_embeddings", 8192)
   rp = hf.get("rope_parameters")
+  for field in ("rope_parameters", "rope_scaling"):
+    if not isinstance(hf.get(field) or {}, Mapping):
+      raise _invalid(arch, field, hf[field], "an object (or null)")
   if arch == "Gemma3ForCausalLM":
     if rp and ("full_attention" in rp or "sliding_attention" in rp):
       full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
@@ -138,8 +196,8 @@ def _rope_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
       local_where = "rope_parameters.sliding_attention"
     else:
       full = dict(rp or hf.get("rope_scaling") or {})
-      full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
-      local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+      full.setdefault("rope_theta", _real(arch, hf, "rope_theta", 1_000_000.0))
+      local = {"rope_theta": _real(arch, hf, "rope_local_base_freq", 10_000.0)}
       full_where, local_where = "rope_scaling", "rope_local_base_freq"
     theta, scaling = _rope(arch, full, full_where, 1_000_000.0, max_pos)
     local_theta, local_scaling = _rope(arch, local, local_where, 10_000.0,
@@ -153,7 +211,7 @@ def _rope_fields(arch: str, hf: Mapping[str, Any]) -> dict[str, Any]:
     raise _unsupported(arch, "rope_parameters", rp,
                        "one dict for all layers")
   params = dict(rp or hf.get("rope_scaling") or {})
-  params.setdefault("rope_theta", hf.get("rope_theta", 10_000.0))
+  params.setdefault("rope_theta", _real(arch, hf, "rope_theta", 10_000.0))
   theta, scaling = _rope(arch, params,
                          "rope_parameters" if rp else "rope_scaling",
                          10_000.0, max_pos)
@@ -165,13 +223,15 @@ def _layer_types(arch: str, hf: Mapping[str, Any], num_layers: int) -> list[str]
   if types is None:
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
       window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
-      start = hf.get("max_window_layers", 28)
+      start = _integer(arch, hf, "max_window_layers", 28, minimum=0)
       types = ["sliding_attention" if window is not None and i >= start
                else "full_attention" for i in range(num_layers)]
     elif arch in _GEMMA:
+      pattern = ("sliding_window_pattern"
+                 if hf.get("sliding_window_pattern") is not None
+                 else "_sliding_window_pattern")
       every = (2 if arch == "Gemma2ForCausalLM" else
-               hf.get("sliding_window_pattern")
-               or hf.get("_sliding_window_pattern") or 6)
+               _integer(arch, hf, pattern, 6))
       types = ["sliding_attention" if (i + 1) % every else "full_attention"
                for i in range(num_layers)]
     else:
@@ -188,9 +248,7 @@ def _window_fields(arch: str, hf: Mapping[str, Any], num_layers: int
   local = [t == "sliding_attention" for t in _layer_types(arch, hf, num_layers)]
   if not any(local):
     return dict(sliding_window=None, global_every=1)
-  window = hf.get("sliding_window")
-  if not isinstance(window, int) or window < 1:
-    raise _unsupported(arch, "sliding_window", window, "a positive integer")
+  window = _integer(arch, hf, "sliding_window")
   if hf.get("use_bidirectional_attention"):
     raise _unsupported(arch, "use_bidirectional_attention", True, False)
   full = [i for i, is_local in enumerate(local) if not is_local]
@@ -203,21 +261,44 @@ def _window_fields(arch: str, hf: Mapping[str, Any], num_layers: int
 
 
 def model_config_from_hf(hf: Mapping[str, Any], *, param_dtype: str | None = None,
-                         dtype: str | None = None) -> ModelConfig:
+                         dtype: str | None = None,
+                         source: str | os.PathLike | None = None,
+                         ) -> ModelConfig:
   """Translates a Hugging Face ``config.json`` dict into a ``ModelConfig``.
+
+  Every value rljax uses is checked first: sizes are positive integers,
+  ``num_key_value_heads`` divides ``num_attention_heads``, ``hidden_size`` is
+  a multiple of ``num_attention_heads`` when there is no ``head_dim``, scales
+  and RoPE parameters are positive finite numbers, the activation is the
+  architecture's.
 
   Args:
     hf: the parsed ``config.json``.
     param_dtype: storage dtype; None takes the checkpoint's ``dtype`` /
       ``torch_dtype`` (``float32`` if absent or unsupported).
     dtype: compute dtype; None uses ``param_dtype``.
+    source: the file ``hf`` was read from, named at the start of errors.
 
   Returns:
     The model config.
 
   Raises:
-    ValueError: naming the architecture, field, value and what is accepted.
+    ValueError: naming the file (with ``source``), the architecture, field,
+      value and what is accepted.
   """
+  try:
+    return _model_config(hf, param_dtype, dtype)
+  except ValueError as e:
+    if source is None:
+      raise
+    raise ValueError(f"{os.fspath(source)}: {e}") from e
+
+
+def _model_config(hf: Mapping[str, Any], param_dtype: str | None,
+                  dtype: str | None) -> ModelConfig:
+  if not isinstance(hf, Mapping):
+    raise ValueError(f"config.json holds a {type(hf).__name__}; a JSON object "
+                     "of config fields is required.")
   arch = hf_architecture(hf)
   gemma = arch in _GEMMA
   act_field = ("hidden_activation" if gemma and hf.get("hidden_activation")
@@ -232,30 +313,47 @@ def model_config_from_hf(hf: Mapping[str, Any], *, param_dtype: str | None = Non
   for field in fixed_false:
     if hf.get(field):
       raise _unsupported(arch, field, hf[field], False)
-  d = int(_required(arch, hf, "hidden_size"))
-  n = int(_required(arch, hf, "num_attention_heads"))
-  num_layers = int(_required(arch, hf, "num_hidden_layers"))
-  head_dim = int(hf.get("head_dim") or d // n)
+  d = _integer(arch, hf, "hidden_size")
+  n = _integer(arch, hf, "num_attention_heads")
+  kv = _integer(arch, hf, "num_key_value_heads", n)
+  if n % kv:
+    raise _invalid(arch, "num_key_value_heads", kv,
+                   f"a divisor of num_attention_heads={n} (grouped-query "
+                   "attention shares each key/value head among "
+                   "num_attention_heads / num_key_value_heads query heads)")
+  if hf.get("head_dim") is None and d % n:
+    raise _invalid(arch, "hidden_size", d,
+                   f"a multiple of num_attention_heads={n}, since there is no "
+                   "head_dim (head_dim = hidden_size / num_attention_heads)")
+  num_layers = _integer(arch, hf, "num_hidden_layers")
+  tie = hf.get("tie_word_embeddings", gemma)
+  if not isinstance(tie, bool):
+    raise _invalid(arch, "tie_word_embeddings", tie, "true or false")
   if param_dtype is None:
     param_dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
     param_dtype = param_dtype if param_dtype in HF_DTYPES else "float32"
   fields = dict(
-      vocab_size=int(_required(arch, hf, "vocab_size")), d_model=d,
-      num_layers=num_layers, num_heads=n,
-      num_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=head_dim,
-      mlp_dim=int(_required(arch, hf, "intermediate_size")),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
-      param_dtype=param_dtype, dtype=dtype or param_dtype,
+      vocab_size=_integer(arch, hf, "vocab_size"), d_model=d,
+      num_layers=num_layers, num_heads=n, num_kv_heads=kv,
+      head_dim=_integer(arch, hf, "head_dim", d // n),
+      mlp_dim=_integer(arch, hf, "intermediate_size"),
+      norm_eps=_real(arch, hf, "rms_norm_eps", 1e-6, strict=False),
+      tie_embeddings=tie, param_dtype=param_dtype, dtype=dtype or param_dtype,
       **{k: v for k, v in _FIXED[arch].items() if k != "rope_local_theta"},
       **_rope_fields(arch, hf), **_window_fields(arch, hf, num_layers))
   if gemma:
-    softcap = 50.0 if arch == "Gemma2ForCausalLM" else None
-    final_softcap = 30.0 if arch == "Gemma2ForCausalLM" else None
+    gemma2 = arch == "Gemma2ForCausalLM"
+
+    def softcap(field: str, default: float | None) -> float | None:
+      # An explicit null turns the soft-cap off; an absent field is the default.
+      return _real(arch, hf, field, None) if field in hf else default
+
     fields.update(
-        query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-        attn_logit_softcap=hf.get("attn_logit_softcapping", softcap),
-        final_logit_softcap=hf.get("final_logit_softcapping", final_softcap))
+        query_scale=_real(arch, hf, "query_pre_attn_scalar", 256.0) ** -0.5,
+        attn_logit_softcap=softcap("attn_logit_softcapping",
+                                   50.0 if gemma2 else None),
+        final_logit_softcap=softcap("final_logit_softcapping",
+                                    30.0 if gemma2 else None))
   if (fields["rope_scaling"] is not None and fields["sliding_window"] is not None
       and arch != "Gemma3ForCausalLM"):
     # rljax scales only the global layers' RoPE, as Gemma 3 does.
@@ -266,9 +364,13 @@ def model_config_from_hf(hf: Mapping[str, Any], *, param_dtype: str | None = Non
 
 def load_hf_config(path: str | os.PathLike, *, param_dtype: str | None = None,
                    dtype: str | None = None) -> ModelConfig:
-  """``model_config_from_hf`` of a checkpoint directory's ``config.json``."""
-  return model_config_from_hf(read_hf_config(path), param_dtype=param_dtype,
-                              dtype=dtype)
+  """``model_config_from_hf`` of a checkpoint directory's ``config.json``.
+
+  Errors name the file.
+  """
+  return model_config_from_hf(
+      read_hf_config(path), param_dtype=param_dtype, dtype=dtype,
+      source=os.path.join(os.fspath(path), "config.json"))
 
 
 def infer_architecture(config: ModelConfig) -> str:

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -147,14 +148,28 @@ def _set_path(tree: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
 # Reading a checkpoint directory
 
 
+def _read_index(file: str) -> dict[str, str]:
+  """The ``weight_map`` of a ``model.safetensors.index.json``, checked."""
+  with open(file, "rb") as f:
+    try:
+      index = json.loads(f.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{file} is not valid JSON: {e}") from e
+  weight_map = index.get("weight_map") if isinstance(index, dict) else None
+  if not isinstance(weight_map, dict) or not all(
+      isinstance(v, str) for v in weight_map.values()):
+    raise ValueError(f"{file}: a JSON object whose 'weight_map' maps tensor "
+                     "names to file names is required.")
+  return weight_map
+
+
 class _Checkpoint:
   """All safetensors files of a directory, by tensor name (headers only)."""
 
   def __init__(self, directory: str):
     index_path = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index_path):
-      with open(index_path, encoding="utf-8") as f:
-        weight_map = json.load(f).get("weight_map") or {}
+      weight_map = _read_index(index_path)
       files = sorted(set(weight_map.values()))
       missing = [name for name in files
                  if not os.path.exists(os.path.join(directory, name))]
@@ -263,7 +278,8 @@ def load_hf_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *,
   """
   path = os.fspath(path)
   hf = read_hf_config(path)
-  config = model_config_from_hf(hf, param_dtype=param_dtype, dtype=dtype)
+  config = model_config_from_hf(hf, param_dtype=param_dtype, dtype=dtype,
+                                source=os.path.join(path, "config.json"))
   arch = hf_architecture(hf)
   tensors = _tensor_map(config)
   ckpt = _Checkpoint(path)
@@ -363,8 +379,11 @@ def save_hf_checkpoint(path: str | os.PathLike, config: ModelConfig,
   """Writes params as a Hugging Face checkpoint ``transformers`` can load.
 
   Args:
-    path: output directory (created; existing files of the same names are
-      overwritten).
+    path: output directory (created). The files an earlier export wrote
+      there (``config.json``, ``model.safetensors``,
+      ``model-*-of-*.safetensors``, ``model.safetensors.index.json``) are
+      removed first, so no stale shard or index outlives this export; other
+      files are kept (tokenizer files of the same names are overwritten).
     config: the model config of ``params``.
     params: the params pytree (sharded or not; gathered to the host one
       tensor at a time, and held there one shard at a time).
@@ -423,6 +442,7 @@ def save_hf_checkpoint(path: str | os.PathLike, config: ModelConfig,
   writer = jax.process_index() == 0
   if writer:
     os.makedirs(path, exist_ok=True)
+    _remove_previous_export(path)
   for name, entries in zip(names, shards):
     if writer:
       _write_shard(os.path.join(path, name), entries, params, out_dtype)
@@ -448,6 +468,25 @@ def save_hf_checkpoint(path: str | os.PathLike, config: ModelConfig,
   return written
 
 
+_EXPORTED = re.compile(
+    r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors(\.tmp)?"
+    r"|model\.safetensors\.index\.json")
+
+
+def _remove_previous_export(path: str) -> None:
+  """Removes what an earlier ``save_hf_checkpoint`` wrote to ``path``.
+
+  Loaders (rljax's and ``transformers``') prefer an index to the weight
+  files beside it, so an index left by an earlier sharded export would make
+  them read its old shards instead of the new weights. The index goes first:
+  an export that stops half-way then leaves weights without an index and no
+  config, which fail to load with a clear error.
+  """
+  names = [n for n in os.listdir(path) if _EXPORTED.fullmatch(n)]
+  for name in sorted(names, key=lambda n: not n.endswith(".index.json")):
+    os.remove(os.path.join(path, name))
+
+
 def copy_files(source: str | os.PathLike, destination: str | os.PathLike,
                names: tuple[str, ...]) -> list[str]:
   """Copies those of ``names`` that exist in ``source`` into ``destination``.
@@ -459,7 +498,9 @@ def copy_files(source: str | os.PathLike, destination: str | os.PathLike,
   copied = []
   for name in names:
     path = os.path.join(os.fspath(source), name)
+    target = os.path.join(os.fspath(destination), name)
     if os.path.exists(path):
-      shutil.copyfile(path, os.path.join(os.fspath(destination), name))
+      if not (os.path.exists(target) and os.path.samefile(path, target)):
+        shutil.copyfile(path, target)
       copied.append(name)
   return copied

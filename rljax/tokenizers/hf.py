@@ -283,6 +283,66 @@ class SentencePieceChatTokenizer(_ChatMixin, SentencePieceTokenizer):
     return self._eos_ids
 
 
+def check_tokenizer_vocab(tokenizer: Any, vocab_size: int, where: str) -> int:
+  """Raises unless every id ``tokenizer`` can produce is below ``vocab_size``.
+
+  The model's embedding has ``vocab_size`` rows; an id at or past that reads
+  outside it (JAX fills such a gather with NaN), and training later stops on
+  NaN far from the cause. The ids checked are the largest of the vocabulary
+  (``tokenizer.vocab_size - 1``, and, for a ``tokenizer.json``, the largest id
+  it assigns, added tokens included), ``bos_id``, ``eos_id``, every
+  ``eos_ids`` entry and ``pad_id``. A model vocabulary larger than the
+  tokenizer's (padded embeddings) is fine.
+
+  Args:
+    tokenizer: a ``Tokenizer`` (a ``ChatPromptTokenizer`` works too).
+    vocab_size: the model's ``vocab_size``.
+    where: names the model and tokenizer in the error, e.g. the checkpoint
+      directory.
+
+  Returns:
+    The largest id the tokenizer can produce.
+
+  Raises:
+    ValueError: naming ``where``, the largest id, which id it is (e.g.
+      ``eos_ids[1]``) and ``vocab_size``.
+
+  Example:
+    >>> from rljax.tokenizers import train_sentencepiece
+    >>> texts = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
+    >>> tok = train_sentencepiece(texts, vocab_size=64)
+    >>> check_tokenizer_vocab(tok, 64, "a 64-token model") == tok.vocab_size - 1
+    True
+    >>> check_tokenizer_vocab(tok, 8, "an 8-token model")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: an 8-token model: the tokenizer's largest id is ...
+  """
+  ids = {"tokenizer.vocab_size - 1": int(tokenizer.vocab_size) - 1}
+  backend = getattr(tokenizer, "backend", None)
+  if hasattr(backend, "get_vocab"):
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if vocab:
+      token = max(vocab, key=vocab.get)
+      ids[f"the id of token {token!r}"] = int(vocab[token])
+  for name in ("bos_id", "eos_id", "pad_id"):
+    value = getattr(tokenizer, name, None)
+    if value is not None:
+      ids[name] = int(value)
+  for i, value in enumerate(getattr(tokenizer, "eos_ids", None) or ()):
+    ids[f"eos_ids[{i}]"] = int(value)
+  name = max(ids, key=ids.get)
+  largest = ids[name]
+  if largest >= vocab_size:
+    raise ValueError(
+        f"{where}: the tokenizer's largest id is {largest} ({name}), but the "
+        f"model has vocab_size={vocab_size} (ids 0..{vocab_size - 1}): that "
+        "id would read past the embedding and training would stop on NaN. "
+        "Use the model's own tokenizer, or a model with vocab_size >= "
+        f"{largest + 1}.")
+  return largest
+
+
 def _read_json(path: str) -> dict[str, Any]:
   if not os.path.exists(path):
     return {}
