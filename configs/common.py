@@ -31,6 +31,10 @@ def base() -> ml_collections.ConfigDict:
   c.task.num_train = 6000
   c.task.path = ""               # a JSONL file instead of a built-in task
   c.task.heldout_path = ""       # empty: the head of task.path
+  c.task.required_fields = ("prompt", "answer")  # every JSONL line must have them
+  # No answers in the data, or fewer held-out examples than eval.num_examples:
+  # "error" (default) or "warn".
+  c.task.on_data_problem = "error"
 
   c.tokenizer = ml_collections.ConfigDict()
   c.tokenizer.path = ""          # empty: train a small sentencepiece model
@@ -109,6 +113,10 @@ def base() -> ml_collections.ConfigDict:
   c.rewards.weights = (1.0,)
   c.rewards.num_workers = 2
   c.rewards.timeout_s = 10.0
+  # Stop when more than this fraction of (sample, reward) pairs get no reward
+  # for failure_patience RL steps in a row.
+  c.rewards.max_failure_fraction = 0.99
+  c.rewards.failure_patience = 5
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 50

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import Any
 
 import jax
@@ -133,7 +134,11 @@ class CheckpointManager:
 
     A checkpoint that fails to restore (truncated or corrupted files) is
     skipped with a warning naming its directory, and the one before it is
-    tried.
+    tried. Once an older checkpoint restores with the same ``target`` (so the
+    target is right and the newer ones are damaged), the unreadable newer
+    ones are moved aside into ``<directory>.corrupt/`` (renamed, with a
+    warning), so their steps can be saved again. Nothing is moved when no
+    checkpoint restores.
 
     Returns:
       ``(step, tree, metadata)``.
@@ -145,16 +150,33 @@ class CheckpointManager:
     for step in reversed(self.all_steps()):
       try:
         tree, metadata = self.restore(step, target)
-        return step, tree, metadata
       except Exception as e:  # orbax/tensorstore raise many kinds
         bad = os.path.join(self.directory, str(step))
         logging.warning("checkpoint %s is unreadable (%s: %s); falling back to "
                         "the previous one.", bad, type(e).__name__,
-                        str(e).splitlines()[0][:200])
-        errors.append(bad)
+                        str(e).splitlines()[0][:200] if str(e) else "")
+        errors.append((step, bad))
+        continue
+      if errors:
+        self._move_aside([s for s, _ in errors])
+      return step, tree, metadata
     raise FileNotFoundError(
         f"no readable checkpoint in {self.directory}"
-        + (f" (unreadable: {errors})" if errors else "") + ".")
+        + (f" (unreadable: {[b for _, b in errors]})" if errors else "") + ".")
+
+  def _move_aside(self, steps: list[int]) -> None:
+    aside = self.directory + ".corrupt"
+    os.makedirs(aside, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for step in steps:
+      source = os.path.join(self.directory, str(step))
+      target = os.path.join(aside, f"{step}-{stamp}")
+      os.replace(source, target)
+      logging.warning("moved the unreadable checkpoint %s aside to %s; step %d "
+                      "will be trained and saved again.", source, target, step)
+    self._scores = {k: v for k, v in self._scores.items()
+                    if int(k) not in set(steps)}
+    self._manager.reload()
 
   def wait(self) -> None:
     """Blocks until pending asynchronous saves are on disk."""

@@ -527,3 +527,19 @@ def test_sum_rewards_leaves_rows_outside_the_mask_at_zero():
   total, _ = adv.sum_rewards().update(
       r, optax.EmptyState(), mask_N=jnp.array([True, False, True, True]))
   np.testing.assert_array_equal(total, [2.0, 0.0, 2.0, 2.0])
+
+
+@pytest.mark.parametrize("scale", [1e30, 1e36])
+def test_large_finite_rewards_do_not_zero_the_advantages(scale):
+  """float32 squares of 1e30 overflow: the statistics are taken scaled."""
+  r = np.array([0.0, 1.0, 1.0, 3.0, 2.0, 2.0, 5.0, 1.0], np.float32) * scale
+  x = (r / scale).astype(np.float64).reshape(2, 4)
+  expected = ((x - x.mean(1, keepdims=True))
+              / x.std(1, ddof=1, keepdims=True)).reshape(-1)
+  for tx in (adv.grpo(), optax.chain(adv.center_by_group_mean(),
+                                     adv.scale_by_batch_std())):
+    a, _ = tx.update(jnp.asarray(r), tx.init(jnp.asarray(r)), group_size=4)
+    assert np.isfinite(a).all() and np.abs(a).max() > 0.1
+  tx = adv.grpo()
+  a, _ = tx.update(jnp.asarray(r), tx.init(jnp.asarray(r)), group_size=4)
+  np.testing.assert_allclose(a, expected, rtol=1e-4, atol=1e-5)

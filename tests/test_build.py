@@ -458,3 +458,21 @@ def test_build_rejects_a_non_algorithm(config):
 def test_math_isfinite_is_a_callable_reward():
   """The importable reward used above resolves to the function itself."""
   assert build_lib.reward_fn("math:isfinite") == ("isfinite", math.isfinite)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("max_failure_fraction", 1.5, "rewards.max_failure_fraction=1.5"),
+    ("max_failure_fraction", -0.1, "rewards.max_failure_fraction=-0.1"),
+    ("failure_patience", 0, "rewards.failure_patience=0"),
+])
+def test_reward_failure_stop_settings_are_checked(config, field, value,
+                                                  expected):
+  config.rewards[field] = value
+  with no_compiles(), raises(expected):
+    build_lib.validate(config)
+
+
+def test_on_data_problem_is_checked(config):
+  config.task.on_data_problem = "ignore"
+  with raises("task.on_data_problem='ignore'", "'error', 'warn'"):
+    build_lib.check_data(config, [], [])

@@ -117,22 +117,18 @@ def user_algorithm():
 @pytest.mark.slow
 def test_user_built_algorithm_trains_and_moves_the_weights(tmp_path):
   config = loop_config()
-  config.checkpoint.every = 2
+  config.checkpoint.every = 1
   summary = train.run(config, str(tmp_path), algorithm=user_algorithm())
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
   assert all(r["grad_norm"] > 0 and math.isfinite(r["pg_loss"]) for r in rows)
-  assert not summary["preempted"]
-  policy = train.load_policy(str(tmp_path))
-  # The config's own algorithm (GRPO, lr 1.5e-4) would not give these
-  # advantages: check the chain ran by its signature, non-zero advantages on
-  # a reward with variance.
   assert any(r["adv/advantage_abs_max"] > 0 for r in rows)
-  fresh = models.init_params(policy.model_config, jax.random.split(
-      jax.random.key(config.seed), 3)[0])
+  assert not summary["preempted"]
+  # The second update moved the weights.
+  one, two = (train.load_policy(str(tmp_path), step) for step in (1, 2))
   moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
-      jax.tree.leaves(policy.params), jax.tree.leaves(fresh))]
-  assert max(moved) > 1e-4
+      jax.tree.leaves(one.params), jax.tree.leaves(two.params))]
+  assert max(moved) > 1e-5
 
 
 def test_user_algorithm_with_wrong_advantage_shape_fails_before_compile():

@@ -68,17 +68,35 @@ def _count(valid, axis=-1):
   return jnp.sum(valid, axis=axis, keepdims=True, dtype=jnp.float32)
 
 
+def _scale(x, valid, axis):
+  """The largest |valid x| along `axis` (1 where it is 0 or not finite).
+
+  Sums and squares are taken of `x / scale`, so rewards up to float32's
+  maximum (~3e38) neither overflow the mean nor the variance (1e30 squared
+  would be inf in float32 and zero every advantage).
+  """
+  m = jnp.max(jnp.where(valid, jnp.abs(x), 0.0), axis, keepdims=True)
+  return jnp.where((m > 0) & jnp.isfinite(m), m, 1.0)
+
+
 def _mean(x, valid, axis=-1):
-  return jnp.sum(jnp.where(valid, x, 0.0), axis, keepdims=True) / jnp.maximum(
-      _count(valid, axis), 1.0)
+  scale = _scale(x, valid, axis)
+  total = jnp.sum(jnp.where(valid, x / scale, 0.0), axis, keepdims=True)
+  return scale * (total / jnp.maximum(_count(valid, axis), 1.0))
 
 
 def _std(x, valid, ddof, axis=-1):
-  """Masked std with `ddof`; 0 when fewer than `ddof + 1` valid values."""
+  """Masked std with `ddof`; 0 when fewer than `ddof + 1` valid values.
+
+  Computed on `x` scaled by its largest valid magnitude (see `_scale`), so
+  large finite rewards give a finite std.
+  """
   n = _count(valid, axis)
   dev = jnp.where(valid, x - _mean(x, valid, axis), 0.0)
-  var = jnp.sum(dev * dev, axis, keepdims=True) / jnp.maximum(n - ddof, 1.0)
-  return jnp.where(n > ddof, jnp.sqrt(var), 0.0)
+  scale = _scale(dev, valid, axis)
+  d = dev / scale
+  var = jnp.sum(d * d, axis, keepdims=True) / jnp.maximum(n - ddof, 1.0)
+  return jnp.where(n > ddof, scale * jnp.sqrt(var), 0.0)
 
 
 def _is_constant(x, valid, axis=-1):

@@ -19,6 +19,7 @@ from rljax.data.pipeline import FormatPrompt
 from rljax.data.pipeline import make_prompt_dataset
 from rljax.data.pipeline import make_prompt_iterator
 from rljax.data.pipeline import repeat_each
+from rljax.data.sources import check_answers
 from rljax.data.sources import JsonlSource
 from rljax.data.sources import read_jsonl
 from rljax.data.sources import write_jsonl
@@ -37,6 +38,7 @@ __all__ = [
     "JsonlSource",
     "SPLITS",
     "TASKS",
+    "check_answers",
     "collate_to_lists",
     "get_task",
     "make_prompt_dataset",

@@ -22,7 +22,8 @@ from rljax.tokenizers.chat import (ChatPromptTokenizer, check_prompt_lengths,
                                    decode_completions, encode_prompts,
                                    prompt_tokenizer, render_prompts)
 from rljax.tokenizers.hf import (ChatTemplate, HFTokenizer,
-                                 SentencePieceChatTokenizer)
+                                 SentencePieceChatTokenizer,
+                                 check_tokenizer_vocab)
 from rljax.tokenizers.hf import load_tokenizer as load_hf_tokenizer
 from rljax.tokenizers.sentencepiece import (SentencePieceTokenizer,
                                             train_sentencepiece)
@@ -32,5 +33,5 @@ __all__ = [
     "load_hf_tokenizer", "HFTokenizer", "ChatTemplate",
     "SentencePieceChatTokenizer", "ChatPromptTokenizer", "prompt_tokenizer",
     "render_prompts", "encode_prompts", "check_prompt_lengths",
-    "decode_completions",
+    "decode_completions", "check_tokenizer_vocab",
 ]

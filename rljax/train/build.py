@@ -142,6 +142,12 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
         f"{len(config.rewards.names)} rewards.names: give one weight each.")
   for i, w in enumerate(config.rewards.weights):
     _finite(f"rewards.weights[{i}]", w)
+  fraction = config.rewards.get("max_failure_fraction", 0.99)
+  if not (isinstance(fraction, (int, float)) and 0.0 <= fraction <= 1.0):
+    raise ValueError(f"rewards.max_failure_fraction={fraction!r}: a number in "
+                     "[0, 1] is required.")
+  _positive("rewards.failure_patience",
+            config.rewards.get("failure_patience", 5))
   correctness = config.eval.get("reward")
   labels = [reward_fn(n)[0] for n in config.rewards.names]
   if correctness and correctness not in labels:
@@ -217,14 +223,61 @@ def load_task(config: Any):
   t = config.task
   seed = config.seed
   if t.get("path"):
-    train = list(data_lib.read_jsonl(t.path))
-    heldout = (list(data_lib.read_jsonl(t.heldout_path)) if t.get("heldout_path")
-               else train[:config.eval.num_examples])
+    required = tuple(t.get("required_fields", ("prompt", "answer")) or ())
+    train = list(data_lib.read_jsonl(t.path, required_fields=required))
+    heldout = (list(data_lib.read_jsonl(t.heldout_path,
+                                        required_fields=required))
+               if t.get("heldout_path") else train[:config.eval.num_examples])
     return None, train, heldout[:config.eval.num_examples]
   task = data_lib.get_task(t.name, **dict(t.get("kwargs", {}) or {}))
   train = task.examples("train", t.num_train, seed)
   heldout = task.examples("heldout", config.eval.num_examples, seed + 1)
   return task, train, heldout
+
+
+DATA_CHECKS = ("error", "warn")
+
+
+def check_data(config: Any, train_examples: list[dict[str, Any]],
+               heldout: list[dict[str, Any]],
+               mesh: jax.sharding.Mesh | None = None) -> None:
+  """Checks the loaded examples before anything is compiled.
+
+  * a JSONL task (``task.path``) in which no example has a non-empty
+    ``answer``: the answer-checking verifiers would score 0 and training
+    would run on zero reward;
+  * fewer held-out examples than ``eval.num_examples`` (and, for a JSONL
+    task without ``task.heldout_path``, a held-out set taken from the
+    training file);
+  * a held-out count that does not split over the mesh's batch axes.
+
+  ``task.on_data_problem`` says whether the first two raise (``"error"``,
+  the default) or log a warning (``"warn"``); the last always raises.
+  """
+  mode = config.task.get("on_data_problem", "error")
+  alg_lib.check_choice("task.on_data_problem", mode, DATA_CHECKS)
+  where = config.task.get("path") or f"task.name={config.task.name!r}"
+  problems = []
+  if config.task.get("path") and not data_lib.check_answers(
+      train_examples, where):
+    problems.append(
+        f"no training example of {where} has a non-empty 'answer' field: the "
+        "built-in verifiers would score every completion 0")
+  want = config.eval.num_examples
+  if len(heldout) < want:
+    source = (config.task.get("heldout_path") or
+              (f"the head of {config.task.path} (training rows!)"
+               if config.task.get("path") else where))
+    problems.append(
+        f"eval.num_examples={want} but {source} holds only {len(heldout)} "
+        f"held-out examples; accepted: eval.num_examples <= {len(heldout)}")
+  for problem in problems:
+    if mode == "error":
+      raise ValueError(problem + " (task.on_data_problem='warn' only warns).")
+    log.warning("DATA PROBLEM: %s.", problem)
+  if mesh is not None and heldout:
+    sharding.check_batch_divisible(
+        len(heldout), mesh, f"the number of held-out examples loaded ({where})")
 
 
 def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]]):
@@ -377,6 +430,9 @@ class LoopSettings:
       row (None: never).
     sampling_temperature: for the log line.
     task_name: for the plot title.
+    max_reward_failure_fraction, reward_failure_patience: stop when the
+      fraction of (sample, reward function) pairs without a reward exceeds
+      the first for that many RL steps in a row.
   """
 
   seed: int
@@ -392,6 +448,8 @@ class LoopSettings:
   max_consecutive_nonfinite: int | None
   sampling_temperature: float
   task_name: str
+  max_reward_failure_fraction: float = 0.99
+  reward_failure_patience: int = 5
 
 
 def loop_settings(config: Any) -> LoopSettings:
@@ -408,7 +466,10 @@ def loop_settings(config: Any) -> LoopSettings:
       max_consecutive_nonfinite=config.optimizer.get(
           "max_consecutive_nonfinite"),
       sampling_temperature=float(config.sampler.temperature),
-      task_name=config.task.name)
+      task_name=config.task.name,
+      max_reward_failure_fraction=float(
+          config.rewards.get("max_failure_fraction", 0.99)),
+      reward_failure_patience=int(config.rewards.get("failure_patience", 5)))
 
 
 # ----------------------------------------------------------------------------
@@ -489,6 +550,7 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None
                                                     + alg.extra_samples),
                              num_rewards, rl.group_size + alg.extra_samples)
   task, train_examples, heldout = load_task(config)
+  check_data(config, train_examples, heldout, mesh)
   hf_path = config.model.get("path") or ""
   initial_params = None
   if hf_path:
@@ -502,6 +564,9 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None
   else:
     tokenizer = make_tokenizer(config, task, train_examples)
     model_config = preset_model_config(config, tokenizer.vocab_size)
+  tok_lib.check_tokenizer_vocab(
+      tokenizer, model_config.vocab_size,
+      hf_path or f"model.preset={config.model.preset!r}")
   buckets = tuple(config.sampler.prompt_buckets)
   tok_lib.check_prompt_lengths(
       tokenizer, [e["prompt"] for e in train_examples + heldout], buckets)

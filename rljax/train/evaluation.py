@@ -78,8 +78,9 @@ def evaluate(
   rollout = jax.device_get(sample_fn(params, tokens, mask, key))
   completions = tok_lib.decode_completions(
       tokenizer, rollout.completion_tokens, rollout.completion_mask, eos_ids)
-  fields = {k: [e[k] for e in examples for _ in range(num_samples)]
-            for k in examples[0]}
+  names = sorted({k for e in examples for k in e})  # optional fields: None
+  fields = {k: [e.get(k) for e in examples for _ in range(num_samples)]
+            for k in names}
   result = evaluator.evaluate(fields["prompt"], completions, fields)
   column = list(result.names).index(correctness_reward)
   scores = np.nan_to_num(result.rewards_NxR[:, column], nan=0.0)

@@ -17,6 +17,7 @@ same parts (see ``colabs/compose_an_algorithm.ipynb``).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ from rljax import data as data_lib
 from rljax import metrics as metrics_lib
 from rljax import models
 from rljax.train import build as build_lib
-from rljax.train import evaluation, sft
+from rljax.train import evaluation, rundir, sft
 from rljax.train.algorithm import Algorithm
 from rljax.train.rollout import Collector
 from rljax.train.steps import TrainState, jit_rl_step, make_rl_step
@@ -93,9 +94,12 @@ class _StopSignal:
 
   def _handle(self, signum, frame):
     del frame
-    if self.received:  # a second signal: stop now
-      raise KeyboardInterrupt
     self.received = signal.Signals(signum).name
+    # A second signal takes the default action (the process ends at once),
+    # never a KeyboardInterrupt raised inside a running XLA computation.
+    # Checkpoints are atomic, so nothing saved is lost.
+    for sig in self._previous:
+      signal.signal(sig, signal.SIG_DFL)
 
   def restore(self):
     for sig, handler in self._previous.items():
@@ -103,14 +107,65 @@ class _StopSignal:
     self._previous = {}
 
 
+class _Guards:
+  """Stops a run whose updates keep being non-finite or whose rewards fail."""
+
+  def __init__(self, settings: build_lib.LoopSettings):
+    self.s = settings
+    self.skipped_total = 0
+    self.failing_steps = 0
+
+  def check(self, step: int, last: dict[str, float],
+            manager: ckpt_lib.CheckpointManager,
+            writer: metrics_lib.MetricWriter) -> None:
+    """Warns on skipped updates; closes up and raises past a limit."""
+    s = self.s
+    if last.get("nonfinite_skipped_total", 0) > self.skipped_total:
+      self.skipped_total = int(last["nonfinite_skipped_total"])
+      log.warning("step %d: non-finite loss or gradient; the update was "
+                  "skipped (%d updates skipped so far).", step,
+                  self.skipped_total)
+    bad = int(last.get("nonfinite_consecutive", 0))
+    if s.max_consecutive_nonfinite and bad >= s.max_consecutive_nonfinite:
+      writer.close()
+      manager.wait()  # a save in flight completes before the message names it
+      latest = manager.latest_step()
+      where = (f"the newest complete checkpoint is step {latest} in "
+               f"{os.path.join(manager.directory, str(latest))}"
+               if latest is not None else
+               f"no checkpoint was saved yet in {manager.directory}")
+      manager.close()
+      raise FloatingPointError(
+          f"{bad} consecutive optimizer updates up to RL step {step} had a "
+          "non-finite loss or gradient (optimizer.max_consecutive_nonfinite="
+          f"{s.max_consecutive_nonfinite}): stopping; {where}.")
+    failing = last["reward/failure_fraction"] > s.max_reward_failure_fraction
+    self.failing_steps = self.failing_steps + 1 if failing else 0
+    if self.failing_steps >= s.reward_failure_patience:
+      writer.close()
+      manager.close()  # a save in flight completes
+      raise RuntimeError(
+          f"reward/failure_fraction > rewards.max_failure_fraction="
+          f"{s.max_reward_failure_fraction} for {self.failing_steps} RL steps "
+          f"in a row (rewards.failure_patience={s.reward_failure_patience}, "
+          f"last step {step}): the reward functions are failing, see the "
+          "warnings above. Fix them, or raise either setting to keep training.")
+
+
 def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
         ) -> dict[str, Any]:
   """Trains as ``config`` says, writing everything under ``workdir``.
 
+  The run holds an exclusive lock on ``workdir`` (a second run on it fails,
+  naming the holder). A directory with checkpoints is resumed from its newest
+  readable one, after checking that the config can continue it (the fields
+  of ``rundir.RESUME_FIELDS``) and before anything is written; rows of
+  ``metrics.jsonl`` after the restored step are dropped. A full disk ends the
+  run with one error naming the path.
+
   Args:
     config: an ml_collections config (``configs/*.py``).
-    workdir: where config, tokenizer, metrics, plots and checkpoints go; a
-      directory with checkpoints is resumed.
+    workdir: where config, tokenizer, metrics, plots and checkpoints go.
     algorithm: a user-built ``Algorithm`` to train instead of the one the
       config names (``rl.advantage``, ``rl.objective``, ``optimizer``).
 
@@ -118,9 +173,44 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
     A summary: held-out metrics before and after RL, the final metrics and
     the paths written.
   """
-  os.makedirs(workdir, exist_ok=True)
+  lock = rundir.WorkdirLock(workdir)
+  # From here on SIGTERM/SIGINT only set a flag, checked at step boundaries
+  # (a first signal during set-up or SFT stops at the first one).
+  stop_signal = _StopSignal()
+  try:
+    return _run(config, workdir, algorithm, stop_signal)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    full = rundir.disk_full(e)
+    if full is None:
+      raise
+    raise OSError(
+        errno.ENOSPC, f"no space left on the device while writing "
+        f"{full.filename or workdir}: free some space, then run the same "
+        "command to resume from the newest complete checkpoint in "
+        f"{os.path.join(workdir, 'checkpoints')}.") from None
+  finally:
+    stop_signal.restore()
+    lock.release()
+
+
+def _run(config: Any, workdir: str, algorithm: Algorithm | None,
+         stop_signal: _StopSignal) -> dict[str, Any]:
   t0 = time.time()
+  config_json = json.loads(config.to_json_best_effort())
+  checkpoints = os.path.join(workdir, "checkpoints")
+  saved = rundir.saved_config(workdir)
+  if saved is not None and os.path.isdir(checkpoints) and os.listdir(checkpoints):
+    rundir.check_resumable(saved, config_json, workdir)
   c = build_lib.build(config, algorithm_override=algorithm)
+  try:
+    return _train(c, config, config_json, workdir, t0, stop_signal)
+  finally:
+    c.evaluator.close()
+
+
+def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
+           workdir: str, t0: float, stop_signal: _StopSignal
+           ) -> dict[str, Any]:
   s, alg = c.settings, c.algorithm
   kl = bool(c.step_config.kl_coef)
   with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -129,8 +219,9 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
     build_lib.save_hf_files(c.hf_path, workdir)
   else:
     c.tokenizer.save(os.path.join(workdir, "tokenizer.model"))
-  writer = metrics_lib.MetricWriter(workdir)
-  init_key, eval_key, state_key = jax.random.split(jax.random.key(s.seed), 3)
+  # Four keys, the second unused (it was the SFT's, which draws its data
+  # from the seed): a seed keeps the initial params and keys it always had.
+  init_key, _, eval_key, state_key = jax.random.split(jax.random.key(s.seed), 4)
   params = (c.initial_params if c.initial_params is not None
             else models.init_params(c.model_config, init_key, c.mesh))
   c.initial_params = None
@@ -152,7 +243,11 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
   iterator = data_lib.make_prompt_iterator(
       c.train_examples, s.prompts_per_step, s.seed)
   summary: dict[str, Any] = {"workdir": workdir, "preempted": False}
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
   if not manager.all_steps():
+    if os.path.exists(metrics_path):  # rows of a run that saved nothing
+      rundir.trim_metrics(metrics_path, -10**9)
+    writer = metrics_lib.MetricWriter(workdir)
     params = sft.run_sft(params, c.sft, task=c.task, tokenizer=c.tokenizer,
                          model_config=c.model_config, mesh=c.mesh,
                          param_shardings=c.param_shardings, writer=writer)
@@ -171,7 +266,10 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
     del target
     iterator.set_state(meta["data_iterator"])
     summary["before"] = meta.get("before", {})
-    log.info("resumed from step %d in %s", resumed, manager.directory)
+    dropped = rundir.trim_metrics(metrics_path, resumed)
+    writer = metrics_lib.MetricWriter(workdir)
+    log.info("resumed from step %d in %s (%d metric rows after it dropped)",
+             resumed, manager.directory, dropped)
   del params  # the state holds them (and ref_params, with a KL term)
 
   def save(step, metrics=None):
@@ -181,7 +279,7 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
     best = s.best_metric
     manager.save(step, tree, {"data_iterator": iterator.get_state(),
                               "before": summary["before"],
-                              "config": json.loads(config.to_json_best_effort())},
+                              "config": config_json},
                  metrics=({best: metrics[best]} if best and metrics
                           and best in metrics else None))
 
@@ -194,9 +292,7 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
       s.num_steps, keys=("reward/total/mean", "accuracy", "eval/accuracy"))
   last: dict[str, float] = {}
   step = int(state.step)
-  stop_signal = _StopSignal()
-  max_bad = s.max_consecutive_nonfinite
-  skipped_total = 0
+  guards = _Guards(s)
   while step < s.num_steps:
     if stop_signal.received:
       save(step)
@@ -234,25 +330,11 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
     writer.write(step, m)
     progress.update(step, m)
     last = metrics_lib.to_floats(m)
-    if last.get("nonfinite_skipped_total", 0) > skipped_total:
-      skipped_total = int(last["nonfinite_skipped_total"])
-      log.warning("step %d: non-finite loss or gradient; the update was skipped "
-                  "(%d updates skipped so far).", step, skipped_total)
-    if max_bad and last.get("nonfinite_consecutive", 0) >= max_bad:
-      writer.close()
-      stop_signal.restore()
-      c.evaluator.close()
-      raise FloatingPointError(
-          f"{int(last['nonfinite_consecutive'])} consecutive optimizer updates "
-          f"up to RL step {step} had a non-finite loss or gradient "
-          f"(optimizer.max_consecutive_nonfinite={max_bad}): stopping. The last "
-          f"good checkpoint is in {manager.directory}.")
+    guards.check(step, last, manager, writer)
     if step % s.checkpoint_every == 0 or step == s.num_steps:
       save(step, last)
-  stop_signal.restore()
   manager.close()
   writer.close()
-  c.evaluator.close()
   rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   plot = os.path.join(workdir, "curves.png")
   metrics_lib.plot_curves(

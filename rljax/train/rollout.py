@@ -207,6 +207,7 @@ class Collector:
                     for k, v in adv_metrics.items()})
     metrics.update({
         "reward/all_failed": float(np.sum(~valid_N)),
+        "reward/failure_fraction": float(1.0 - result.valid_NxR.mean()),
         "accuracy": float(correct.mean()),
         "completion_length/mean": float(lengths.mean()),
         "completion_length/max": float(lengths.max()),
