@@ -342,8 +342,11 @@ def test_process_pool_survives_raise_hang_death_and_none(tmp_path):
     np.testing.assert_array_equal(result.rewards_NxR[:, 0], [1] * 5)
     np.testing.assert_array_equal(result.rewards_NxR[:, 2],
                                   [0.5, nan, nan, nan, 1.0])
+    # "x" cannot be converted (an error); inf converts but is no usable
+    # reward (invalid); NaN is no reward (none).
     assert (result.metrics["reward/odd/errors"],
-            result.metrics["reward/odd/none"]) == (2, 1)
+            result.metrics["reward/odd/invalid"],
+            result.metrics["reward/odd/none"]) == (1, 1, 1)
     assert result.metrics["reward/worker_restarts"] == 0
     # pylint: disable-next=protected-access
     processes = [w.process for w in evaluator._pool._workers]

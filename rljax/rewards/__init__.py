@@ -9,6 +9,14 @@ batch. ``RewardEvaluator`` runs weighted ``RewardSpec``s in a process pool
 with a per-call timeout and returns rewards ``[N, R]``, their total and
 metrics; ``verifiers`` holds the built-in functions, ``parsing`` the
 extraction helpers and the safe arithmetic evaluator.
+
+Reward functions are user code and are isolated from the trainer: each
+worker runs in its own process group (killed whole at a timeout, at
+``close()`` and at exit, children included), under an optional memory limit,
+and sends back only plain floats and status codes, never a pickle. Every
+failure (exception, ``SystemExit``, timeout, death, unconvertible,
+non-finite or out-of-float32-range value) is counted in the metrics and
+never stops training; ``evaluation``'s docstring lists how each is counted.
 """
 
 from rljax.rewards import parsing

@@ -1,35 +1,76 @@
-"""A process pool whose stuck workers are killed and replaced.
+"""A process pool whose stuck workers are killed and replaced, and which
+never runs a worker's code in the parent.
 
 ``concurrent.futures`` can stop waiting for a hung call but cannot stop the
 call: the worker stays busy forever and the pool shrinks by one each time.
 Here each worker is a ``multiprocessing.Process`` with its own pipe; the
 parent tracks which task each worker runs and when it started, and when a task
-passes its deadline the parent kills that worker (SIGKILL), reports a timeout
-and starts a fresh worker in its place. Other workers are not disturbed.
+passes its deadline the parent kills that worker, reports a timeout and starts
+a fresh worker in its place. Other workers are not disturbed.
+
+Isolation, in the order a task meets it:
+
+* Results come back as bytes, never as pickles. A worker passes the called
+  function's return value to ``encode`` (a function given to the pool, run in
+  the worker) and sends ``[header length][JSON header][payload]`` with
+  ``send_bytes``; the parent reads it with ``recv_bytes`` and ``json.loads``.
+  Unpickling a returned object could run any code in the parent (an object's
+  ``__reduce__`` may sleep or call ``os._exit``); parsing JSON and handing
+  over bytes runs none. Error messages are plain, truncated strings.
+* Each worker leads its own session and process group (``os.setsid`` at
+  start), and whatever the called functions start (``os.fork``,
+  ``subprocess``) joins that group. A worker is stopped by killing the whole
+  group with SIGKILL: at a timeout, after the worker dies, at ``close()``,
+  when the pool is garbage-collected and at interpreter exit
+  (``weakref.finalize``). If the parent itself is killed, a watchdog thread in
+  each worker sees it within a second and kills its own group. A process that
+  leaves the group on purpose (``os.setsid``, ``start_new_session=True``)
+  escapes this.
+* A forked child that returns from the called function instead of exiting is
+  ended (``os._exit``) before it can answer in its parent's place.
+* ``memory_limit_mb`` caps a worker's address space (``RLIMIT_AS``) at its
+  size after start-up (Python, numpy, the functions' modules) plus that many
+  MiB; the processes it starts inherit the cap. An allocation past it raises
+  ``MemoryError`` in the call (an ``"error"`` outcome), and a worker that
+  dies of it is replaced.
+* Any ``BaseException`` a call raises (``SystemExit`` included) is an
+  ``"error"`` outcome; workers ignore SIGINT (Ctrl-C is the parent's).
 
 Workers are started with ``spawn`` (or ``forkserver``), never ``fork``: the
 parent runs JAX, which is multithreaded, and forking a multithreaded process
-can deadlock the child. The functions a pool runs are sent once, when a worker
-starts, so they must be picklable (module-level functions, or
-``functools.partial`` of them). A worker says "ready" after it has unpickled
-them (importing their modules), so start-up time is not charged to the first
-task's timeout.
+can deadlock the child. The functions a pool runs (and ``encode``) are pickled
+once, in the parent, and sent when a worker starts, so they must be picklable
+(module-level functions, or ``functools.partial`` of them); the parent trusts
+its own functions, so this direction may use pickle. A worker says "ready"
+after it has unpickled them (importing their modules), so start-up time is
+not charged to the first task's timeout.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import multiprocessing
 import multiprocessing.connection
+import os
+import pickle
+import resource
 import signal
+import struct
+import threading
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 _MAX_MESSAGE_CHARS = 500
+_MAX_MESSAGE_BYTES = 1 << 26  # A longer answer is refused as malformed.
+_HEADER = struct.Struct("<I")
 _READY = "ready"
+_PARENT_POLL_S = 1.0
+_DEATH_POLL_S = 0.2
 
 
 class Task(NamedTuple):
@@ -43,50 +84,149 @@ class Outcome(NamedTuple):
   """How a task ended.
 
   Attributes:
-    status: ``"ok"`` (``value`` holds the return value), ``"error"`` (the
-      call raised, its result could not be sent back, or its worker died) or
-      ``"timeout"`` (its worker was killed at the deadline).
-    value: the return value for ``"ok"``, else None.
+    status: ``"ok"`` (``value`` holds the bytes ``encode`` made of the return
+      value), ``"error"`` (the call or ``encode`` raised, the answer was
+      malformed, or the worker died) or ``"timeout"`` (its worker was killed
+      at the deadline).
+    value: the encoded return value for ``"ok"``, else None.
     message: what went wrong, empty for ``"ok"``.
   """
   status: Literal["ok", "error", "timeout"]
-  value: Any
+  value: bytes | None
   message: str
 
 
 def describe_exception(exc: BaseException) -> str:
-  """One line: the exception and where it was raised, truncated."""
-  lines = traceback.format_exception_only(type(exc), exc)
-  tb = traceback.extract_tb(exc.__traceback__)
-  where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-  return ("".join(lines).strip() + where)[:_MAX_MESSAGE_CHARS]
+  """One line: the exception and where it was raised, truncated.
+
+  Never raises: an exception whose ``__str__`` fails is named by its type.
+  """
+  try:
+    lines = traceback.format_exception_only(type(exc), exc)
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    text = "".join(lines).strip() + where
+  except BaseException:  # pylint: disable=broad-exception-caught
+    text = f"{type(exc).__name__} (its message could not be formatted)"
+  return text[:_MAX_MESSAGE_CHARS]
+
+
+def kill_group(pgid: int) -> None:
+  """SIGKILLs process group ``pgid`` if it exists."""
+  try:
+    os.killpg(pgid, signal.SIGKILL)
+  except (ProcessLookupError, PermissionError):
+    pass
+
+
+def _kill_groups(pgids: set[int]) -> None:
+  for pgid in list(pgids):
+    kill_group(pgid)
+  pgids.clear()
+
+
+def _has_exited(pid: int) -> bool:
+  """Whether child ``pid`` has ended, without reaping it (its pid, which is
+  its group's id, stays reserved until ``join``)."""
+  try:
+    return os.waitid(os.P_PID, pid,
+                     os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+  except ChildProcessError:  # Already reaped.
+    return True
+
+
+def _address_space_bytes() -> int:
+  """This process's virtual size (Linux ``/proc``; 0 where unknown)."""
+  try:
+    with open("/proc/self/statm", encoding="ascii") as f:
+      return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return 0
+
+
+def _limit_address_space(extra_bytes: int) -> None:
+  _, hard = resource.getrlimit(resource.RLIMIT_AS)
+  limit = _address_space_bytes() + extra_bytes
+  if hard != resource.RLIM_INFINITY:
+    limit = min(limit, hard)
+  resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+  """Kills this worker's group once its parent has gone (then never returns)."""
+  while os.getppid() == parent_pid:
+    time.sleep(_PARENT_POLL_S)
+  os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _send(conn: multiprocessing.connection.Connection, task_id: int | None,
+          status: str, message: str = "", payload: bytes = b"") -> None:
+  header = json.dumps({"id": task_id, "status": status,
+                       "message": message[:_MAX_MESSAGE_CHARS]}).encode()
+  conn.send_bytes(_HEADER.pack(len(header)) + header + payload)
+
+
+def _parse(data: bytes) -> tuple[int | None, str, str, bytes]:
+  """``(task id, status, message, payload)`` of a worker's answer.
+
+  Raises:
+    ValueError: if ``data`` is not an answer a worker would send.
+  """
+  if len(data) < _HEADER.size:
+    raise ValueError(f"{len(data)} bytes, shorter than a header")
+  (size,) = _HEADER.unpack_from(data)
+  try:
+    header = json.loads(data[_HEADER.size:_HEADER.size + size])
+  except RecursionError as exc:
+    raise ValueError("the header nests too deeply") from exc
+  if not isinstance(header, dict):
+    raise ValueError("the header is not a JSON object")
+  task_id, status, message = (header.get("id"), header.get("status"),
+                              header.get("message"))
+  id_ok = task_id is None or (isinstance(task_id, int)
+                              and not isinstance(task_id, bool))
+  if (not id_ok or status not in (_READY, "ok", "error")
+      or not isinstance(message, str)):
+    raise ValueError(f"unexpected header {str(header)[:100]}")
+  return task_id, status, message[:_MAX_MESSAGE_CHARS], data[
+      _HEADER.size + size:]
 
 
 def _worker_main(conn: multiprocessing.connection.Connection,
-                 fns: Sequence[Callable[..., Any]]) -> None:
+                 pickled_fns: bytes, memory_limit_bytes: int | None) -> None:
   """Runs tasks from ``conn`` until it closes or sends None."""
-  # Ctrl-C goes to the whole process group; the parent decides what to do.
+  os.setsid()  # Own session and group, led by this process: pgid == pid.
+  worker_pid = os.getpid()
+  # Ctrl-C goes to the parent; the parent decides what to do.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-  conn.send((_READY, None, None))
+  threading.Thread(target=_exit_with_parent, args=(os.getppid(),),
+                   daemon=True, name="rljax-parent-watch").start()
+  fns, encode = pickle.loads(pickled_fns)
+  if memory_limit_bytes:
+    _limit_address_space(memory_limit_bytes)
+  _send(conn, None, _READY)
   while True:
     try:
       message = conn.recv()
     except (EOFError, OSError):
-      return
+      break  # The parent has gone.
     if message is None:
       return
     task_id, (fn_index, args, kwargs) = message
     try:
-      value = fns[fn_index](*args, **kwargs)
-      if not isinstance(value, (list, tuple)) and hasattr(value, "__iter__"):
-        value = list(value)
-      conn.send((task_id, "ok", value))
+      status, text, payload = "ok", "", encode(fns[fn_index](*args, **kwargs))
+      if not isinstance(payload, bytes):
+        raise TypeError(f"encode returned {type(payload).__name__}, not bytes")
     except BaseException as exc:  # pylint: disable=broad-exception-caught
-      # A reward may raise anything, even SystemExit; none may end the worker.
-      try:
-        conn.send((task_id, "error", describe_exception(exc)))
-      except (OSError, ValueError):
-        return
+      # A call may raise anything, even SystemExit; none may end the worker.
+      status, text, payload = "error", describe_exception(exc), b""
+    if os.getpid() != worker_pid:
+      os._exit(0)  # A forked child returned from the call: it has no say.
+    try:
+      _send(conn, task_id, status, text, payload)
+    except (OSError, ValueError):
+      break
+  os.killpg(worker_pid, signal.SIGKILL)
 
 
 @dataclasses.dataclass
@@ -103,23 +243,31 @@ class KillingPool:
 
   Args:
     fns: the functions tasks may call, by index; must be picklable.
+    encode: ``encode(return value) -> bytes``, run in the worker on each
+      return value; must be picklable. Its bytes are the ``"ok"`` outcome's
+      value, and the only thing of the result that reaches the parent.
     num_workers: number of worker processes, at least 1.
     timeout_s: seconds one task may run before its worker is killed.
     start_method: ``"spawn"`` or ``"forkserver"``.
     startup_timeout_s: seconds a new worker may take to import ``fns``.
     max_startup_failures: consecutive failed worker starts after which
       ``run`` raises (the functions cannot be imported in a fresh process).
+    memory_limit_mb: address space (MiB) a worker may add to its size after
+      start-up (``RLIMIT_AS``, inherited by the processes it starts); None
+      for no limit.
   """
 
   def __init__(
       self,
       fns: Sequence[Callable[..., Any]],
       *,
+      encode: Callable[[Any], bytes],
       num_workers: int,
       timeout_s: float,
       start_method: str = "spawn",
       startup_timeout_s: float = 120.0,
       max_startup_failures: int = 3,
+      memory_limit_mb: int | None = None,
   ):
     accepted = ("spawn", "forkserver")
     if start_method not in accepted:
@@ -130,13 +278,19 @@ class KillingPool:
       raise ValueError(f"num_workers={num_workers}: at least 1 is required.")
     if not timeout_s > 0:
       raise ValueError(f"timeout_s={timeout_s}: must be > 0.")
-    self._fns = tuple(fns)
+    self._pickled_fns = pickle.dumps((tuple(fns), encode))
+    self._memory_limit_bytes = (memory_limit_mb << 20 if memory_limit_mb
+                                else None)
     self._num_workers = num_workers
     self._timeout_s = float(timeout_s)
     self._startup_timeout_s = float(startup_timeout_s)
     self._max_startup_failures = max_startup_failures
     self._ctx = multiprocessing.get_context(start_method)
     self._workers: list[_Worker] = []
+    # Process groups still to kill; shared with the finalizer, which must not
+    # hold the pool itself.
+    self._groups: set[int] = set()
+    self._finalizer = weakref.finalize(self, _kill_groups, self._groups)
     self._startup_failures = 0
     self._next_task_id = 0
     self._closed = False
@@ -151,17 +305,23 @@ class KillingPool:
   def _start_worker(self) -> None:
     parent_conn, child_conn = self._ctx.Pipe(duplex=True)
     process = self._ctx.Process(
-        target=_worker_main, args=(child_conn, self._fns), daemon=True,
-        name="rljax-reward-worker")
+        target=_worker_main,
+        args=(child_conn, self._pickled_fns, self._memory_limit_bytes),
+        daemon=True, name="rljax-reward-worker")
     process.start()
+    self._groups.add(process.pid)
     child_conn.close()
     self._workers.append(_Worker(
         process, parent_conn, time.monotonic() + self._startup_timeout_s))
 
   def _kill(self, worker: _Worker) -> None:
+    # The group first, while the worker is not yet reaped: its pid (the
+    # group's id) cannot be reused by an unrelated process before the kill.
+    kill_group(worker.process.pid)
     if worker.process.is_alive():
       worker.process.kill()
     worker.process.join(timeout=5.0)
+    self._groups.discard(worker.process.pid)
     worker.conn.close()
     self._workers.remove(worker)
 
@@ -183,8 +343,9 @@ class KillingPool:
     """Runs all tasks and returns their outcomes, in order.
 
     Never raises for a task's failure; a task that raises, hangs past
-    ``timeout_s`` or kills its worker gets an ``"error"`` or ``"timeout"``
-    outcome. Raises RuntimeError only if workers cannot start at all.
+    ``timeout_s``, answers malformed bytes or kills its worker gets an
+    ``"error"`` or ``"timeout"`` outcome. Raises RuntimeError only if workers
+    cannot start at all.
     """
     if self._closed:
       raise RuntimeError("run() on a closed KillingPool.")
@@ -195,6 +356,9 @@ class KillingPool:
     while pending or any(w.task_id is not None for w in self._workers):
       for worker in list(self._workers):
         if pending and worker.ready and worker.task_id is None:
+          if _has_exited(worker.process.pid):  # Died idle (a stray thread?).
+            self._replace(worker, during_startup=False)
+            continue
           i = pending.popleft()
           try:
             worker.conn.send((first_id + i, tuple(tasks[i])))
@@ -211,11 +375,17 @@ class KillingPool:
       if not waiting:
         continue
       wait_s = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
+      # A dead worker's pipe and sentinel stay open while a process it forked
+      # holds their other ends, so deaths are also polled for.
       readable = multiprocessing.connection.wait(
-          [w.conn for w in waiting], timeout=wait_s)
+          [w.conn for w in waiting] + [w.process.sentinel for w in waiting],
+          timeout=min(wait_s, _DEATH_POLL_S))
       for worker in waiting:
         if worker.conn in readable:
           self._receive(worker, first_id, outcomes)
+        elif (worker.process.sentinel in readable
+              or _has_exited(worker.process.pid)):
+          self._fail(worker, first_id, outcomes, "the worker died")
         elif time.monotonic() >= worker.deadline:
           if worker.task_id is not None:
             outcomes[worker.task_id - first_id] = Outcome(
@@ -224,27 +394,40 @@ class KillingPool:
           self._replace(worker, during_startup=not worker.ready)
     return outcomes  # type: ignore[return-value]
 
+  def _fail(self, worker: _Worker, first_id: int,
+            outcomes: list[Outcome | None], what: str) -> None:
+    """Records an error for the worker's task and replaces the worker."""
+    kill_group(worker.process.pid)
+    worker.process.join(timeout=1.0)
+    if worker.task_id is not None:
+      outcomes[worker.task_id - first_id] = Outcome(
+          "error", None,
+          f"{what} (exit code {worker.process.exitcode})"[:_MAX_MESSAGE_CHARS])
+    self._replace(worker, during_startup=not worker.ready)
+
   def _receive(self, worker: _Worker, first_id: int,
                outcomes: list[Outcome | None]) -> None:
     try:
-      task_id, status, payload = worker.conn.recv()
+      data = worker.conn.recv_bytes(_MAX_MESSAGE_BYTES)
     except (EOFError, OSError) as exc:
-      worker.process.join(timeout=1.0)
-      if worker.task_id is not None:
-        outcomes[worker.task_id - first_id] = Outcome(
-            "error", None, f"the worker died (exit code "
-            f"{worker.process.exitcode}, {type(exc).__name__})")
-      self._replace(worker, during_startup=not worker.ready)
+      what = ("the worker died" if _has_exited(worker.process.pid) else
+              f"its answer could not be read ({type(exc).__name__}: {exc})")
+      self._fail(worker, first_id, outcomes, what)
       return
-    except Exception as exc:  # pylint: disable=broad-exception-caught
-      # The result could not be unpickled here; the worker itself is fine.
-      if worker.task_id is not None:
-        outcomes[worker.task_id - first_id] = Outcome(
-            "error", None,
-            f"could not receive the result: {describe_exception(exc)}")
-      worker.task_id = None
+    try:
+      task_id, status, message, payload = _parse(data)
+      if status == _READY:
+        if worker.ready:
+          raise ValueError("a second 'ready'")
+      elif task_id is None or task_id != worker.task_id:
+        raise ValueError(f"an answer to task {task_id} while running task "
+                         f"{worker.task_id}")
+    except ValueError as exc:  # json.JSONDecodeError is a ValueError.
+      # Only the worker's own code writes there, so its stream is corrupt.
+      self._fail(worker, first_id, outcomes,
+                 f"the worker sent a malformed answer ({exc})")
       return
-    if task_id == _READY:
+    if status == _READY:
       worker.ready = True
       self._startup_failures = 0
       return
@@ -252,11 +435,15 @@ class KillingPool:
     if status == "ok":
       outcomes[index] = Outcome("ok", payload, "")
     else:
-      outcomes[index] = Outcome("error", None, payload)
+      outcomes[index] = Outcome("error", None, message)
     worker.task_id = None
 
   def close(self) -> None:
-    """Stops all workers (idempotent). Idle ones exit; others are killed."""
+    """Stops all workers and their process groups (idempotent).
+
+    Idle workers are asked to exit first (so their functions' modules can
+    clean up), then every worker's group is killed.
+    """
     if self._closed:
       return
     self._closed = True
@@ -268,7 +455,11 @@ class KillingPool:
           stopping.append(worker)
       except (OSError, ValueError):
         pass
+    deadline = time.monotonic() + 1.0
     for worker in stopping:
-      worker.process.join(timeout=1.0)
+      while (not _has_exited(worker.process.pid)
+             and time.monotonic() < deadline):
+        time.sleep(0.01)
     for worker in list(self._workers):
       self._kill(worker)
+    self._finalizer()

@@ -10,12 +10,40 @@ weight; a ``RewardEvaluator`` runs a tuple of specs over a batch and returns
 the per-function rewards ``[N, R]`` (NaN where there is no reward), a validity
 mask, the weighted total and metrics.
 
-"No reward" for a sample and a function means: the function returned None or
-NaN for it (counted as ``reward/<name>/none``), raised, returned something
-malformed or killed its worker (``reward/<name>/errors``), or did not finish
-within ``timeout_s`` (``reward/<name>/timeouts``; the worker is killed and
-replaced). None of these stops the evaluator; the counts are numbers of
-samples.
+A function returns a list, tuple, 1-D array or other iterable (not a string
+or a mapping) of one value per sample; each value is converted with
+``float()`` (``None`` and NaN mean "no reward"). For a function run in a
+worker process, the call and the conversion happen in the worker, and only
+plain float64 values and a status byte per sample come back
+(``_encode_values``; the evaluator checks their count): nothing the function
+returned is ever unpickled, or has a method called, in the calling process.
+
+"No reward" for a sample and a function means one of the following, each
+counted in its own metric (numbers of samples) and none of which stops the
+evaluator:
+
+* ``reward/<name>/none``: the function returned None or NaN for it.
+* ``reward/<name>/errors``: the call raised (any ``BaseException``, also
+  ``SystemExit`` and ``MemoryError``; in-process, ``KeyboardInterrupt``
+  is re-raised, since it is the user's Ctrl-C), the value's ``float()``
+  raised, the return value was not a sequence or had the wrong length (the
+  whole call's samples), or the worker died (``os._exit``, a crash, a kill
+  by the memory limit; it is replaced).
+* ``reward/<name>/timeouts``: the call did not finish within ``timeout_s``;
+  its worker and every process the worker started are killed and the worker
+  replaced.
+* ``reward/<name>/invalid``: the value converted but is not a usable float32
+  reward: +-inf, or a magnitude beyond float32's largest (~3.4e38, e.g.
+  ``1e300`` or ``10**400``), which would otherwise turn into an infinite
+  total. With ``RewardEvaluator(clip=c)`` finite values are instead clipped to
+  ``[-c, c]`` and counted in ``reward/<name>/clipped`` (they keep their
+  reward); infinities stay invalid.
+
+Worker processes are isolated (see ``_pool``): each runs in its own process
+group, which is killed whole at a timeout, at ``close()`` and at interpreter
+exit, so processes a reward function forks or starts are not left behind; an
+optional ``memory_limit_mb`` caps each worker's address space. A function
+marked ``in_process`` gets none of this: only its exceptions are contained.
 
 Example:
   >>> from rljax import rewards
@@ -34,9 +62,11 @@ import logging
 import math
 import pickle
 import re
+import struct
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
@@ -45,6 +75,10 @@ from rljax.rewards import verifiers
 
 _log = logging.getLogger(__name__)
 _NAME_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Per-sample status codes, one byte each on the wire.
+_OK, _NONE, _ERROR = 0, 1, 2
+_COUNTS = ("errors", "timeouts", "none", "invalid", "clipped")
 
 
 class RewardFn(Protocol):
@@ -158,19 +192,89 @@ class RewardResult:
   messages: tuple[str, ...]
 
 
-def _to_float(value: Any) -> tuple[float, str]:
-  """Converts one returned value; the string is "" | "none" | "errors"."""
+class _Values(NamedTuple):
+  """One call's rewards as plain data: what crosses back from a worker."""
+  values_n: np.ndarray  # float64; NaN where status_n is not _OK.
+  status_n: np.ndarray  # uint8: _OK, _NONE or _ERROR per sample.
+  note: str  # The first conversion error, or "".
+
+
+_VALUES_HEADER = struct.Struct("<II")  # Sample count, note length in bytes.
+
+
+def _to_float(value: Any) -> tuple[float, int, str]:
+  """One returned value as ``(float64, status, error message)``."""
   if value is None:
-    return math.nan, "none"
-  if isinstance(value, (bool, np.bool_)):
-    return float(value), ""
+    return math.nan, _NONE, ""
   try:
     x = float(value)
-  except (TypeError, ValueError, OverflowError):
-    return math.nan, "errors"
-  if math.isnan(x):
-    return x, "none"
-  return (x, "") if math.isfinite(x) else (math.nan, "errors")
+  except OverflowError:
+    # A finite number beyond float64 (an int like 10**400): keep it as the
+    # largest float64 of its sign, so that it is clipped or counted invalid.
+    try:
+      negative = bool(value < 0)
+    except Exception as exc:  # pylint: disable=broad-exception-caught
+      return math.nan, _ERROR, _pool.describe_exception(exc)
+    return math.copysign(sys.float_info.max, -1.0 if negative else 1.0), _OK, ""
+  except Exception as exc:  # pylint: disable=broad-exception-caught
+    return math.nan, _ERROR, _pool.describe_exception(exc)
+  return (math.nan, _NONE, "") if math.isnan(x) else (x, _OK, "")
+
+
+def _convert(returned: Any) -> _Values:
+  """A reward function's return value as plain floats and status codes.
+
+  Raises:
+    TypeError: if ``returned`` is not an iterable of per-sample values.
+  """
+  if isinstance(returned, (str, bytes, Mapping)) or not isinstance(
+      returned, Iterable):
+    raise TypeError(f"returned {type(returned).__name__}; expected a list of "
+                    "one float or None per sample")
+  if (isinstance(returned, np.ndarray) and returned.ndim == 1
+      and returned.dtype.kind in "biuf"):
+    values_n = returned.astype(np.float64)
+    status_n = np.where(np.isnan(values_n), _NONE, _OK).astype(np.uint8)
+    return _Values(values_n, status_n, "")
+  items = list(returned)
+  values_n = np.empty(len(items), np.float64)
+  status_n = np.empty(len(items), np.uint8)
+  note = ""
+  for i, item in enumerate(items):
+    values_n[i], status_n[i], message = _to_float(item)
+    if message and not note:
+      note = f"sample {i}: {message}"
+  return _Values(values_n, status_n, note)
+
+
+def _encode_values(returned: Any) -> bytes:
+  """``_convert(returned)`` as bytes (run in the worker; see ``_pool``)."""
+  values_n, status_n, note = _convert(returned)
+  note_bytes = note.encode("utf-8", "backslashreplace")[:500]
+  return (_VALUES_HEADER.pack(len(values_n), len(note_bytes))
+          + values_n.astype("<f8").tobytes() + status_n.tobytes()
+          + note_bytes)
+
+
+def _decode_values(payload: bytes) -> _Values:
+  """Parses ``_encode_values`` bytes; runs no code of the worker's.
+
+  Raises:
+    ValueError: if ``payload`` is malformed.
+  """
+  head = _VALUES_HEADER.size
+  if len(payload) < head:
+    raise ValueError(f"{len(payload)} bytes, shorter than a header")
+  n, note_size = _VALUES_HEADER.unpack_from(payload)
+  if len(payload) != head + 9 * n + note_size:
+    raise ValueError(f"{len(payload)} bytes for {n} values and a note of "
+                     f"{note_size} bytes")
+  values_n = np.frombuffer(payload, "<f8", n, head).astype(np.float64)
+  status_n = np.frombuffer(payload, np.uint8, n, head + 8 * n).copy()
+  if np.any(status_n > _ERROR):
+    raise ValueError(f"status codes {sorted(set(status_n.tolist()))}")
+  note = payload[head + 9 * n:].decode("utf-8", "replace")
+  return _Values(values_n, status_n, note)
 
 
 class RewardEvaluator:
@@ -186,7 +290,9 @@ class RewardEvaluator:
   under ``if __name__ == "__main__":`` (as absl's ``app.run`` does), and keep
   reward functions' modules light, since each worker imports them (and the
   main module). A reward function cannot itself start ``multiprocessing``
-  children (``subprocess`` is fine).
+  children (``subprocess`` and ``os.fork`` are fine: whatever it starts is
+  killed with its worker's process group, at a timeout or at ``close()``; a
+  process it starts that should outlive one call lives until then).
 
   Args:
     specs: the reward functions.
@@ -198,10 +304,18 @@ class RewardEvaluator:
     start_method: ``"spawn"`` (default) or ``"forkserver"``; never ``"fork"``.
     startup_timeout_s: seconds a new worker may take to start and import the
       reward functions' modules.
+    clip: if set, finite rewards are clipped to ``[-clip, clip]`` (counted in
+      ``reward/<name>/clipped``) instead of being counted invalid when beyond
+      float32's range; None (default) clips nothing.
+    memory_limit_mb: if set, the address space (virtual memory, MiB) each
+      worker may add to its size after start-up (``RLIMIT_AS``, Linux;
+      inherited by the processes it starts). A reward that allocates past it
+      gets a ``MemoryError`` (its chunk counts as errors). Threads and memory
+      maps count too, so leave headroom. No effect on in-process functions.
 
   Raises:
-    ValueError: on duplicate names or a worker function that cannot be
-      pickled (named in the message).
+    ValueError: on duplicate names, a worker function that cannot be
+      pickled (named in the message), or an out-of-range option.
   """
 
   def __init__(
@@ -214,6 +328,8 @@ class RewardEvaluator:
       missing: Literal["zero", "nan"] = "zero",
       start_method: str = "spawn",
       startup_timeout_s: float = 120.0,
+      clip: float | None = None,
+      memory_limit_mb: int | None = None,
   ):
     self._specs = tuple(specs)
     if not self._specs:
@@ -227,8 +343,16 @@ class RewardEvaluator:
       raise ValueError(f"num_workers={num_workers}: must be >= 0.")
     if chunk_size is not None and chunk_size < 1:
       raise ValueError(f"chunk_size={chunk_size}: must be >= 1 or None.")
+    if memory_limit_mb is not None and not (
+        isinstance(memory_limit_mb, int) and memory_limit_mb >= 1):
+      raise ValueError(f"memory_limit_mb={memory_limit_mb!r}: accepted an "
+                       "int >= 1 or None.")
+    if clip is not None and not 0 < clip <= _FLOAT32_MAX:
+      raise ValueError(f"clip={clip}: accepted None or a number in (0, "
+                       f"{_FLOAT32_MAX:.4g}] (float32's largest).")
     combine_rewards(np.zeros((0, len(names))), [s.weight for s in self._specs],
                     missing=missing)
+    self._clip = None if clip is None else float(clip)
     self._num_workers = num_workers
     self._chunk_size = chunk_size
     self._missing = missing
@@ -245,9 +369,10 @@ class RewardEvaluator:
     self._pool = None
     if self._pooled:
       self._pool = _pool.KillingPool(
-          [self._specs[i].fn for i in self._pooled], num_workers=num_workers,
-          timeout_s=timeout_s, start_method=start_method,
-          startup_timeout_s=startup_timeout_s)
+          [self._specs[i].fn for i in self._pooled], encode=_encode_values,
+          num_workers=num_workers, timeout_s=timeout_s,
+          start_method=start_method, startup_timeout_s=startup_timeout_s,
+          memory_limit_mb=memory_limit_mb)
 
   @property
   def names(self) -> tuple[str, ...]:
@@ -274,8 +399,10 @@ class RewardEvaluator:
     Returns:
       A ``RewardResult``. Its metrics, for each reward ``<name>``:
       ``reward/<name>/mean`` (over valid samples; NaN if none),
-      ``reward/<name>/valid_frac``, ``reward/<name>/errors``,
-      ``reward/<name>/timeouts``, ``reward/<name>/none`` (sample counts); and
+      ``reward/<name>/valid_frac``, and the sample counts
+      ``reward/<name>/errors``, ``reward/<name>/timeouts``,
+      ``reward/<name>/none``, ``reward/<name>/invalid`` and
+      ``reward/<name>/clipped`` (see the module docstring); and
       ``reward/total/mean``, ``reward/total/std``, ``reward/eval_seconds``,
       ``reward/worker_restarts`` (workers replaced during this call).
 
@@ -298,31 +425,53 @@ class RewardEvaluator:
     prompts, completions = list(prompts), list(completions)
     r = len(self._specs)
     rewards_NxR = np.full((n, r), np.nan, np.float32)
-    counts = {(name, kind): 0 for name in self.names
-              for kind in ("errors", "timeouts", "none")}
+    counts = {(name, kind): 0 for name in self.names for kind in _COUNTS}
     messages: list[str] = []
 
     def record(j: int, lo: int, hi: int, outcome: _pool.Outcome) -> None:
       name = self._specs[j].name
+      if outcome.status == "ok":
+        try:
+          converted = _decode_values(outcome.value)
+        except ValueError as exc:
+          outcome = _pool.Outcome("error", None, f"malformed values: {exc}")
       if outcome.status != "ok":
         counts[name, "errors" if outcome.status == "error" else "timeouts"] += (
             hi - lo)
         messages.append(f"{name}[{lo}:{hi}]: {outcome.status}: "
                         f"{outcome.message}")
         return
-      values = outcome.value
-      if not isinstance(values, (list, tuple, np.ndarray)) or len(values) != (
-          hi - lo):
-        got = (f"{len(values)} values" if hasattr(values, "__len__")
-               else type(values).__name__)
+      values_n, status_n, note = converted
+      if len(values_n) != hi - lo:
         counts[name, "errors"] += hi - lo
-        messages.append(f"{name}[{lo}:{hi}]: error: returned {got} for "
-                        f"{hi - lo} samples")
+        messages.append(f"{name}[{lo}:{hi}]: error: returned {len(values_n)} "
+                        f"values for {hi - lo} samples")
         return
-      for i, value in zip(range(lo, hi), values):
-        rewards_NxR[i, j], kind = _to_float(value)
-        if kind:
-          counts[name, kind] += 1
+      ok_n = status_n == _OK
+      if self._clip is None:
+        invalid_n = ok_n & ~(np.abs(values_n) <= _FLOAT32_MAX)
+      else:
+        invalid_n = ok_n & ~np.isfinite(values_n)
+      invalid_values = values_n[invalid_n]
+      if self._clip is not None:
+        clipped_n = ok_n & ~invalid_n & (np.abs(values_n) > self._clip)
+        counts[name, "clipped"] += int(clipped_n.sum())
+        values_n = np.clip(values_n, -self._clip, self._clip)
+      good_n = ok_n & ~invalid_n
+      rewards_NxR[lo:hi, j] = np.where(good_n, values_n, np.nan)
+      counts[name, "none"] += int(np.sum(status_n == _NONE))
+      errors = int(np.sum(status_n == _ERROR))
+      counts[name, "errors"] += errors
+      if errors:
+        messages.append(f"{name}[{lo}:{hi}]: error: {errors} values could "
+                        f"not be converted to float; {note}")
+      counts[name, "invalid"] += len(invalid_values)
+      if len(invalid_values):
+        example = float(invalid_values[0])
+        messages.append(
+            f"{name}[{lo}:{hi}]: invalid: {len(invalid_values)} values "
+            f"infinite or beyond float32's range (e.g. {example!r}); "
+            "RewardEvaluator(clip=...) clips finite ones")
 
     if n:
       for j, spec in enumerate(self._specs):
@@ -356,9 +505,10 @@ class RewardEvaluator:
                                         else math.nan)
       metrics[f"reward/{name}/valid_frac"] = (float(valid_NxR[:, j].mean())
                                               if n else math.nan)
-      for kind in ("errors", "timeouts", "none"):
+      for kind in _COUNTS:
         metrics[f"reward/{name}/{kind}"] = float(counts[name, kind])
-    finite = total_N[np.isfinite(total_N)]
+    # In float64: the float32 square of a large (valid) total overflows.
+    finite = total_N[np.isfinite(total_N)].astype(np.float64)
     metrics["reward/total/mean"] = float(finite.mean()) if finite.size else (
         math.nan)
     metrics["reward/total/std"] = float(finite.std()) if finite.size else (
@@ -383,13 +533,15 @@ class RewardEvaluator:
 def _call_in_process(fn: Callable[..., Any], prompts: list[str],
                      completions: list[str], fields: dict[str, list[Any]]
                      ) -> _pool.Outcome:
+  """Calls ``fn`` here, containing whatever it raises but Ctrl-C."""
   try:
-    value = fn(list(prompts), list(completions), **fields)
-    if not isinstance(value, (list, tuple, np.ndarray)) and hasattr(
-        value, "__iter__"):
-      value = list(value)
-    return _pool.Outcome("ok", value, "")
-  except Exception as exc:  # pylint: disable=broad-exception-caught
+    value = fn(list(prompts), list(completions),
+               **{k: list(v) for k, v in fields.items()})
+    return _pool.Outcome("ok", _encode_values(value), "")
+  except KeyboardInterrupt:
+    raise  # The user's Ctrl-C: in-process calls run in the trainer's thread.
+  except BaseException as exc:  # pylint: disable=broad-exception-caught
+    # SystemExit, GeneratorExit, MemoryError...: a reward never ends training.
     return _pool.Outcome("error", None, _pool.describe_exception(exc))
 
 
