@@ -113,6 +113,10 @@ def base() -> ml_collections.ConfigDict:
   c.rewards.weights = (1.0,)
   c.rewards.num_workers = 2
   c.rewards.timeout_s = 10.0
+  # Finite rewards beyond +-clip are clipped (and counted); None: such
+  # values beyond float32 are counted invalid.
+  c.rewards.clip = placeholder(float)
+  c.rewards.memory_limit_mb = placeholder(int)  # per reward worker, over its start-up size
   # Stop when more than this fraction of (sample, reward) pairs get no reward
   # for failure_patience RL steps in a row.
   c.rewards.max_failure_fraction = 0.99

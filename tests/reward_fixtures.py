@@ -155,3 +155,20 @@ def hogs_memory(prompts, completions, **fields):
   """Allocates 16 MiB at a time, up to 1 GiB."""
   chunks = [bytearray(1 << 24) for _ in range(64)]
   return [float(len(chunks) > 0)] * len(completions)
+
+
+# ------------------------------------------------------------- in the loop
+# Misbehaving rewards that take only the task's own fields, for a training
+# run (tests/test_reward_isolation.py::test_training_completes_*).
+
+
+def huge_cycle(prompts, completions, **fields):
+  """1e30, 1e300, inf and 1.0 in turn: finite-but-huge and non-finite."""
+  values = [1e30, 1e300, math.inf, 1.0]
+  return [values[i % 4] for i in range(len(completions))]
+
+
+def starts_marked_subprocess(prompts, completions, **fields):
+  """Starts a 300 s sleeper whose argv holds $RLJAX_TEST_MARKER."""
+  _start_sleeper(os.environ["RLJAX_TEST_MARKER"])
+  return [1.0] * len(completions)

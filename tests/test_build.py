@@ -476,3 +476,14 @@ def test_on_data_problem_is_checked(config):
   config.task.on_data_problem = "ignore"
   with raises("task.on_data_problem='ignore'", "'error', 'warn'"):
     build_lib.check_data(config, [], [])
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("clip", -1.0, "rewards.clip=-1.0"),
+    ("clip", math.inf, "rewards.clip=inf"),
+    ("memory_limit_mb", 0, "rewards.memory_limit_mb=0"),
+])
+def test_reward_isolation_settings_are_checked(config, field, value, expected):
+  config.rewards[field] = value
+  with no_compiles(), raises(expected):
+    build_lib.validate(config)

@@ -8,6 +8,7 @@ spawned workers can import them. Linux only (process groups, ``/proc``,
 ``RLIMIT_AS``).
 """
 
+import math
 import os
 import pathlib
 import shutil
@@ -286,3 +287,41 @@ def test_memory_limit_makes_a_hog_an_error_and_the_worker_goes_on():
       assert any("MemoryError" in s for s in result.messages)
       np.testing.assert_array_equal(result.rewards_NxR[:, 1], [1.0, 0.0])
       assert result.metrics["reward/worker_restarts"] == 0
+
+
+@pytest.mark.slow
+def test_training_completes_with_misbehaving_rewards_and_leaves_no_process(
+    tmp_path, monkeypatch):
+  """Issue 11's probes, through the training loop: huge values, a raising
+  __float__, results that sleep or exit on unpickling, a reward that starts a
+  subprocess. Training completes, each failure is counted, no process is
+  left behind."""
+  import subprocess as sp  # pylint: disable=import-outside-toplevel
+  import uuid  # pylint: disable=import-outside-toplevel
+
+  from rljax import metrics, train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import loop_config  # pylint: disable=import-outside-toplevel
+  marker = f"rljax-loop-marker-{uuid.uuid4().hex}"
+  monkeypatch.setenv("RLJAX_TEST_MARKER", marker)
+  config = loop_config()
+  names = ("numeric_match", "huge_cycle", "float_raises", "returns_sleeper",
+           "returns_exiter", "starts_marked_subprocess")
+  config.rewards.names = ("numeric_match",) + tuple(
+      f"tests.reward_fixtures:{n}" for n in names[1:])
+  config.rewards.weights = (1.0,) * len(names)
+  config.rewards.num_workers = 2
+  config.rewards.timeout_s = 5.0
+  train.run(config, str(tmp_path))
+  rows = [r for r in metrics.read_jsonl(tmp_path / "metrics.jsonl")
+          if r["step"] > 0]
+  assert [r["step"] for r in rows] == [1, 2]
+  n = config.rl.prompts_per_step * config.rl.group_size
+  for r in rows:
+    assert r["reward/huge_cycle/invalid"] == n // 2  # 1e300 and inf
+    assert r["reward/returns_exiter/errors"] == n
+    assert r["reward/returns_sleeper/valid_frac"] == 1.0  # 0.25, converted
+    assert r["reward/starts_marked_subprocess/valid_frac"] == 1.0
+    assert r["reward/float_raises/errors"] + r["reward/float_raises/valid_frac"] * n == n
+    assert math.isfinite(r["pg_loss"]) and math.isfinite(r["reward/total/mean"])
+  left = sp.run(["pgrep", "-f", marker], capture_output=True, text=True)
+  assert left.stdout.strip() == "", left.stdout

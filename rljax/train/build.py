@@ -148,6 +148,10 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
                      "[0, 1] is required.")
   _positive("rewards.failure_patience",
             config.rewards.get("failure_patience", 5))
+  if config.rewards.get("clip") is not None:
+    _finite("rewards.clip", config.rewards.clip, positive=True)
+  if config.rewards.get("memory_limit_mb") is not None:
+    _positive("rewards.memory_limit_mb", config.rewards.memory_limit_mb)
   correctness = config.eval.get("reward")
   labels = [reward_fn(n)[0] for n in config.rewards.names]
   if correctness and correctness not in labels:
@@ -206,7 +210,9 @@ def make_evaluator(config: Any, num_workers: int | None = None
       reward_specs(config),
       num_workers=(config.rewards.num_workers if num_workers is None
                    else num_workers),
-      timeout_s=config.rewards.timeout_s)
+      timeout_s=config.rewards.timeout_s,
+      clip=config.rewards.get("clip"),
+      memory_limit_mb=config.rewards.get("memory_limit_mb"))
 
 
 def correctness_reward(config: Any) -> str:
