@@ -487,3 +487,26 @@ def test_reward_isolation_settings_are_checked(config, field, value, expected):
   config.rewards[field] = value
   with no_compiles(), raises(expected):
     build_lib.validate(config)
+
+
+_BAD = {"int>=1": 0, "int>=0": -1, ">0": -1.0, ">=0": -0.5, "(0,1]": 1.5,
+        "[0,1)": 1.0, "[0,1]": 1.5}
+
+
+@pytest.mark.parametrize("field, rule", sorted(build_lib.RANGES.items()))
+def test_every_numeric_field_has_its_range_checked(config, field, rule):
+  section, name = field.split(".")
+  assert name in config[section], f"{field} is not a config field"
+  bad = _BAD[rule.rstrip("?")]
+  if isinstance(config[section][name], float) or (
+      config[section][name] is None and not rule.startswith("int")):
+    bad = float(bad)
+  config[section][name] = bad
+  with no_compiles(), raises(f"{field}={bad!r}", "is required"):
+    build_lib.validate(config)
+
+
+def test_nan_learning_rate_is_refused(config):
+  config.optimizer.learning_rate = math.nan
+  with raises("optimizer.learning_rate=nan", "finite number > 0"):
+    build_lib.validate(config)

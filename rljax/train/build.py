@@ -34,6 +34,7 @@ from rljax import optim as optim_lib
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
 from rljax.train import algorithm as alg_lib
+from rljax.train._checks import check_range
 from rljax.train.sft import SFTConfig
 from rljax.train.steps import OLD_LOGPROBS, RLStepConfig
 
@@ -56,35 +57,46 @@ every other field."""
 # Validation.
 
 
-def _positive(field: str, value: Any) -> None:
-  if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-    raise ValueError(f"{field}={value!r}: a positive integer is required.")
-
-
-def _finite(field: str, value: Any, *, positive: bool = False,
-            nonnegative: bool = False) -> None:
-  ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
-        and math.isfinite(value))
-  if ok and positive:
-    ok = value > 0
-  if ok and nonnegative:
-    ok = value >= 0
-  if not ok:
-    want = ("a finite number > 0" if positive else
-            "a finite number >= 0" if nonnegative else "a finite number")
-    raise ValueError(f"{field}={value!r}: {want} is required.")
+# Every numeric field -> its rule (``_checks.check_range``). A field absent
+# from a config is not checked here.
+RANGES = {
+    **{f"rl.{f}": "int>=1" for f in (
+        "num_steps", "prompts_per_step", "group_size", "num_epochs",
+        "num_minibatches", "num_microbatches")},
+    **{f: "int>=1" for f in (
+        "eval.every", "checkpoint.every", "eval.num_examples",
+        "eval.num_samples", "sampler.max_new_tokens", "sft.batch_size",
+        "sft.num_examples", "sft.max_length", "tokenizer.vocab_size",
+        "tokenizer.corpus_size", "task.num_train", "rewards.failure_patience")},
+    **{f: "int>=0" for f in ("sft.num_steps", "optimizer.warmup_steps",
+                             "rewards.num_workers")},
+    **{f: ">0" for f in (
+        "optimizer.learning_rate", "rl.training_temperature", "rl.clip_eps_low",
+        "rl.clip_eps_high", "rl.is_cap", "sampler.temperature",
+        "sft.learning_rate", "rewards.timeout_s")},
+    **{f: ">=0" for f in ("rl.kl_coef", "rl.entropy_coef",
+                          "optimizer.weight_decay")},
+    **{f: ">0?" for f in ("rl.advantage_clip", "optimizer.max_grad_norm",
+                          "rewards.clip")},
+    **{f: "int>=1?" for f in ("checkpoint.max_to_keep", "sampler.top_k",
+                              "optimizer.max_consecutive_nonfinite",
+                              "rewards.memory_limit_mb")},
+    "rl.ess_kl_coef": ">=0?", "sampler.top_p": "(0,1]?", "sampler.min_p": "[0,1)?",
+    "sft.label_noise": "[0,1)", "rewards.max_failure_fraction": "[0,1]",
+}
+def _finite(field: str, value: Any) -> None:
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not math.isfinite(value)):
+    raise ValueError(f"{field}={value!r}: a finite number is required.")
 
 
 def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   """Checks the config before anything is compiled; errors name the field."""
   rl = config.rl
-  for field in ("num_steps", "prompts_per_step", "group_size", "num_epochs",
-                "num_minibatches", "num_microbatches"):
-    _positive(f"rl.{field}", rl[field])
-  for field in ("eval.every", "checkpoint.every", "eval.num_examples",
-                "eval.num_samples", "sampler.max_new_tokens"):
+  for field, rule in RANGES.items():
     section, name = field.split(".")
-    _positive(field, config[section][name])
+    if section in config and name in config[section]:
+      check_range(field, config[section][name], rule)
   advantage = rl.advantage
   if "+" in advantage:
     for link in advantage.split("+"):
@@ -108,11 +120,6 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   alg_lib.check_choice("optimizer.ess_scaling",
                        config.optimizer.get("ess_scaling"),
                        (None,) + optim_lib.ESS_RULES)
-  _finite("optimizer.learning_rate", config.optimizer.learning_rate,
-          positive=True)
-  for field in ("kl_coef", "entropy_coef"):
-    _finite(f"rl.{field}", rl[field], nonnegative=True)
-  _finite("rl.training_temperature", rl.training_temperature, positive=True)
   if "rank_weights" in advantage.split("+"):
     alg_lib.parse_rank_weights(rl.get("rank_weights") or "median:3",
                                rl.group_size)
@@ -142,16 +149,6 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
         f"{len(config.rewards.names)} rewards.names: give one weight each.")
   for i, w in enumerate(config.rewards.weights):
     _finite(f"rewards.weights[{i}]", w)
-  fraction = config.rewards.get("max_failure_fraction", 0.99)
-  if not (isinstance(fraction, (int, float)) and 0.0 <= fraction <= 1.0):
-    raise ValueError(f"rewards.max_failure_fraction={fraction!r}: a number in "
-                     "[0, 1] is required.")
-  _positive("rewards.failure_patience",
-            config.rewards.get("failure_patience", 5))
-  if config.rewards.get("clip") is not None:
-    _finite("rewards.clip", config.rewards.clip, positive=True)
-  if config.rewards.get("memory_limit_mb") is not None:
-    _positive("rewards.memory_limit_mb", config.rewards.memory_limit_mb)
   correctness = config.eval.get("reward")
   labels = [reward_fn(n)[0] for n in config.rewards.names]
   if correctness and correctness not in labels:
