@@ -38,8 +38,9 @@ Isolation, in the order a task meets it:
 
 Workers are started with ``spawn`` (or ``forkserver``), never ``fork``: the
 parent runs JAX, which is multithreaded, and forking a multithreaded process
-can deadlock the child. The functions a pool runs (and ``encode``) are pickled
-once, in the parent, and sent when a worker starts, so they must be picklable
+can deadlock the child. The functions a pool runs (and ``encode``) are the
+worker process's arguments, pickled by ``multiprocessing`` when a worker
+starts, so they must be picklable
 (module-level functions, or ``functools.partial`` of them); the parent trusts
 its own functions, so this direction may use pickle. A worker says "ready"
 after it has unpickled them (importing their modules), so start-up time is
@@ -54,7 +55,6 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import resource
 import signal
 import struct
@@ -193,7 +193,7 @@ def _parse(data: bytes) -> tuple[int | None, str, str, bytes]:
 
 
 def _worker_main(conn: multiprocessing.connection.Connection,
-                 pickled_fns: bytes, memory_limit_bytes: int | None) -> None:
+                 functions: tuple, memory_limit_bytes: int | None) -> None:
   """Runs tasks from ``conn`` until it closes or sends None."""
   os.setsid()  # Own session and group, led by this process: pgid == pid.
   worker_pid = os.getpid()
@@ -201,7 +201,7 @@ def _worker_main(conn: multiprocessing.connection.Connection,
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   threading.Thread(target=_exit_with_parent, args=(os.getppid(),),
                    daemon=True, name="rljax-parent-watch").start()
-  fns, encode = pickle.loads(pickled_fns)
+  fns, encode = functions  # unpickled by multiprocessing's spawn, from the parent
   if memory_limit_bytes:
     _limit_address_space(memory_limit_bytes)
   _send(conn, None, _READY)
@@ -278,7 +278,7 @@ class KillingPool:
       raise ValueError(f"num_workers={num_workers}: at least 1 is required.")
     if not timeout_s > 0:
       raise ValueError(f"timeout_s={timeout_s}: must be > 0.")
-    self._pickled_fns = pickle.dumps((tuple(fns), encode))
+    self._functions = (tuple(fns), encode)
     self._memory_limit_bytes = (memory_limit_mb << 20 if memory_limit_mb
                                 else None)
     self._num_workers = num_workers
@@ -306,7 +306,7 @@ class KillingPool:
     parent_conn, child_conn = self._ctx.Pipe(duplex=True)
     process = self._ctx.Process(
         target=_worker_main,
-        args=(child_conn, self._pickled_fns, self._memory_limit_bytes),
+        args=(child_conn, self._functions, self._memory_limit_bytes),
         daemon=True, name="rljax-reward-worker")
     process.start()
     self._groups.add(process.pid)
