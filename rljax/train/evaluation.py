@@ -1,10 +1,15 @@
 """Held-out evaluation: accuracy, pass@k, avg@k and maj@k.
 
-With ``k`` samples per prompt and ``c`` of them correct:
-  * avg@k = mean over prompts of ``c / k`` (the expected single-sample accuracy);
-  * pass@k = fraction of prompts with ``c >= 1``;
-  * maj@k = fraction of prompts whose most frequent final answer is correct
-    (ties broken by first occurrence).
+With ``n`` samples per prompt and ``c`` of them correct:
+  * avg@n = mean over prompts of ``c / n`` (the expected single-sample
+    accuracy);
+  * pass@k, for ``k`` in ``{1, 2, 4, ..., n}`` (powers of two up to ``n``,
+    plus ``n``) = mean over prompts of the unbiased estimate of the chance
+    that at least one of ``k`` samples drawn without replacement from the
+    ``n`` is correct, ``1 - C(n - c, k) / C(n, k)`` (Chen et al. 2021); so
+    pass@1 = avg@n and pass@n = fraction of prompts with ``c >= 1``;
+  * maj@n = fraction of prompts whose most frequent final answer is correct;
+    among answers tied for most frequent, the one sampled first wins.
 """
 
 from __future__ import annotations
@@ -22,9 +27,59 @@ from rljax import tokenizers as tok_lib
 from rljax.tokenizers import Tokenizer
 
 
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k of one prompt from ``n`` samples with ``c`` correct.
+
+  ``pass@k = 1 - C(n - c, k) / C(n, k)``: one minus the chance that ``k``
+  samples drawn without replacement from the ``n`` are all incorrect. The
+  ratio of binomials is evaluated as ``prod_{i=n-c+1}^{n} (1 - k / i)``, which
+  neither overflows nor loses precision for large ``n``; it is 1 when
+  ``n - c < k`` (every ``k``-subset holds a correct sample).
+
+  Args:
+    n: samples drawn, ``n >= k``.
+    c: correct samples, ``0 <= c <= n``.
+    k: the budget, ``1 <= k <= n``.
+
+  Returns:
+    The estimate in ``[0, 1]``.
+
+  Examples:
+    >>> pass_at_k(4, 1, 2)  # 1 - C(3, 2) / C(4, 2) = 1 - 3/6
+    0.5
+
+  References:
+    Chen et al., "Evaluating Large Language Models Trained on Code", 2021,
+    section 2.1, https://arxiv.org/abs/2107.03374
+  """
+  if not 1 <= k <= n:
+    raise ValueError(f"k={k!r}: 1 <= k <= n={n} is required.")
+  if not 0 <= c <= n:
+    raise ValueError(f"c={c!r}: 0 <= c <= n={n} is required.")
+  if n - c < k:
+    return 1.0
+  return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def pass_ks(n: int) -> list[int]:
+  """The budgets reported: powers of two up to ``n``, plus ``n``."""
+  ks = [1 << i for i in range(n.bit_length()) if 1 << i <= n]
+  return ks if ks[-1] == n else ks + [n]
+
+
 def group_metrics(correct_NxK: np.ndarray, answers_NxK: Sequence[Sequence[str]],
                   ) -> dict[str, float]:
-  """avg@k, pass@k and maj@k from per-sample correctness and answers."""
+  """avg@n, pass@k (``k`` in ``pass_ks(n)``) and maj@n of ``N`` prompts.
+
+  Args:
+    correct_NxK: bool, whether sample ``j`` of prompt ``i`` is correct; ``K``
+      is the samples per prompt (``n`` in the module docstring).
+    answers_NxK: the final answer of each sample, in sampling order; a tie
+      for the most frequent answer goes to the one that occurs first.
+
+  Returns:
+    ``{"avg@K", "pass@1", "pass@2", ..., "pass@K", "maj@K"}``.
+  """
   correct = np.asarray(correct_NxK, bool)
   k = correct.shape[1]
   maj = []
@@ -33,9 +88,13 @@ def group_metrics(correct_NxK: np.ndarray, answers_NxK: Sequence[Sequence[str]],
     best = max(counts.values())
     winner = next(a for a in row_answers if counts[a] == best)
     maj.append(row_correct[list(row_answers).index(winner)])
-  return {f"avg@{k}": float(correct.mean()),
-          f"pass@{k}": float(correct.any(1).mean()),
-          f"maj@{k}": float(np.mean(maj))}
+  num_correct = correct.sum(1)
+  out = {f"avg@{k}": float(correct.mean())}
+  for budget in pass_ks(k):
+    out[f"pass@{budget}"] = float(np.mean(
+        [pass_at_k(k, int(c), budget) for c in num_correct]))
+  out[f"maj@{k}"] = float(np.mean(maj))
+  return out
 
 
 def evaluate(
@@ -69,8 +128,9 @@ def evaluate(
     prefix: metric name prefix.
 
   Returns:
-    ``{prefix + "accuracy", prefix + "avg@k", "pass@k", "maj@k",
-    "completion_length"}``.
+    ``{prefix + name}`` for ``name`` in ``"accuracy"``,
+    ``"completion_length"`` and the names of ``group_metrics`` (``avg@k``,
+    ``pass@1``, ``pass@2``, ..., ``pass@k``, ``maj@k``).
   """
   prompts = [e["prompt"] for e in examples]
   tokens, mask = sampling.pad_prompts(
