@@ -2,6 +2,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 from scipy import stats
@@ -170,8 +171,48 @@ def test_sharded_sampling_equals_single_device(params, prompts, base_rollout):
                                 base_rollout.completion_tokens)
   np.testing.assert_allclose(np.asarray(r.policy_logprobs),
                              base_rollout.policy_logprobs, atol=1e-5)
-  with pytest.raises(ValueError, match="number of prompts=3 does not divide"):
-    fn(params8, tokens[:3], mask[:3], jax.random.key(1))
+
+
+def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(params, prompts):
+  """3 prompts on 8 batch shards: the rows equal an unsharded call's."""
+  mesh = sharding.mesh_from_config(
+      ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}))
+  assert mesh.shape["fsdp"] == 8
+  params8 = models.init_params(MC, jax.random.key(0), mesh)
+  fn = sampling.make_sampler(MC, BASE, mesh, models.param_shardings(MC, mesh))
+  tokens, mask = prompts
+  expected = run(params, (tokens[:3], mask[:3]))
+  r = jax.device_get(fn(params8, tokens[:3], mask[:3], jax.random.key(1)))
+  assert r.completion_tokens.shape == (3 * BASE.num_samples, BASE.max_new_tokens)
+  for got, want in zip(r, expected):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_array_equal(r.prompt_tokens, np.repeat(tokens[:3], 3, 0))
+  assert r.completion_mask.any(1).all()
+
+
+def test_cache_dtype_defaults_to_the_model_compute_dtype(params, prompts):
+  """A float32 model's default cache is float32: recorded logprobs equal a
+  full float32 forward to 1e-5, which a bfloat16 cache does not reach."""
+  assert sampling.SamplerConfig().cache_dtype is None
+  tokens, mask = prompts
+
+  def error(cache_dtype):
+    r = run(params, prompts, BASE.replace(cache_dtype=cache_dtype))
+    seq, seq_mask = r.sequences()
+    logits, _ = models.Decoder(MC).apply(
+        {"params": params}, seq, models.positions_from_mask(seq_mask),
+        input_mask_BxT=seq_mask, return_logits=True)
+    z = np.asarray(logits, np.float64)[:, tokens.shape[1] - 1:-1]
+    logp = z - z.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    ref = np.take_along_axis(logp, r.completion_tokens[..., None], -1)[..., 0]
+    m = r.completion_mask
+    return np.abs(r.policy_logprobs[m] - ref[m]).max()
+
+  assert error(None) < 1e-5
+  assert error("bfloat16") > 1e-4
+  with pytest.raises(ValueError, match="cache_dtype='float8'"):
+    sampling.SamplerConfig(cache_dtype="float8")
 
 
 def test_bf16_cache_runs_and_stays_close(params, prompts, base_rollout):

@@ -55,7 +55,9 @@ class SamplerConfig:
     eos_ids: token ids that end a sample (the EOS is part of the completion).
     stop_sequences: token sequences that end a sample (kept in the completion).
     pad_id: id written after a sample ends.
-    cache_dtype: ``"bfloat16"`` or ``"float32"``.
+    cache_dtype: ``"bfloat16"``, ``"float32"`` or None (the default): the
+      model's compute dtype ``ModelConfig.dtype``, so a float32 model decodes
+      with a float32 cache.
     prompt_buckets: allowed padded prompt lengths; a batch is padded to the
       smallest bucket that fits its longest prompt, so a few shapes compile.
     share_prefix: prefill each prompt once and share its cache in the group.
@@ -69,7 +71,7 @@ class SamplerConfig:
   eos_ids: tuple[int, ...] = ()
   stop_sequences: tuple[tuple[int, ...], ...] = ()
   pad_id: int = 0
-  cache_dtype: str = "bfloat16"
+  cache_dtype: str | None = None
   prompt_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
   share_prefix: bool = True
   record_policy_logprobs: bool = False
@@ -80,9 +82,9 @@ class SamplerConfig:
       if not isinstance(value, int) or value < 1:
         raise ValueError(
             f"sampler.{name}={value!r}: a positive integer is required.")
-    if self.cache_dtype not in _CACHE_DTYPES:
+    if self.cache_dtype is not None and self.cache_dtype not in _CACHE_DTYPES:
       raise ValueError(f"sampler.cache_dtype={self.cache_dtype!r}: accepted "
-                       f"{tuple(_CACHE_DTYPES)}.")
+                       f"{tuple(_CACHE_DTYPES) + (None,)}.")
     if not self.training_temperature > 0:
       raise ValueError(
           f"sampler.training_temperature={self.training_temperature!r}: a "
@@ -193,7 +195,8 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   b, p = prompt_tokens_BxP.shape
   g, t = sc.num_samples, sc.max_new_tokens
   n = b * g
-  cache_dtype = _CACHE_DTYPES[sc.cache_dtype]
+  cache_dtype = (mc.jnp_dtype if sc.cache_dtype is None
+                 else _CACHE_DTYPES[sc.cache_dtype])
   w_DxV = output_projection(params, mc)
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
   prompt_len_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
@@ -302,7 +305,11 @@ def make_sampler(model_config: ModelConfig, config: SamplerConfig,
 
   With a mesh, shardings are explicit at the call site: params as
   ``param_shardings`` (e.g. ``models.param_shardings``), prompts and every
-  rollout array split over the batch axes, the key replicated.
+  rollout array split over the batch axes, the key replicated. A prompt count
+  that does not divide over the batch axes is padded with copies of the last
+  prompt, whose rows are dropped from the returned ``Rollout``; draws are
+  keyed by row index (JAX's default partitionable threefry), so the real rows
+  are those an unpadded call would sample.
   """
   fn = functools.partial(_sample_impl, model_config=model_config, config=config)
   if mesh is None:
@@ -315,10 +322,22 @@ def make_sampler(model_config: ModelConfig, config: SamplerConfig,
   jitted = jax.jit(fn, in_shardings=(param_shardings, batch2, batch2, replicated),
                    out_shardings=out)
 
+  axes = batch1.spec[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  ways = int(np.prod([mesh.shape[a] for a in axes]))
+
   def call(params, prompt_tokens_BxP, prompt_mask_BxP, key):
-    sharding.check_batch_divisible(prompt_tokens_BxP.shape[0], mesh,
-                                   "number of prompts", rules)
+    b = prompt_tokens_BxP.shape[0]
+    extra = -b % ways
+    if extra:
+      prompt_tokens_BxP, prompt_mask_BxP = (
+          jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
+          for x in (prompt_tokens_BxP, prompt_mask_BxP))
     with jax.set_mesh(mesh):
-      return jitted(params, prompt_tokens_BxP, prompt_mask_BxP, key)
+      rollout = jitted(params, prompt_tokens_BxP, prompt_mask_BxP, key)
+    if extra:
+      n = b * config.num_samples
+      rollout = jax.tree.map(lambda x: x[:n], rollout)
+    return rollout
   call.jitted = jitted
   return call
