@@ -100,6 +100,37 @@ def test_padded_batch_equals_each_sequence_alone(tiny_params, side):
     assert_close(batched[i][mask[i]], alone)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_sequence_logprobs_are_zero_where_token_or_predecessor_is_padding(
+    tiny_params, side):
+  """Each row against the numpy reference model run on the row alone."""
+  rng = np.random.RandomState(5)
+  lengths, width = [3, 6, 8], 8
+  seqs = [rng.randint(4, TINY.vocab_size, size=n) for n in lengths]
+  tokens = np.zeros((3, width), np.int32)
+  mask = np.zeros((3, width), bool)
+  for i, seq in enumerate(seqs):
+    sl = slice(width - len(seq), width) if side == "left" else slice(0, len(seq))
+    tokens[i, sl], mask[i, sl] = seq, True
+  logp, ent = jax.jit(models.sequence_logprobs, static_argnums=1)(
+      tiny_params, TINY, tokens, mask)
+  params = jax.device_get(tiny_params)
+  expected_logp = np.zeros((3, width))
+  expected_ent = np.zeros((3, width))
+  for i, seq in enumerate(seqs):
+    z = reference_model.forward(params, TINY, seq).astype(np.float64)[:-1]
+    z = z - z.max(-1, keepdims=True)
+    lsm = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    start = width - len(seq) if side == "left" else 0
+    cols = slice(start + 1, start + len(seq))  # real tokens after the first
+    expected_logp[i, cols] = lsm[np.arange(len(seq) - 1), seq[1:]]
+    expected_ent[i, cols] = -(np.exp(lsm) * lsm).sum(-1)
+  np.testing.assert_allclose(logp, expected_logp, atol=2e-4)
+  np.testing.assert_allclose(ent, expected_ent, atol=2e-4)
+  # Only the first real token of each row and the padding are zeroed.
+  assert (np.asarray(logp) != 0).sum() == sum(n - 1 for n in lengths)
+
+
 def test_gemma_variant_left_padding_with_sliding_window():
   config = VARIANTS["gemma_like"]
   params = _perturbed_params(config)

@@ -36,8 +36,10 @@ def sequence_logprobs(
 
   Returns:
     ``(logp_BxT, entropy_BxT)`` in fp32: entry ``t`` scores token ``t`` given
-    the tokens before it (the entropy of that predictive distribution);
-    column 0 is 0.
+    the tokens before it (the entropy of that predictive distribution). Both
+    are 0 wherever token ``t`` or token ``t - 1`` is padding, so column 0,
+    every padded position and the first real token of a left-padded row
+    (which has only padding before it) are 0.
   """
   positions = positions_from_mask(input_mask_BxT)
   hidden, _ = Decoder(config).apply({"params": params}, tokens_BxT, positions,
@@ -46,5 +48,9 @@ def sequence_logprobs(
       hidden[:, :-1], output_projection(params, config), tokens_BxT[:, 1:],
       temperature=temperature, softcap=config.final_logit_softcap,
       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+  input_mask_BxT = input_mask_BxT.astype(jnp.bool_)
+  scored = input_mask_BxT[:, 1:] & input_mask_BxT[:, :-1]
+  logp = jnp.where(scored, logp, 0.0)
+  ent = jnp.where(scored, ent, 0.0)
   zero = jnp.zeros_like(logp[:, :1])
   return (jnp.concatenate([zero, logp], 1), jnp.concatenate([zero, ent], 1))
