@@ -1,24 +1,24 @@
 """Metric writers: JSONL, TensorBoard event files, console progress, plots.
 
-The TensorBoard writer encodes ``Event``/``Summary`` protocol buffers by hand
-(scalars only) with the TFRecord framing (length, masked CRC32C), so it needs
-neither TensorFlow nor the ``tensorboard`` package; TensorBoard reads the
-files as usual.
+TensorBoard event files are written with tensorboardX (numpy and protobuf,
+no TensorFlow); progress is drawn with tqdm.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
-import socket
-import struct
 import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import tqdm
+from tqdm.contrib import logging as tqdm_logging
 
 Scalars = Mapping[str, Any]
 
@@ -59,180 +59,104 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 # --- TensorBoard ------------------------------------------------------------
 
-def _crc32c_table():
-  table = []
-  for i in range(256):
-    c = i
-    for _ in range(8):
-      c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-    table.append(c)
-  return table
-
-
-_CRC_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-  crc = 0xFFFFFFFF
-  for b in data:
-    crc = _CRC_TABLE[(crc ^ b) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def _masked_crc(data: bytes) -> int:
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-  n &= (1 << 64) - 1  # negative int64 (e.g. warm-up steps) as two's complement
-  out = bytearray()
-  while True:
-    byte = n & 0x7F
-    n >>= 7
-    if n:
-      out.append(byte | 0x80)
-    else:
-      out.append(byte)
-      return bytes(out)
-
-
-def _field(number: int, wire: int, payload: bytes) -> bytes:
-  return _varint((number << 3) | wire) + payload
-
-
-def _len_field(number: int, payload: bytes) -> bytes:
-  return _field(number, 2, _varint(len(payload)) + payload)
-
-
-def _event(wall_time: float, step: int, *, summary: bytes | None = None,
-           file_version: str | None = None) -> bytes:
-  msg = _field(1, 1, struct.pack("<d", wall_time)) + _field(2, 0, _varint(step))
-  if file_version is not None:
-    msg += _len_field(3, file_version.encode())
-  if summary is not None:
-    msg += _len_field(5, summary)
-  return msg
-
-
-def _scalar_summary(tag: str, value: float) -> bytes:
-  value_msg = _len_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", value))
-  return _len_field(1, value_msg)
-
-
 class TensorBoardWriter:
-  """Writes scalar summaries to ``<logdir>/events.out.tfevents.*``."""
+  """Writes scalar summaries to ``<logdir>/events.out.tfevents.*`` (tensorboardX)."""
 
   def __init__(self, logdir: str | os.PathLike):
-    os.makedirs(logdir, exist_ok=True)
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}"
-    self.path = os.path.join(os.fspath(logdir), name)
-    self._f = open(self.path, "ab")
-    self._record(_event(time.time(), 0, file_version="brain.Event:2"))
-
-  def _record(self, data: bytes) -> None:
-    header = struct.pack("<Q", len(data))
-    self._f.write(header + struct.pack("<I", _masked_crc(header)) + data
-                  + struct.pack("<I", _masked_crc(data)))
+    # Imported here, not with this module: tensorboardX imports torch at
+    # import time when torch is installed (the hf extra), a few seconds.
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    self._writer = SummaryWriter(os.fspath(logdir), flush_secs=5)
 
   def write(self, step: int, metrics: Scalars) -> None:
-    summary = b"".join(_scalar_summary(k, v)
-                       for k, v in to_floats(metrics).items())
-    self._record(_event(time.time(), int(step), summary=summary))
-    self._f.flush()
+    now = time.time()
+    for k, v in to_floats(metrics).items():
+      self._writer.add_scalar(k, v, int(step), walltime=now)
 
   def close(self) -> None:
-    self._f.close()
+    self._writer.close()
 
 
-def read_tensorboard_scalars(path: str | os.PathLike) -> list[tuple[int, str, float]]:
-  """Decodes ``(step, tag, value)`` from an event file written here (checks CRCs)."""
+def read_tensorboard_scalars(path: str | os.PathLike
+                             ) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of each scalar in an event file.
+
+  Reads with TensorBoard's own loader (the ``tensorboard`` package, in the
+  ``test`` extra).
+  """
+  try:
+    # pylint: disable=import-outside-toplevel
+    from tensorboard.backend.event_processing import event_file_loader
+    from tensorboard.util import tensor_util
+  except ImportError as e:
+    raise ImportError("read_tensorboard_scalars needs the tensorboard package: "
+                      "pip install -e '.[test]'") from e
   out = []
-  with open(path, "rb") as f:
-    data = f.read()
-  pos = 0
-  while pos < len(data):
-    (length,) = struct.unpack_from("<Q", data, pos)
-    (hcrc,) = struct.unpack_from("<I", data, pos + 8)
-    if hcrc != _masked_crc(data[pos:pos + 8]):
-      raise ValueError(f"{path}: corrupt record header at byte {pos}.")
-    body = data[pos + 12:pos + 12 + length]
-    (bcrc,) = struct.unpack_from("<I", data, pos + 12 + length)
-    if bcrc != _masked_crc(body):
-      raise ValueError(f"{path}: corrupt record body at byte {pos}.")
-    pos += 16 + length
-    out.extend(_decode_event(body))
-  return out
-
-
-def _read_varint(buf, i):
-  shift = result = 0
-  while True:
-    b = buf[i]
-    i += 1
-    result |= (b & 0x7F) << shift
-    shift += 7
-    if not b & 0x80:
-      return result, i
-
-
-def _fields(buf):
-  i = 0
-  while i < len(buf):
-    key, i = _read_varint(buf, i)
-    number, wire = key >> 3, key & 7
-    if wire == 0:
-      value, i = _read_varint(buf, i)
-    elif wire == 1:
-      value, i = buf[i:i + 8], i + 8
-    elif wire == 5:
-      value, i = buf[i:i + 4], i + 4
-    else:
-      n, i = _read_varint(buf, i)
-      value, i = buf[i:i + n], i + n
-    yield number, value
-
-
-def _decode_event(buf):
-  step, out = 0, []
-  for number, value in _fields(buf):
-    if number == 2:
-      step = value - (1 << 64) if value >= 1 << 63 else value
-    elif number == 5:
-      for _, v in _fields(value):
-        tag, x = None, None
-        for n2, v2 in _fields(v):
-          if n2 == 1:
-            tag = v2.decode()
-          elif n2 == 2:
-            (x,) = struct.unpack("<f", v2)
-        out.append((step, tag, x))
+  for event in event_file_loader.EventFileLoader(os.fspath(path)).Load():
+    for value in event.summary.value:
+      out.append((event.step, value.tag,
+                  float(tensor_util.make_ndarray(value.tensor))))
   return out
 
 
 # --- console and plots -------------------------------------------------------
 
 class ProgressBar:
-  """A one-line console progress bar with a few chosen metrics."""
+  """RL progress: a live tqdm bar on a terminal, else a log line now and then.
 
-  def __init__(self, total: int, keys: Sequence[str] = (), stream=None,
-               width: int = 24):
-    self.total, self.keys, self.width = total, tuple(keys), width
-    self.stream = stream or sys.stderr
+  Off a terminal (a log file, a pipe, a notebook's captured stderr) it logs
+  one plain line every ``max(1, total // 20)`` steps and at the last one,
+  never a carriage return.
+
+  Args:
+    total: the last step.
+    shown: label -> metric name, the figures shown (those present).
+    initial: the step the run starts from (a resumed run's).
+    file: where the bar is drawn; its ``isatty()`` chooses bar or lines.
+    logger: where the plain lines go.
+  """
+
+  def __init__(self, total: int, shown: Mapping[str, str], *, initial: int = 0,
+               file=None, logger: logging.Logger | None = None):
+    self.total, self.shown, self.initial = total, dict(shown), initial
+    self.file = file if file is not None else sys.stderr
+    self.logger = logger or logging.getLogger("rljax")
+    self.every = max(1, total // 20)
     self.start = time.time()
+    self._bar, self._redirect = None, contextlib.ExitStack()
+    isatty = getattr(self.file, "isatty", None)
+    if isatty is not None and isatty():
+      self._bar = tqdm.tqdm(total=total, initial=initial, file=self.file,
+                            unit="step", dynamic_ncols=True, desc="RL")
+      # Log lines (warnings) print above the bar instead of through it.
+      self._redirect.enter_context(
+          tqdm_logging.logging_redirect_tqdm([self.logger]))
+
+  def _figures(self, metrics: Scalars) -> list[str]:
+    floats = to_floats(metrics)
+    return [f"{label} {floats[k]:,.3g}" if abs(floats[k]) < 1000
+            else f"{label} {floats[k]:,.0f}"
+            for label, k in self.shown.items() if k in floats]
 
   def update(self, step: int, metrics: Scalars) -> None:
-    floats = to_floats(metrics)
-    done = int(self.width * step / max(self.total, 1))
+    if self._bar is not None:
+      self._bar.set_postfix_str(", ".join(self._figures(metrics)),
+                                refresh=False)
+      self._bar.update(step - self._bar.n)
+      return
+    if step % self.every and step != self.total:
+      return
     elapsed = time.time() - self.start
-    eta = elapsed / max(step, 1) * (self.total - step)
-    shown = " ".join(f"{k.split('/')[-1]}={floats[k]:.3g}" for k in self.keys
-                     if k in floats)
-    line = (f"\r[{'#' * done}{'.' * (self.width - done)}] {step}/{self.total} "
-            f"{elapsed:.0f}s<{eta:.0f}s {shown}")
-    end = "\n" if step >= self.total else ""
-    self.stream.write(line + end)
-    self.stream.flush()
+    left = elapsed / max(step - self.initial, 1) * (self.total - step)
+    self.logger.info(
+        "RL step %d/%d: %s [%s elapsed, %s left]", step, self.total,
+        ", ".join(self._figures(metrics)),
+        tqdm.tqdm.format_interval(elapsed), tqdm.tqdm.format_interval(left))
+
+  def close(self) -> None:
+    self._redirect.close()
+    if self._bar is not None:
+      self._bar.close()
 
 
 class MetricWriter:

@@ -1,15 +1,17 @@
+import glob
+import io
 import json
+import logging
+import os
 
 import numpy as np
 
 from rljax import metrics
 
 
-def test_crc32c_known_vectors():
-  # RFC 3720 test vectors (iSCSI CRC32C).
-  assert metrics.crc32c(b"") == 0
-  assert metrics.crc32c(b"123456789") == 0xE3069283
-  assert metrics.crc32c(bytes(32)) == 0x8A9136AA
+def _event_file(logdir):
+  (path,) = glob.glob(os.path.join(logdir, "events.out.tfevents.*"))
+  return path
 
 
 def test_tensorboard_round_trip_including_negative_steps(tmp_path):
@@ -17,25 +19,65 @@ def test_tensorboard_round_trip_including_negative_steps(tmp_path):
   w.write(-5, {"sft/loss": 2.5})
   w.write(3, {"reward": np.float32(0.25), "acc": 1.0, "vector": np.ones(3)})
   w.close()
-  records = metrics.read_tensorboard_scalars(w.path)
-  assert (-5, "sft/loss", 2.5) in records
-  assert (3, "reward", 0.25) in records and (3, "acc", 1.0) in records
-  assert not any(tag == "vector" for _, tag, _ in records)
+  records = metrics.read_tensorboard_scalars(_event_file(tmp_path))
+  assert sorted(records) == [(-5, "sft/loss", 2.5), (3, "acc", 1.0),
+                             (3, "reward", 0.25)]
 
 
-def test_tensorboard_detects_corruption(tmp_path):
-  w = metrics.TensorBoardWriter(tmp_path)
-  w.write(1, {"a": 1.0})
+def test_tensorboard_file_reads_with_tensorboards_accumulator(tmp_path):
+  # What the TensorBoard UI itself loads, independent of our reader.
+  from tensorboard.backend.event_processing import event_accumulator
+  w = metrics.MetricWriter(tmp_path)
+  for step in (1, 2):
+    w.write(step, {"reward/total/mean": step / 4})
   w.close()
-  data = bytearray(open(w.path, "rb").read())
-  data[-6] ^= 0xFF
-  open(w.path, "wb").write(bytes(data))
-  try:
-    metrics.read_tensorboard_scalars(w.path)
-  except ValueError as e:
-    assert "corrupt" in str(e)
-  else:
-    raise AssertionError("corruption not detected")
+  acc = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+  acc.Reload()
+  assert [(e.step, e.value) for e in acc.Scalars("reward/total/mean")] == [
+      (1, 0.25), (2, 0.5)]
+
+
+class _Pipe(io.StringIO):
+  """A stream that is not a terminal (a log file, a pipe)."""
+
+  def isatty(self):
+    return False
+
+
+class _Terminal(io.StringIO):
+
+  def isatty(self):
+    return True
+
+
+def test_progress_off_a_terminal_logs_plain_lines_now_and_then(caplog):
+  stream = _Pipe()
+  progress = metrics.ProgressBar(
+      45, {"reward": "reward/total/mean", "tokens/s": "tokens_per_s/sample"},
+      file=stream)
+  with caplog.at_level(logging.INFO, logger="rljax"):
+    for step in range(1, 46):
+      progress.update(step, {"reward/total/mean": np.float32(0.5),
+                             "tokens_per_s/sample": 12345.6})
+    progress.close()
+  lines = [r.getMessage() for r in caplog.records]
+  assert [line.split(":")[0] for line in lines] == [
+      f"RL step {s}/45" for s in (*range(2, 45, 2), 45)]
+  assert "reward 0.5, tokens/s 12,346" in lines[-1]
+  assert stream.getvalue() == ""
+  assert not any("\r" in line for line in lines)
+
+
+def test_progress_on_a_terminal_draws_one_bar(caplog):
+  stream = _Terminal()
+  progress = metrics.ProgressBar(4, {"accuracy": "accuracy"}, initial=1,
+                                 file=stream)
+  with caplog.at_level(logging.INFO, logger="rljax"):
+    for step in range(2, 5):
+      progress.update(step, {"accuracy": 0.75})
+    progress.close()
+  assert not caplog.records
+  assert "4/4" in stream.getvalue() and "accuracy 0.75" in stream.getvalue()
 
 
 def test_jsonl_writer(tmp_path):

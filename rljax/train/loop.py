@@ -170,8 +170,10 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
       config names (``rl.advantage``, ``rl.objective``, ``optimizer``).
 
   Returns:
-    A summary: held-out metrics before and after RL, the final metrics and
-    the paths written.
+    A summary: held-out metrics before and after RL, the final metrics, this
+    process's wall clock by phase (``seconds_by_phase``: sft, sample, reward,
+    advantage, train, evaluation, checkpoint), tokens and tokens/s of
+    sampling and training, and the paths written.
   """
   lock = rundir.WorkdirLock(workdir)
   # From here on SIGTERM/SIGINT only set a flag, checked at step boundaries
@@ -225,9 +227,15 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
   params = (c.initial_params if c.initial_params is not None
             else models.init_params(c.model_config, init_key, c.mesh))
   c.initial_params = None
-  log.info("model: %s params, vocab %d; mesh %s; algorithm %s",
-           f"{models.count_params(params):,}", c.model_config.vocab_size,
+  devices = jax.devices()
+  log.info("model: %s params, vocab %d; %d %s device(s), mesh %s; "
+           "algorithm %s", f"{models.count_params(params):,}",
+           c.model_config.vocab_size, len(devices), devices[0].platform,
            dict(c.mesh.shape), alg.name)
+  log.info("task %s: %d training prompts, %d held-out; RL: %d steps x %d "
+           "prompts x %d samples; SFT: %d steps", s.task_name,
+           len(c.train_examples), len(c.heldout), s.num_steps,
+           s.prompts_per_step, s.group_size, c.sft.num_steps)
   sampler_old = c.step_config.old_logprobs == "sampler"
   samplers = {"eval": c.sampler(s.eval_num_samples),
               "greedy": c.sampler(1, greedy=True)}
@@ -243,15 +251,23 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
   iterator = data_lib.make_prompt_iterator(
       c.train_examples, s.prompts_per_step, s.seed)
   summary: dict[str, Any] = {"workdir": workdir, "preempted": False}
+  # Wall-clock seconds of this process's phases (a resumed run's only).
+  seconds = dict.fromkeys(("sft", "sample", "reward", "advantage", "train",
+                           "evaluation", "checkpoint"), 0.0)
+  tokens = {"generated": 0.0, "train": 0.0}
   metrics_path = os.path.join(workdir, "metrics.jsonl")
   if not manager.all_steps():
     if os.path.exists(metrics_path):  # rows of a run that saved nothing
       rundir.trim_metrics(metrics_path, -10**9)
     writer = metrics_lib.MetricWriter(workdir)
+    t = time.time()
     params = sft.run_sft(params, c.sft, task=c.task, tokenizer=c.tokenizer,
                          model_config=c.model_config, mesh=c.mesh,
                          param_shardings=c.param_shardings, writer=writer)
+    seconds["sft"] = time.time() - t
+    t = time.time()
     summary["before"] = evaluate(c, params, eval_key, samplers)
+    seconds["evaluation"] += time.time() - t
     writer.write(0, summary["before"])
     log.info("held-out before RL: %s", _fmt(summary["before"]))
     state = init_state(c, params, state_key)
@@ -273,6 +289,7 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
   del params  # the state holds them (and ref_params, with a KL term)
 
   def save(step, metrics=None):
+    t = time.time()
     tree = {"state": state}
     if kl:
       tree["ref_params"] = ref_params
@@ -282,16 +299,19 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
                               "config": config_json},
                  metrics=({best: metrics[best]} if best and metrics
                           and best in metrics else None))
+    seconds["checkpoint"] += time.time() - t
 
   rl_step = jit_rl_step(
       make_rl_step(c.model_config, c.step_config, alg.optimizer,
                    alg.coefficient),
       c.mesh, jax.tree.map(lambda x: x.sharding, state),
       c.param_shardings if kl else None, old_logprobs=sampler_old)
-  progress = metrics_lib.ProgressBar(
-      s.num_steps, keys=("reward/total/mean", "accuracy", "eval/accuracy"))
   last: dict[str, float] = {}
   step = int(state.step)
+  progress = metrics_lib.ProgressBar(
+      s.num_steps, {"reward": "reward/total/mean", "accuracy": "accuracy",
+                    "held-out": "eval/accuracy",
+                    "tokens/s": "tokens_per_s/sample"}, initial=step)
   guards = _Guards(s)
   while step < s.num_steps:
     if stop_signal.received:
@@ -324,16 +344,25 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
         "tokens_per_s/train": m["num_train_tokens"] * c.step_config.num_epochs
                               / max(t_train - t_collect, 1e-9),
     })
+    for phase in ("sample", "reward", "advantage", "train"):
+      seconds[phase] += m[f"time/{phase}"]
+    tokens["generated"] += m["num_generated_tokens"]
+    tokens["train"] += m["num_train_tokens"] * c.step_config.num_epochs
     if step % s.eval_every == 0 or step == s.num_steps:
+      t = time.time()
       m.update(evaluate(c, state.params, jax.random.fold_in(eval_key, step),
                         samplers))
+      seconds["evaluation"] += time.time() - t
     writer.write(step, m)
     progress.update(step, m)
     last = metrics_lib.to_floats(m)
     guards.check(step, last, manager, writer)
     if step % s.checkpoint_every == 0 or step == s.num_steps:
       save(step, last)
-  manager.close()
+  progress.close()
+  t = time.time()
+  manager.close()  # waits for the saves in flight
+  seconds["checkpoint"] += time.time() - t
   writer.close()
   rows = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   plot = os.path.join(workdir, "curves.png")
@@ -341,19 +370,21 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
       [row for row in rows if row["step"] >= 0], plot,
       ["reward/total/mean", "eval/accuracy", "eval/greedy_accuracy",
        "completion_length/mean"], title=f"rljax: {s.task_name}")
-  summary.update({"after": {k: v for k, v in last.items() if k.startswith("eval/")},
-                  "final": last, "plot": plot, "seconds": time.time() - t0,
-                  "checkpoints": manager.directory})
-  b = summary["before"].get("eval/accuracy")
-  a = summary["after"].get("eval/accuracy")
-  log.info("held-out accuracy (T=%.2f sampling): before RL %s, after RL %s",
-           s.sampling_temperature, _pct(b), _pct(a))
+  summary.update({
+      "after": {k: v for k, v in last.items() if k.startswith("eval/")},
+      "final": last, "plot": plot, "seconds": time.time() - t0,
+      "seconds_by_phase": seconds, "tokens": tokens,
+      "tokens_per_s": {
+          "sample": tokens["generated"] / max(seconds["sample"], 1e-9),
+          "train": tokens["train"] / max(seconds["train"], 1e-9)},
+      "checkpoints": manager.directory, "metrics": metrics_path,
+      "tensorboard": os.path.join(workdir, "tensorboard"),
+      "sampling_temperature": s.sampling_temperature})
+  if "eval/accuracy" in summary["after"]:
+    log.info("held-out after RL: %s", _fmt(summary["after"]))
   return summary
 
 
-def _pct(x):
-  return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
 def _fmt(metrics):
-  return ", ".join(f"{k}={v:.3f}" for k, v in metrics.items())
+  return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}"
+                   for k, v in metrics.items())
