@@ -10,6 +10,7 @@ import json
 from absl import app, flags
 import jax
 
+from launch import cli
 from rljax import sampling
 from rljax.train import build, evaluation, load_policy
 
@@ -24,6 +25,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
 
 def main(argv):
   del argv
+  cli.setup_logging()
   policy = load_policy(_WORKDIR.value, _STEP.value)
   config = policy.config
   if _EXAMPLES.value:

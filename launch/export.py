@@ -16,6 +16,7 @@ import os
 
 from absl import app, flags
 
+from launch import cli
 from rljax import models, safetensors
 from rljax.train import load_policy
 
@@ -28,6 +29,7 @@ _FORMAT = flags.DEFINE_enum("format", "safetensors", ["safetensors", "hf"],
 
 def main(argv):
   del argv
+  cli.setup_logging()
   policy = load_policy(_WORKDIR.value, _STEP.value)
   if _FORMAT.value == "safetensors":
     metadata = {

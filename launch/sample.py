@@ -10,6 +10,7 @@ Prints each prompt followed by its completions.
 from absl import app, flags
 import jax
 
+from launch import cli
 from rljax import models, sampling, tokenizers
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run directory")
@@ -40,6 +41,7 @@ class _ByteTokenizer:
 
 def main(argv):
   del argv
+  cli.setup_logging()
   prompts = list(_PROMPT.value)
   if _FILE.value:
     with open(_FILE.value) as f:

@@ -7,11 +7,12 @@ Runs the embedded default (``configs/arithmetic_grpo.py``) when ``--config``
 is not given.
 """
 
-import logging
 import os
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from launch import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs",
                         "arithmetic_grpo.py")
@@ -25,7 +26,7 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
 
 def main(argv):
   del argv
-  logging.getLogger("rljax").setLevel(logging.INFO)
+  cli.setup_logging()
   if _DISTRIBUTED.value:
     import jax
     jax.distributed.initialize()
@@ -34,14 +35,7 @@ def main(argv):
   if summary["preempted"]:
     print(f"preempted: checkpoint saved in {summary['checkpoints']}; rerun the "
           f"same command to resume.")
-    return
-  before = summary["before"].get("eval/accuracy")
-  after = summary["after"].get("eval/accuracy")
-  if before is not None and after is not None:
-    print(f"held-out accuracy: before RL {100 * before:.1f}%, after RL "
-          f"{100 * after:.1f}% ({100 * (after - before):+.1f} points)")
-  print(f"workdir: {summary['workdir']} (metrics.jsonl, tensorboard/, "
-        f"curves.png, checkpoints/)")
+  print(cli.run_summary(summary))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,92 @@
+"""What the launchers print: rljax's own lines, third-party libraries quiet.
+
+Every launcher calls ``setup_logging()`` first in ``main()`` (after absl's
+``app.run`` has parsed the flags and installed its handler).
+"""
+
+import logging
+import os
+import sys
+
+from absl import flags
+from absl import logging as absl_logging
+
+_COMPACT = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
+
+
+class _Handler(logging.StreamHandler):
+  """rljax's console handler (a class of its own, so it is added once)."""
+
+
+class _DropBackendProbes(logging.Filter):
+  """Drops JAX's "Unable to initialize backend 'tpu'" (a probe, not a fault)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("Unable to initialize backend")
+
+
+def setup_logging() -> None:
+  """rljax's logger at INFO with a compact format; everything else at WARNING.
+
+  Orbax, grain and JAX log through ``absl.logging`` or standard loggers under
+  the root logger, whose level absl sets from ``--verbosity``. An explicit
+  ``--verbosity``/``-v`` sets every level, rljax's too (``--verbosity=1``
+  shows everything); absl's ``--logger_levels`` still apply. Idempotent.
+  """
+  explicit = flags.FLAGS.is_parsed() and flags.FLAGS["verbosity"].present
+  if not explicit:
+    absl_logging.set_verbosity(absl_logging.WARNING)
+    probe_logger = logging.getLogger("jax._src.xla_bridge")
+    if not any(isinstance(f, _DropBackendProbes) for f in probe_logger.filters):
+      probe_logger.addFilter(_DropBackendProbes())
+  log = logging.getLogger("rljax")
+  log.setLevel(logging.getLogger().getEffectiveLevel() if explicit
+               else logging.INFO)
+  log.propagate = False
+  if not any(isinstance(h, _Handler) for h in log.handlers):
+    handler = _Handler(sys.stderr)
+    handler.setFormatter(_COMPACT)
+    log.addHandler(handler)
+
+
+_PHASES = (("sft", "SFT"), ("sample", "sampling"), ("reward", "rewards"),
+           ("advantage", "advantages"), ("train", "training"),
+           ("evaluation", "evaluation"), ("checkpoint", "checkpoints"))
+
+
+def run_summary(summary: dict) -> str:
+  """The end of ``launch.train``: held-out figures, time, throughput, files.
+
+  Args:
+    summary: what ``rljax.train.run`` returns.
+  """
+  before, after = summary["before"], summary["after"]
+  lines = ["run summary:"]
+  for key, label in (("eval/accuracy", "held-out accuracy (T="
+                      f"{summary['sampling_temperature']:g} sampling)"),
+                     ("eval/greedy_accuracy", "held-out accuracy (greedy)")):
+    b, a = before.get(key), after.get(key)
+    if b is not None and a is not None:
+      lines.append(f"  {label}: before RL {100 * b:.1f}%, after RL "
+                   f"{100 * a:.1f}% ({100 * (a - b):+.1f} points)")
+  seconds = summary["seconds_by_phase"]
+  rest = summary["seconds"] - sum(seconds.values())
+  parts = [f"{label} {seconds[k]:.0f}s" for k, label in _PHASES]
+  lines.append(f"  wall clock {summary['seconds']:.0f}s: {', '.join(parts)}, "
+               f"set-up and other {max(rest, 0):.0f}s")
+  rate = summary["tokens_per_s"]
+  lines.append(f"  tokens/s: sampling {rate['sample']:,.0f}, training "
+               f"{rate['train']:,.0f}")
+  lines.append(f"  files in {summary['workdir']}:")
+  for path, what in ((summary["metrics"], "metrics, one row per step"),
+                     (summary["tensorboard"],
+                      f"tensorboard --logdir={summary['tensorboard']}"),
+                     (summary["plot"], "reward and accuracy curves"),
+                     (summary["checkpoints"],
+                      "checkpoints (launch.sample, launch.evaluate, "
+                      "launch.export)")):
+    if os.path.exists(path):
+      name = os.path.relpath(path, summary["workdir"])
+      name += "/" if os.path.isdir(path) else ""
+      lines.append(f"    {name:<14} {what}")
+  return "\n".join(lines)
