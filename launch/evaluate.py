@@ -1,8 +1,11 @@
 r"""Held-out accuracy of a trained run: greedy, avg@k, pass@k, maj@k.
 
-  python -m launch.evaluate --workdir=/tmp/rljax_demo --num_samples=8
+  python -m launch.evaluate --workdir=/tmp/rljax_demo --num_samples=8 \
+      --output=/tmp/rljax_demo/eval.json
 
 Uses the run's task, held-out split, reward functions and sampler settings.
+Prints an aligned table of the metrics, then the same metrics as JSON;
+``--output`` also writes the JSON to a file.
 """
 
 import json
@@ -21,6 +24,15 @@ _NUM = flags.DEFINE_integer("num_samples", 8, "samples per prompt (k)")
 _EXAMPLES = flags.DEFINE_integer("num_examples", None,
                                  "held-out prompts (default: the run's)")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
+_OUTPUT = flags.DEFINE_string("output", None, "also write the JSON here")
+
+
+def _table(results):
+  """One ``name  value`` line per metric in computation order, aligned."""
+  width = max(len(name) for name in results)
+  return "\n".join(
+      f"{name:<{width}}  {value:.4f}" if isinstance(value, float)
+      else f"{name:<{width}}  {value}" for name, value in results.items())
 
 
 def main(argv):
@@ -43,7 +55,12 @@ def main(argv):
           buckets=sc.prompt_buckets, eos_ids=sc.eos_ids,
           correctness_reward=build.correctness_reward(config),
           prefix=f"eval/{label}"))
-  print(json.dumps(results, indent=2, sort_keys=True))
+  text = json.dumps(results, indent=2, sort_keys=True)
+  print(_table(results))
+  print(text)
+  if _OUTPUT.value:
+    with open(_OUTPUT.value, "w") as f:
+      f.write(text + "\n")
 
 
 if __name__ == "__main__":
