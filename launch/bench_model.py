@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from launch.benchlib import best_time, matmul_flops_per_s
+from launch.benchlib import best_time, matmul_flops_per_s, write_record
 from rljax import models
 
 _PRESET = flags.DEFINE_string("preset", "small", "model preset")
@@ -22,6 +22,9 @@ _POINTS = flags.DEFINE_list("points", ["4x128", "8x256", "16x512"],
                             "BxT points")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per point")
 _SEED = flags.DEFINE_integer("seed", 0, "PRNG seed")
+_RECORD_DIR = flags.DEFINE_string(
+    "record_dir", "benchmarks/results",
+    "where the JSON record of the figures goes ('' for none)")
 
 
 def forward_flops(config: models.ModelConfig, b: int, t: int) -> float:
@@ -43,6 +46,7 @@ def main(argv):
   header = (f"{'B':>4} {'T':>5} {'tokens/s':>10} {'GFLOP/s':>8} {'%peak':>6} "
             f"{'temp MiB':>9} {'out MiB hidden':>15} {'out MiB logits':>15}")
   print(header)
+  figures = {"matmul_gflops": peak / 1e9}
   for point in _POINTS.value:
     b, t = (int(x) for x in point.split("x"))
     tokens = jnp.asarray(np.random.RandomState(0).randint(
@@ -61,6 +65,15 @@ def main(argv):
     print(f"{b:>4} {t:>5} {b * t / seconds:>10,.0f} {flops / 1e9:>8.1f} "
           f"{100 * flops / peak:>5.1f}% {mem[1]:>9.1f} {out_mib[0]:>15.1f} "
           f"{out_mib[1]:>15.1f}")
+    figures[point] = {"tokens_per_s": b * t / seconds,
+                      "fraction_of_matmul": flops / peak,
+                      "temp_mib_logits": mem[1], "out_mib_hidden": out_mib[0],
+                      "out_mib_logits": out_mib[1]}
+  if _RECORD_DIR.value:
+    print("record:", write_record(f"bench_model_{_PRESET.value}", figures,
+                                  _RECORD_DIR.value,
+                                  {"preset": _PRESET.value,
+                                   "points": list(_POINTS.value)}))
 
 
 if __name__ == "__main__":

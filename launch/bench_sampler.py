@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from launch.benchlib import matmul_flops_per_s
+from launch.benchlib import matmul_flops_per_s, write_record
 from rljax import models, sampling
 
 _WORKLOADS = flags.DEFINE_list("workloads", ["a", "b"], "workloads to run")
@@ -35,6 +35,9 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per variant")
 _NO_CACHE = flags.DEFINE_bool("no_cache_baseline", True,
                               "run the (slow) no-cache baseline")
 _HF = flags.DEFINE_bool("hf", True, "compare with transformers generate if installed")
+_RECORD_DIR = flags.DEFINE_string(
+    "record_dir", "benchmarks/results",
+    "where the JSON record of the figures goes ('' for none)")
 
 MODEL = models.ModelConfig(
     vocab_size=2048, d_model=256, num_layers=4, num_heads=8, num_kv_heads=4,
@@ -163,6 +166,7 @@ def main(argv):
         f"machine matmul {peak / 1e9:.1f} GFLOP/s; model "
         f"{models.count_params(params):,} params")
   method = sampling.SamplingMethod(temperature=1.0)
+  figures = {"matmul_gflops": peak / 1e9}
   for name in _WORKLOADS.value:
     w = WORKLOADS[name]
     rng = np.random.RandomState(0)
@@ -202,6 +206,13 @@ def main(argv):
       flops = decode_flops(MODEL, w) / run_s
       print(f"  {label:<28} {n_tokens / run_s:>10,.0f} {ours / run_s:>10.2f} "
             f"{compile_s:>10.2f} {flops / 1e9:>8.1f} {100 * flops / peak:>7.1f}%")
+      figures[f"{name}/{label}"] = {
+          "tokens_per_s": n_tokens / run_s, "speedup_of_ours": ours / run_s,
+          "compile_s": compile_s, "fraction_of_matmul": flops / peak}
+  if _RECORD_DIR.value:
+    print("record:", write_record("bench_sampler", figures, _RECORD_DIR.value,
+                                  {"workloads": list(_WORKLOADS.value),
+                                   "repeats": _REPEATS.value}))
 
 
 if __name__ == "__main__":

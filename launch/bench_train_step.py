@@ -29,7 +29,7 @@ import optax
 
 from ml_collections import config_flags
 
-from launch.benchlib import matmul_flops_per_s
+from launch.benchlib import matmul_flops_per_s, write_record
 from rljax import metrics, models, train
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -43,6 +43,9 @@ _LENGTH = flags.DEFINE_integer("length", 256, "tokens per row")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed steps")
 _SPLIT = flags.DEFINE_bool("time_split", True, "run part 2 (main-job time split)")
 _SPLIT_STEPS = flags.DEFINE_integer("split_steps", 8, "RL steps for part 2")
+_RECORD_DIR = flags.DEFINE_string(
+    "record_dir", "benchmarks/results",
+    "where the JSON record of the figures goes ('' for none)")
 
 
 def train_flops(config: models.ModelConfig, tokens: int, length: int) -> float:
@@ -95,6 +98,9 @@ def part1():
         f"measured matmul {peak / 1e9:.1f} GFLOP/s")
   print(f"  compiled programs after {_STEPS.value + 1} steps: {step._cache_size()} "
         f"({'no recompiles' if step._cache_size() == 1 else 'RECOMPILED'})")
+  return {"train_tokens_per_s": b * t / best, "fraction_of_matmul": flops / peak,
+          "compiled_programs": step._cache_size(), "steady_step_s": best,
+          "first_step_s": first}
 
 
 STAGES = ("sample", "reward", "advantage", "train")
@@ -128,13 +134,19 @@ def part2():
     print(f"  {k:<10} {a * 1e3:9.1f} ms {b * 1e3:9.1f} ms   {b / a:6.2f}x")
   slowest = max(split["recompute"], key=split["recompute"].get)
   print(f"  slowest stage (recompute): {slowest}")
+  return {"time_split_s": split}
 
 
 def main(argv):
   del argv
-  part1()
+  figures = {"rl_step": part1()}
   if _SPLIT.value:
-    part2()
+    figures["main_job_split"] = part2()
+  if _RECORD_DIR.value:
+    print("record:", write_record(
+        "bench_train_step", figures, _RECORD_DIR.value,
+        {"preset": _PRESET.value, "batch": _BATCH.value, "length": _LENGTH.value,
+         "split_config": _CONFIG.value.to_dict() if _SPLIT.value else None}))
 
 
 if __name__ == "__main__":

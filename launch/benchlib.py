@@ -22,3 +22,47 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
   a = jnp.ones((n, n), jnp.float32)
   f = jax.jit(lambda a: a @ a)
   return 2 * n ** 3 / best_time(f, a, repeats=repeats)
+
+
+def provenance() -> dict:
+  """Which code and machine a figure belongs to: commit, dirty flag, host."""
+  import os  # pylint: disable=import-outside-toplevel
+  import platform  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..")
+
+  def git(*args):
+    try:
+      return subprocess.run(["git", *args], cwd=root, capture_output=True,
+                            text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+      return ""
+
+  devices = jax.devices()
+  return {
+      "commit": git("rev-parse", "HEAD") or "unknown",
+      "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+      "machine": {"platform": platform.platform(),
+                  "python": platform.python_version(),
+                  "cpu_count": os.cpu_count(), "jax": jax.__version__,
+                  "devices": f"{len(devices)} x {devices[0].device_kind}"},
+  }
+
+
+def write_record(name: str, figures: dict, directory: str,
+                 config: dict | None = None) -> str:
+  """Writes ``<directory>/<name>-<commit12>.json``: figures, config, provenance.
+
+  Returns the path. Keep records under ``benchmarks/results/`` so that a
+  figure in the README can be traced to the code that produced it.
+  """
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  record = {"name": name, "figures": figures, "config": config or {},
+            **provenance()}
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, f"{name}-{record['commit'][:12]}.json")
+  with open(path, "w") as f:
+    json.dump(record, f, indent=2, sort_keys=True, default=str)
+  return path

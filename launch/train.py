@@ -20,6 +20,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT,
                                           "ml_collections config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_run",
                                "where metrics, plots and checkpoints go")
+_RECORD_DIR = flags.DEFINE_string(
+    "record_dir", "", "where the run's JSON record (figures, config, commit, "
+    "machine) goes; default the workdir (benchmarks/results to keep it)")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "call jax.distributed.initialize() first")
 
@@ -36,6 +39,13 @@ def main(argv):
     print(f"preempted: checkpoint saved in {summary['checkpoints']}; rerun the "
           f"same command to resume.")
   print(cli.run_summary(summary))
+  if not summary["preempted"]:
+    from launch.benchlib import write_record  # pylint: disable=import-outside-toplevel
+    figures = {k: summary.get(k) for k in (
+        "before", "after", "seconds", "seconds_by_phase", "tokens_per_s")}
+    print("record:", write_record(
+        f"train_seed{_CONFIG.value.seed}", figures,
+        _RECORD_DIR.value or _WORKDIR.value, _CONFIG.value.to_dict()))
 
 
 if __name__ == "__main__":

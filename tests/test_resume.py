@@ -93,7 +93,10 @@ def test_sigkill_then_resume_continues_exactly(uninterrupted, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_at_a_step_boundary_and_exits_cleanly(uninterrupted, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT],
+                         ids=["SIGTERM", "SIGINT"])
+def test_signal_checkpoints_at_a_step_boundary_and_exits_cleanly(
+    uninterrupted, tmp_path, sig):
   workdir = str(tmp_path)
   proc = _launch(workdir, "--config.checkpoint.every=100")
   path = os.path.join(workdir, "metrics.jsonl")
@@ -101,7 +104,7 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_exits_cleanly(uninterrupted,
   while not (os.path.exists(path) and any(r["step"] >= 2 for r in metrics.read_jsonl(path))):
     assert time.time() < deadline and proc.poll() is None
     time.sleep(0.05)
-  proc.send_signal(signal.SIGTERM)
+  proc.send_signal(sig)
   out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 0, out
   assert "preempted" in out
