@@ -21,6 +21,20 @@ def _behaviour_weight(fn, level, shape, old, sampler, mask, max_log_ratio):
   return jnp.exp(jnp.clip(delta, -max_log_ratio, max_log_ratio))
 
 
+def _correction(fn: str, level: str, max_log_ratio: float, weight) -> _Tx:
+  """The transform ``c = c_in * weight(w)``, ``w`` the behaviour IS weight."""
+
+  def update_fn(coef_BxT, state, params=None, *, old_logprobs_BxT=None,
+                sampler_logprobs_BxT=None, mask_BxT=None, **extra_args):
+    del params, extra_args
+    coef_BxT = _check_bxt(fn, "coef_BxT", coef_BxT)
+    w = _behaviour_weight(fn, level, coef_BxT.shape, old_logprobs_BxT,
+                          sampler_logprobs_BxT, mask_BxT, max_log_ratio)
+    return _out(coef_BxT.astype(jnp.float32) * weight(w), coef_BxT), state
+
+  return _stateless(update_fn)
+
+
 def truncated_is(cap: float = 2.0, level: types.ImportanceLevel = "token",
                  max_log_ratio: float = 20.0) -> _Tx:
   """Truncated importance sampling (TIS) for sampler/trainer mismatch.
@@ -41,16 +55,7 @@ def truncated_is(cap: float = 2.0, level: types.ImportanceLevel = "token",
   _check_level(fn, level)
   _check_positive(fn, "cap", cap)
 
-  def update_fn(coef_BxT, state, params=None, *, old_logprobs_BxT=None,
-                sampler_logprobs_BxT=None, mask_BxT=None, **extra_args):
-    del params, extra_args
-    coef_BxT = _check_bxt(fn, "coef_BxT", coef_BxT)
-    w = _behaviour_weight(fn, level, coef_BxT.shape, old_logprobs_BxT,
-                          sampler_logprobs_BxT, mask_BxT, max_log_ratio)
-    return _out(coef_BxT.astype(jnp.float32) * jnp.minimum(w, cap),
-                coef_BxT), state
-
-  return _stateless(update_fn)
+  return _correction(fn, level, max_log_ratio, lambda w: jnp.minimum(w, cap))
 
 
 def masked_is(high: float = 2.0, low: float = 0.0,
@@ -73,14 +78,5 @@ def masked_is(high: float = 2.0, low: float = 0.0,
   _check_level(fn, level)
   _check_positive(fn, "high", high)
 
-  def update_fn(coef_BxT, state, params=None, *, old_logprobs_BxT=None,
-                sampler_logprobs_BxT=None, mask_BxT=None, **extra_args):
-    del params, extra_args
-    coef_BxT = _check_bxt(fn, "coef_BxT", coef_BxT)
-    w = _behaviour_weight(fn, level, coef_BxT.shape, old_logprobs_BxT,
-                          sampler_logprobs_BxT, mask_BxT, max_log_ratio)
-    keep = (w >= low) & (w <= high)
-    return _out(coef_BxT.astype(jnp.float32) * jnp.where(keep, w, 0.0),
-                coef_BxT), state
-
-  return _stateless(update_fn)
+  return _correction(fn, level, max_log_ratio,
+                     lambda w: jnp.where((w >= low) & (w <= high), w, 0.0))
