@@ -38,6 +38,7 @@ import numpy as np
 from rljax import sharding
 from rljax.models import (Decoder, KVCache, ModelConfig, compute_logits,
                           init_cache, output_projection, positions_from_mask)
+from rljax.models.kv_cache import LayerKV
 from rljax.sampling.methods import SamplingMethod
 
 _CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -62,6 +63,11 @@ class SamplerConfig:
       smallest bucket that fits its longest prompt, so a few shapes compile.
     share_prefix: prefill each prompt once and share its cache in the group.
     record_policy_logprobs: also keep ``Rollout.policy_logprobs``.
+    segment_slots: decode-step count of the first length segment; each next
+      segment doubles it (``segment_ends``), and a segment's decode cache
+      has only the slots its steps can fill, so decode cost follows the live
+      length. None: one segment of ``max_new_tokens`` slots. Segmenting
+      changes no token and no logprob (``tests/test_sampler_segments.py``).
   """
 
   num_samples: int = 1
@@ -75,8 +81,13 @@ class SamplerConfig:
   prompt_buckets: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
   share_prefix: bool = True
   record_policy_logprobs: bool = False
+  segment_slots: int | None = 64
 
   def __post_init__(self):
+    if self.segment_slots is not None and (
+        not isinstance(self.segment_slots, int) or self.segment_slots < 1):
+      raise ValueError(f"sampler.segment_slots={self.segment_slots!r}: a "
+                       "positive integer or None is required.")
     for name in ("num_samples", "max_new_tokens"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
@@ -164,65 +175,103 @@ def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int],
 
 
 class _LoopState(NamedTuple):
-  step: jax.Array              # [] int32
-  logits: jax.Array            # [N, V] fp32, predicting token `step`
+  step: jax.Array              # [] int32, decode steps taken (slot index - base)
+  logits: jax.Array            # [N, V] fp32, predicting each row's `column`
   cache: KVCache
   tokens: jax.Array            # [N, T] int32
   mask: jax.Array              # [N, T] bool
   policy_logp: jax.Array | None  # [N, T] fp32 (record_policy_logprobs)
   sampler_logp: jax.Array      # [N, T] fp32
+  column: jax.Array            # [N] int32, completion column of the next token
   done: jax.Array              # [N] bool
   finished: jax.Array          # [N] bool
   next_position: jax.Array     # [N] int32
 
 
-def _stop_hit(tokens_NxT, step, stop_sequences):
-  """Whether the tokens ending at ``step`` match any stop sequence."""
-  n = tokens_NxT.shape[0]
-  hit = jnp.zeros((n,), jnp.bool_)
+def segment_ends(num_steps: int, first: int | None) -> tuple[int, ...]:
+  """Decode-step counts at which the decode cache grows: doubling from ``first``.
+
+  ``segment_ends(128, 32) == (32, 64, 128)``; ``first=None`` gives one segment.
+  A segment's decode cache has exactly as many slots as steps can have been
+  taken by its end, so attention reads at most twice the live length and the
+  cache is copied (grown) ``log2(T / first)`` times, never per step.
+  """
+  if first is None or first >= num_steps:
+    return (num_steps,)
+  ends, end = [], first
+  while end < num_steps:
+    ends.append(end)
+    end *= 2
+  return tuple(ends) + (num_steps,)
+
+
+def _ended(tokens_NxT, column_N, token_N, eos_V, stop_sequences):
+  """Whether ``token_N``, just written at ``column_N``, ends its row."""
+  hit = jnp.any(token_N[:, None] == eos_V[None], axis=1)
   for seq in stop_sequences:
-    length = len(seq)
-    padded = jnp.pad(tokens_NxT, ((0, 0), (length, 0)), constant_values=-1)
-    window = jax.lax.dynamic_slice_in_dim(padded, step + 1, length, axis=1)
-    hit = hit | jnp.all(window == jnp.asarray(seq, jnp.int32), axis=1)
+    offsets = jnp.arange(1 - len(seq), 1, dtype=jnp.int32)
+    cols = column_N[:, None] + offsets[None]
+    window = jnp.take_along_axis(tokens_NxT, jnp.maximum(cols, 0), axis=1)
+    hit = hit | jnp.all((window == jnp.asarray(seq, jnp.int32)) & (cols >= 0),
+                        axis=1)
   return hit
 
 
-def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
-                 model_config: ModelConfig, config: SamplerConfig) -> Rollout:
-  mc, sc = model_config, config
-  model = Decoder(mc)
-  b, p = prompt_tokens_BxP.shape
-  g, t = sc.num_samples, sc.max_new_tokens
-  n = b * g
-  cache_dtype = (mc.jnp_dtype if sc.cache_dtype is None
-                 else _CACHE_DTYPES[sc.cache_dtype])
-  w_DxV = output_projection(params, mc)
-  prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
-  prompt_len_B = prompt_mask_BxP.sum(-1).astype(jnp.int32)
+def _pick(logp_xV, token_x):
+  return jnp.take_along_axis(logp_xV, token_x[..., None], -1)[..., 0]
 
-  if sc.share_prefix:
-    prefix = init_cache(mc, b, p, cache_dtype)
-    hidden, prefix = model.apply(
-        {"params": params}, prompt_tokens_BxP,
-        positions_from_mask(prompt_mask_BxP), prefix,
-        input_mask_BxT=prompt_mask_BxP)
-    logits = compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0]
-    logits = jnp.repeat(logits, g, axis=0)
-    cache = init_cache(mc, n, t, cache_dtype, prefix=prefix)
+
+def _token_logprobs(logits_xV, token_x, sc: SamplerConfig):
+  """``(sampler_logp_x, policy_logp_x)`` of ``token_x`` (any leading shape).
+
+  The sampler's is under the sampled distribution (0 for greedy); the
+  policy's under ``training_temperature`` with the full vocabulary. With no
+  truncation and equal temperatures the two are one ``log_softmax``.
+  """
+  m = sc.method
+  if m.greedy:
+    sampler_logp = jnp.zeros(token_x.shape, jnp.float32)
   else:
-    tokens_NxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
-    mask_NxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
-    cache = init_cache(mc, n, p + t, cache_dtype)
-    hidden, cache = model.apply(
-        {"params": params}, tokens_NxP, positions_from_mask(mask_NxP), cache,
-        input_mask_BxT=mask_NxP)
-    logits = compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0]
-  logits = sharding.constrain(logits, ("batch", "act_vocab"))
-  eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
+    sampler_logp = _pick(jax.nn.log_softmax(m.truncated_logits(logits_xV), -1),
+                         token_x)
+  if _fused_logprobs(sc):
+    return sampler_logp, sampler_logp
+  return sampler_logp, _pick(jax.nn.log_softmax(
+      logits_xV.astype(jnp.float32) / sc.training_temperature, -1), token_x)
 
-  def cond(state: _LoopState):
-    return (state.step < t) & ~jnp.all(state.done)
+
+def _fused_logprobs(sc: SamplerConfig) -> bool:
+  """Whether the policy logprob is the sampler's (same distribution)."""
+  m = sc.method
+  return (not m.greedy and m.top_k is None and m.min_p is None
+          and (m.top_p is None or m.top_p >= 1.0)
+          and m.temperature == sc.training_temperature)
+
+
+def _grow(cache: KVCache, num_slots: int) -> KVCache:
+  """The cache with empty slots appended up to ``num_slots`` (one copy)."""
+  extra = num_slots - cache.mask.shape[1]
+  pad4 = ((0, 0), (0, extra), (0, 0), (0, 0))
+  layers = tuple(LayerKV(jnp.pad(l.k, pad4), jnp.pad(l.v, pad4))
+                 for l in cache.layers)
+  return cache._replace(layers=layers,
+                        mask=jnp.pad(cache.mask, ((0, 0), (0, extra))))
+
+
+def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
+            sc: SamplerConfig, base_slots: int) -> _LoopState:
+  """Runs decode steps until every row is done or ``max_new_tokens`` steps.
+
+  Each row writes its next token at its own ``column`` (so rows may start
+  at different columns: accepted speculative drafts now, refilled slots of
+  continuous batching later), while the KV cache slot is shared:
+  ``base_slots + step``. The steps run in segments (``segment_ends``); in a
+  segment the decode cache has ``base_slots + segment end`` slots, so the
+  attention of step ``i`` costs ``O(base + 2 i)``, not ``O(base + T)``.
+  """
+  t = sc.max_new_tokens
+  eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
+  cols_T = jnp.arange(t, dtype=jnp.int32)
 
   def body(state: _LoopState) -> _LoopState:
     i = state.step
@@ -230,46 +279,97 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
         state.logits, jax.random.fold_in(key, i))
     live = ~state.done
     token = jnp.where(live, token, sc.pad_id)
-    tokens = state.tokens.at[:, i].set(token)
-    mask = state.mask.at[:, i].set(live)
-    ended = live & (jnp.any(token[:, None] == eos[None], axis=1)
-                    | _stop_hit(tokens, i, sc.stop_sequences))
-    zero = jnp.zeros_like(sampler_logp)
+    policy_logp = None
     if sc.record_policy_logprobs:
-      policy_logp = jnp.take_along_axis(
-          jax.nn.log_softmax(state.logits / sc.training_temperature, axis=-1),
-          token[:, None], -1)[:, 0]
-      policy_logp = state.policy_logp.at[:, i].set(
-          jnp.where(live, policy_logp, zero))
-    else:
-      policy_logp = None
+      policy_logp = (sampler_logp if _fused_logprobs(sc) else _pick(
+          jax.nn.log_softmax(state.logits / sc.training_temperature, -1),
+          token))
+    at_NxT = (cols_T[None] == state.column[:, None]) & live[:, None]
+
+    def put(buffer, value):
+      return jnp.where(at_NxT, value[:, None].astype(buffer.dtype), buffer)
+
+    tokens = put(state.tokens, token)
+    ended = live & _ended(tokens, state.column, token, eos, sc.stop_sequences)
     hidden, cache = model.apply(
         {"params": params}, token[:, None], state.next_position[:, None],
         state.cache, input_mask_BxT=live[:, None])
     logits = compute_logits(hidden, w_DxV, mc.final_logit_softcap)[:, 0]
+    column = state.column + live.astype(jnp.int32)
     return _LoopState(
         step=i + 1,
         logits=sharding.constrain(logits, ("batch", "act_vocab")),
         cache=cache,
         tokens=tokens,
-        mask=mask,
-        policy_logp=policy_logp,
-        sampler_logp=state.sampler_logp.at[:, i].set(
-            jnp.where(live, sampler_logp, zero)),
-        done=state.done | ended,
+        mask=state.mask | at_NxT,
+        policy_logp=(None if policy_logp is None
+                     else put(state.policy_logp, policy_logp)),
+        sampler_logp=put(state.sampler_logp, sampler_logp),
+        column=column,
+        done=state.done | ended | (column >= t),
         finished=state.finished | ended,
         next_position=state.next_position + 1)
 
+  for end in segment_ends(t, sc.segment_slots):
+    state = state._replace(cache=_grow(state.cache, base_slots + end))
+    state = jax.lax.while_loop(
+        lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, state)
+  return state
+
+
+def _prefill(params, prompt_tokens_BxP, prompt_mask_BxP, *, model,
+             w_DxV, mc: ModelConfig, sc: SamplerConfig, cache_dtype):
+  """Prompt forward: ``(hidden_NxD of each row's last prompt token, cache)``.
+
+  With ``share_prefix`` the ``B`` prompts fill a read-only prefix cache
+  and the returned decode cache has 0 slots of its own; else the prompts are
+  repeated ``G`` times into a ``P``-slot decode cache.
+  """
+  del w_DxV
+  b, p = prompt_tokens_BxP.shape
+  g = sc.num_samples
+  if sc.share_prefix:
+    prefix = init_cache(mc, b, p, cache_dtype)
+    hidden, prefix = model.apply(
+        {"params": params}, prompt_tokens_BxP,
+        positions_from_mask(prompt_mask_BxP), prefix,
+        input_mask_BxT=prompt_mask_BxP)
+    return (jnp.repeat(hidden[:, -1], g, axis=0),
+            init_cache(mc, b * g, 0, cache_dtype, prefix=prefix))
+  tokens_NxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
+  mask_NxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
+  cache = init_cache(mc, b * g, p, cache_dtype)
+  hidden, cache = model.apply(
+      {"params": params}, tokens_NxP, positions_from_mask(mask_NxP), cache,
+      input_mask_BxT=mask_NxP)
+  return hidden[:, -1], cache
+
+
+def _setup(params, prompt_mask_BxP, mc: ModelConfig, sc: SamplerConfig):
+  cache_dtype = (mc.jnp_dtype if sc.cache_dtype is None
+                 else _CACHE_DTYPES[sc.cache_dtype])
+  prompt_len_N = jnp.repeat(
+      prompt_mask_BxP.astype(jnp.int32).sum(-1), sc.num_samples)
+  return Decoder(mc), output_projection(params, mc), cache_dtype, prompt_len_N
+
+
+def _empty_state(logits_NxV, cache, prompt_len_N, sc: SamplerConfig):
+  n, t = logits_NxV.shape[0], sc.max_new_tokens
   zeros_f = jnp.zeros((n, t), jnp.float32)
-  init = _LoopState(
-      step=jnp.zeros((), jnp.int32), logits=logits, cache=cache,
-      tokens=jnp.full((n, t), sc.pad_id, jnp.int32),
+  return _LoopState(
+      step=jnp.zeros((), jnp.int32),
+      logits=sharding.constrain(logits_NxV, ("batch", "act_vocab")),
+      cache=cache, tokens=jnp.full((n, t), sc.pad_id, jnp.int32),
       mask=jnp.zeros((n, t), jnp.bool_),
       policy_logp=zeros_f if sc.record_policy_logprobs else None,
-      sampler_logp=zeros_f, done=jnp.zeros((n,), jnp.bool_),
-      finished=jnp.zeros((n,), jnp.bool_),
-      next_position=jnp.repeat(prompt_len_B, g))
-  final = jax.lax.while_loop(cond, body, init)
+      sampler_logp=zeros_f, column=jnp.zeros((n,), jnp.int32),
+      done=jnp.zeros((n,), jnp.bool_), finished=jnp.zeros((n,), jnp.bool_),
+      next_position=prompt_len_N)
+
+
+def _to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final: _LoopState,
+                sc: SamplerConfig) -> Rollout:
+  g = sc.num_samples
   return Rollout(
       prompt_tokens=jnp.repeat(prompt_tokens_BxP, g, axis=0),
       prompt_mask=jnp.repeat(prompt_mask_BxP, g, axis=0),
@@ -279,6 +379,23 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
       finished=final.finished,
       policy_logprobs=final.policy_logp,
       sampler_logprobs=final.sampler_logp)
+
+
+def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
+                 model_config: ModelConfig, config: SamplerConfig) -> Rollout:
+  mc, sc = model_config, config
+  prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+  model, w_DxV, cache_dtype, prompt_len_N = _setup(params, prompt_mask_BxP,
+                                                   mc, sc)
+  hidden_NxD, cache = _prefill(params, prompt_tokens_BxP, prompt_mask_BxP,
+                               model=model, w_DxV=w_DxV, mc=mc, sc=sc,
+                               cache_dtype=cache_dtype)
+  logits = compute_logits(hidden_NxD[:, None], w_DxV,
+                          mc.final_logit_softcap)[:, 0]
+  state = _empty_state(logits, cache, prompt_len_N, sc)
+  final = _decode(params, state, key, model=model, w_DxV=w_DxV, mc=mc, sc=sc,
+                  base_slots=cache.mask.shape[1])
+  return _to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final, sc)
 
 
 sample = jax.jit(_sample_impl, static_argnames=("model_config", "config"))
