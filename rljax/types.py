@@ -25,6 +25,8 @@ Aggregation = Literal[
     "sequence_mean_token_mean",
     "sequence_mean_token_sum",
     "sequence_mean_token_sum_norm",
+    "token_sum",
+    "sequence_mean_token_scale",
 ]
 
 # Whether an importance weight is taken per token or per sequence.

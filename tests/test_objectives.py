@@ -61,6 +61,8 @@ def _agg(x, m, aggregation):
     return jnp.mean(jnp.sum(jnp.where(m, x, 0.0), -1) / lengths)
   if aggregation == "sequence_mean_token_sum":
     return total / m.shape[0]
+  if aggregation == "token_sum":
+    return total
   return total / (m.shape[0] * m.shape[1])
 
 

@@ -18,9 +18,12 @@ importance ratio and are refined link by link, and the loss is one function:
 
 Order in a chain: `sequence_ratio` (if any) comes first, then one trust
 region that reads its input as the ratio (`ppo_clip`, optionally followed by
-`dual_clip`; or `cispo`; or `ess_trust_region`), then behaviour-policy
+`dual_clip`; or `cispo`, `ess_trust_region`, `sapo`, `gmpo`,
+`prefix_ratio` (PNPO), `dppo`, `clip_cov`, `kl_cov`), then behaviour-policy
 corrections that multiply by a weight computed from the extra arguments
-(`truncated_is`, `masked_is`).
+(`truncated_is`, `masked_is`). `rejection_mask` acts on the loss mask
+instead (a rejected token leaves the normaliser), and `kl_penalty` /
+`kl_cov_penalty` are extra per-token loss terms.
 
 Extra arguments (keyword-only; unknown ones are ignored):
   advantages_BxT: `[B, T]`, or `[B]` for one advantage per sequence.
@@ -39,7 +42,12 @@ from __future__ import annotations
 
 from rljax.objectives._common import LEVELS
 from rljax.objectives.corrections import masked_is, truncated_is
-from rljax.objectives.kl import kl_k1, kl_k2, kl_k3
+from rljax.objectives.covariance import (
+    ClipCovState, clip_cov, kl_cov, kl_cov_penalty)
+from rljax.objectives.divergence import DPPO_ANCHORS, DPPO_DIVERGENCES, dppo
+from rljax.objectives.kl import (
+    KL_ESTIMATORS, kl_abs, kl_k1, kl_k2, kl_k3, kl_k3_bias_corrected,
+    kl_penalty, kl_straight_through)
 from rljax.objectives.losses import (
     AGGREGATIONS, aggregate_loss, entropy_loss, ess_kl_penalty,
     policy_gradient_loss)
@@ -48,33 +56,55 @@ from rljax.objectives.metrics import (
 from rljax.objectives.ratios import (
     EssStatistics, ess_from_statistics, ess_statistics, importance_ratio,
     normalized_ess, sequence_importance_weights)
+from rljax.objectives.rejection import (
+    REJECTION_STATISTICS, Rejection, parse_rejection, rejection_mask)
+from rljax.objectives.soft_clips import gmpo, prefix_ratio, sapo
 from rljax.objectives.trust_regions import (
     cispo, dual_clip, ess_trust_region, gspo, ppo_clip, sequence_ratio)
 
 __all__ = [
     "AGGREGATIONS",
+    "ClipCovState",
+    "DPPO_ANCHORS",
+    "DPPO_DIVERGENCES",
     "EssStatistics",
+    "KL_ESTIMATORS",
     "LEVELS",
+    "REJECTION_STATISTICS",
+    "Rejection",
     "aggregate_loss",
     "cispo",
+    "clip_cov",
     "coefficient_metrics",
+    "dppo",
     "dual_clip",
     "entropy_loss",
     "ess_from_statistics",
     "ess_kl_penalty",
     "ess_statistics",
     "ess_trust_region",
+    "gmpo",
     "gspo",
     "importance_ratio",
+    "kl_abs",
+    "kl_cov",
+    "kl_cov_penalty",
     "kl_k1",
     "kl_k2",
     "kl_k3",
+    "kl_k3_bias_corrected",
     "kl_metrics",
+    "kl_penalty",
+    "kl_straight_through",
     "masked_is",
     "normalized_ess",
+    "parse_rejection",
     "policy_gradient_loss",
     "ppo_clip",
+    "prefix_ratio",
     "ratio_metrics",
+    "rejection_mask",
+    "sapo",
     "sequence_importance_weights",
     "sequence_ratio",
     "truncated_is",

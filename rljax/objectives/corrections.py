@@ -21,41 +21,76 @@ def _behaviour_weight(fn, level, shape, old, sampler, mask, max_log_ratio):
   return jnp.exp(jnp.clip(delta, -max_log_ratio, max_log_ratio))
 
 
-def _correction(fn: str, level: str, max_log_ratio: float, weight) -> _Tx:
-  """The transform ``c = c_in * weight(w)``, ``w`` the behaviour IS weight."""
+def _correction(fn: str, level: str, max_log_ratio: float, weight,
+                batch_normalize: bool = False) -> _Tx:
+  """The transform ``c = c_in * weight(w)``, ``w`` the behaviour IS weight;
+  with ``batch_normalize`` the weights are divided by their mean first."""
 
   def update_fn(coef_BxT, state, params=None, *, old_logprobs_BxT=None,
                 sampler_logprobs_BxT=None, mask_BxT=None, **extra_args):
     del params, extra_args
     coef_BxT = _check_bxt(fn, "coef_BxT", coef_BxT)
-    w = _behaviour_weight(fn, level, coef_BxT.shape, old_logprobs_BxT,
-                          sampler_logprobs_BxT, mask_BxT, max_log_ratio)
-    return _out(coef_BxT.astype(jnp.float32) * weight(w), coef_BxT), state
+    w = weight(_behaviour_weight(fn, level, coef_BxT.shape, old_logprobs_BxT,
+                                 sampler_logprobs_BxT, mask_BxT,
+                                 max_log_ratio))
+    if batch_normalize:
+      w = w / _batch_mean(w, _mask(fn, mask_BxT, coef_BxT.shape), level)
+    return _out(coef_BxT.astype(jnp.float32) * w, coef_BxT), state
 
   return _stateless(update_fn)
 
 
+def _batch_mean(w, mask, level):
+  """verl's `rollout_is_batch_normalize`: the mean over valid tokens
+  (token level) or over non-empty sequences (sequence level); 1 if it is
+  not above 1e-8."""
+  if level == "sequence":
+    valid = jnp.any(mask, -1)
+    per_seq = w[:, 0]
+    mean = (jnp.sum(jnp.where(valid, per_seq, 0.0))
+            / jnp.maximum(jnp.sum(valid, dtype=jnp.float32), 1.0))
+  else:
+    mean = (jnp.sum(jnp.where(mask, w, 0.0))
+            / jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0))
+  return jnp.where(mean > 1e-8, mean, 1.0)
+
+
 def truncated_is(cap: float = 2.0, level: types.ImportanceLevel = "token",
-                 max_log_ratio: float = 20.0) -> _Tx:
+                 max_log_ratio: float = 20.0, floor: float | None = None,
+                 batch_normalize: bool = False) -> _Tx:
   """Truncated importance sampling (TIS) for sampler/trainer mismatch.
 
       w = exp(clip(old_logprobs - sampler_logprobs, +-max_log_ratio))
           (level="sequence": the sum over the sequence's valid tokens)
-      c = c_in * min(w, cap)
+      c = c_in * clip(w, floor, cap)          (no floor: min(w, cap))
+      batch_normalize: w_clipped / mean(w_clipped) over the valid tokens
+                       (token level) or the non-empty sequences (sequence)
 
   verl's rollout correction (`decoupled_token_is` / `decoupled_seq_is`,
-  C = 2). Chain after the trust region.
+  C = 2; `rollout_is_batch_normalize`, whose mean is over the whole
+  rollout batch while this one is over the tokens the transform receives:
+  one microbatch in `rljax.train`). `floor` is TRL's `*_truncate` lower
+  bound (`vllm_importance_sampling_clip_min`). Chain
+  after the trust region.
 
   References:
     Yao et al., "On the Rollout-Training Mismatch in Modern RL Systems"
     (NeurIPS 2025 workshop; blog "Your Efficient RL Framework Secretly Brings
-    You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl).
+    You Off-Policy RL Training", https://fengyao.notion.site/off-policy-rl);
+    verl `trainer/ppo/rollout_corr_helper.py`
+    (`compute_rollout_correction_weights`).
   """
   fn = "truncated_is"
   _check_level(fn, level)
   _check_positive(fn, "cap", cap)
-
-  return _correction(fn, level, max_log_ratio, lambda w: jnp.minimum(w, cap))
+  if floor is not None:
+    _check_positive(fn, "floor", floor)
+    if isinstance(floor, (int, float)) and isinstance(cap, (int, float)) \
+        and floor > cap:
+      raise ValueError(f"{fn}: floor={floor!r} must be <= cap={cap!r}.")
+  clip = ((lambda w: jnp.minimum(w, cap)) if floor is None
+          else (lambda w: jnp.clip(w, floor, cap)))
+  return _correction(fn, level, max_log_ratio, clip, batch_normalize)
 
 
 def masked_is(high: float = 2.0, low: float = 0.0,
@@ -67,12 +102,16 @@ def masked_is(high: float = 2.0, low: float = 0.0,
       c = c_in * w * [low <= w <= high]
 
   Rejected tokens (or whole sequences) keep their place in the loss
-  normaliser, as TRL's `*_mask` modes (verl removes them from the mask).
+  normaliser, as in TRL's `token_mask` / `sequence_mask` modes. verl's
+  IS weights never leave the mask either; only its separate rejection
+  sampling (`rollout_rs`) removes tokens from the mask, and with it from
+  the normaliser: that is `rejection_mask` (`rl.rejection`).
 
   References:
     Liu, Li et al., "When Speed Kills Stability: Demystifying RL Collapse
     from the Training-Inference Mismatch" (2025),
-    https://richardli.xyz/rl-collapse.
+    https://richardli.xyz/rl-collapse; TRL `trainer/grpo_trainer.py`
+    (`vllm_importance_sampling_mode`).
   """
   fn = "masked_is"
   _check_level(fn, level)

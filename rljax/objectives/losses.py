@@ -19,29 +19,47 @@ AGGREGATIONS = typing.get_args(types.Aggregation)
 def aggregate_loss(loss_BxT: jax.Array, mask_BxT: jax.Array,
                    aggregation: types.Aggregation = "token_mean", *,
                    num_tokens: Any = None, num_sequences: Any = None,
-                   max_length: Any = None) -> jax.Array:
+                   max_length: Any = None, dp_size: Any = 1) -> jax.Array:
   """Reduces a per-token loss to a scalar over the global batch.
 
       token_mean:                   sum(mask * l) / num_tokens
+      token_sum:                    sum(mask * l)
       sequence_mean_token_mean:     sum_b (sum_t mask * l) / |y_b|
                                     / num_sequences
       sequence_mean_token_sum:      sum(mask * l) / num_sequences
       sequence_mean_token_sum_norm: sum(mask * l) / (num_sequences * max_length)
+      sequence_mean_token_scale:    the same as sequence_mean_token_sum_norm
 
   The normalisers default to this batch's values: `num_tokens` = valid tokens,
   `num_sequences` = sequences with at least one valid token, `max_length` =
-  `T`. For gradient accumulation pass the whole batch's values: the sum of the
+  `T`; a normaliser computed here from the mask is at least 1, so an
+  all-padding batch gives 0. A passed normaliser is used as given (0 gives a
+  non-finite loss: guard it where it is computed), divided by `dp_size`:
+  verl's `agg_loss` multiplies a rank's loss by its data-parallel size and
+  TRL divides its global token count by `num_processes`, because their
+  data-parallel wrappers then average the ranks' gradients. rljax's jitted
+  step sums over the global batch and needs no such factor (`dp_size=1`);
+  pass the peer's value to reproduce one rank's loss value.
+
+  For gradient accumulation pass the whole batch's values: the sum of the
   minibatch losses is then the whole-batch loss. `sequence_mean_token_sum_norm`
   is Dr.GRPO's constant normaliser (pass the generation budget as
-  `max_length`). Padding tokens are excluded with `where`, so a non-finite
-  value there does not leak into the loss (its gradient stays finite if the
-  ops producing `loss_BxT` have finite derivatives at the padding, which
-  `policy_gradient_loss` ensures by masking its inputs); an all-padding batch
-  gives 0.
+  `max_length`); Tunix names the same formula `sequence-mean-token-scale`
+  (sum of `sum_t l / width` over non-empty rows, divided by their count;
+  Tunix's own `sequence-mean-token-sum-norm` is rljax's
+  `sequence_mean_token_sum`), and verl's `seq-mean-token-sum-norm` is
+  `token_sum / loss_scale_factor` (here: `sequence_mean_token_sum_norm`
+  with `num_sequences=1`, `max_length=loss_scale_factor`). Padding tokens
+  are excluded with `where`, so a non-finite value there does not leak into
+  the loss (its gradient stays finite if the ops producing `loss_BxT` have
+  finite derivatives at the padding, which `policy_gradient_loss` ensures
+  by masking its inputs).
 
   References:
     Liu et al., "Understanding R1-Zero-Like Training: A Critical
-    Perspective", https://arxiv.org/abs/2503.20783.
+    Perspective", https://arxiv.org/abs/2503.20783; verl
+    `trainer/ppo/core_algos.py` (`agg_loss`); TRL `trainer/grpo_trainer.py`
+    (`_compute_loss`); google/tunix `rl/common.py` (`aggregate_loss`).
   """
   fn = "aggregate_loss"
   loss_BxT = _check_bxt(fn, "loss_BxT", loss_BxT)
@@ -49,14 +67,20 @@ def aggregate_loss(loss_BxT: jax.Array, mask_BxT: jax.Array,
   if aggregation not in AGGREGATIONS:
     raise ValueError(f"{fn}: aggregation={aggregation!r}; accepted: "
                      f"{AGGREGATIONS}.")
+  if isinstance(dp_size, (int, float)) and dp_size <= 0:
+    raise ValueError(f"{fn}: dp_size={dp_size!r} must be > 0.")
   loss = jnp.where(mask, loss_BxT.astype(jnp.float32), 0.0)
+  if aggregation == "token_sum":
+    return jnp.sum(loss)
   if aggregation == "token_mean":
-    n = jnp.sum(mask, dtype=jnp.float32) if num_tokens is None else num_tokens
-    return jnp.sum(loss) / jnp.maximum(n, 1.0)
+    n = (jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0)
+         if num_tokens is None else num_tokens / dp_size)
+    return jnp.sum(loss) / n
   lengths_B = jnp.sum(mask, -1, dtype=jnp.float32)
   if num_sequences is None:
-    num_sequences = jnp.sum(lengths_B > 0, dtype=jnp.float32)
-  num_sequences = jnp.maximum(num_sequences, 1.0)
+    num_sequences = jnp.maximum(jnp.sum(lengths_B > 0, dtype=jnp.float32), 1.0)
+  else:
+    num_sequences = num_sequences / dp_size
   if aggregation == "sequence_mean_token_mean":
     per_seq = jnp.sum(loss, -1) / jnp.maximum(lengths_B, 1.0)
     return jnp.sum(per_seq) / num_sequences
@@ -70,7 +94,8 @@ def policy_gradient_loss(coef_BxT: jax.Array, advantages_BxT: jax.Array,
                          logprobs_BxT: jax.Array, mask_BxT: jax.Array,
                          aggregation: types.Aggregation = "token_mean", *,
                          num_tokens: Any = None, num_sequences: Any = None,
-                         max_length: Any = None) -> jax.Array:
+                         max_length: Any = None, dp_size: Any = 1
+                         ) -> jax.Array:
   """The policy loss in coefficient form.
 
       loss = aggregate(-sg(coef_BxT) * sg(advantages_BxT) * logprobs_BxT)
@@ -100,7 +125,7 @@ def policy_gradient_loss(coef_BxT: jax.Array, advantages_BxT: jax.Array,
   lp = jnp.where(mask, lp.astype(jnp.float32), 0.0)
   return aggregate_loss(-(c * jnp.where(mask, a, 0.0)) * lp, mask, aggregation,
                         num_tokens=num_tokens, num_sequences=num_sequences,
-                        max_length=max_length)
+                        max_length=max_length, dp_size=dp_size)
 
 
 def ess_kl_penalty(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,

@@ -15,7 +15,15 @@ def importance_ratio(logprobs_BxT: jax.Array, old_logprobs_BxT: jax.Array,
                      max_log_ratio: float = 20.0) -> jax.Array:
   """`ratio = exp(clip(logprobs - old_logprobs, +-max_log_ratio))`, no gradient.
 
-  Padding tokens get ratio 1. The clamp keeps `exp` finite (verl uses 20).
+  Padding tokens get ratio 1. The clamp keeps `exp` finite. verl's PPO
+  losses clamp the log-ratio to +-20 the same way, but there the ratio
+  carries the gradient, so `torch.clamp` also zeroes a token's gradient
+  beyond +-20; here the ratio has none and a coefficient transform sees the
+  clamped value (e.g. `ppo_clip` gives `c = exp(20)` to a token with `A < 0`
+  and log-ratio > 20 where verl gives 0; verl's default dual clip, `c = 3`,
+  zeroes that token anyway, as `dual_clip` does here). TRL does not clamp
+  (pass a large `max_log_ratio` to match, at the risk of `inf`). verl's
+  separate value clamp (+-10) is on its k3 KL (`kl_penalty`), not here.
   """
   fn = "importance_ratio"
   lp = _check_bxt(fn, "logprobs_BxT", logprobs_BxT)

@@ -73,10 +73,17 @@ def dual_clip(clip_ratio_c: float = 3.0) -> _Tx:
   return _stateless(update_fn)
 
 
-def sequence_ratio() -> _Tx:
+def sequence_ratio(max_log_ratio: float | None = None) -> _Tx:
   """GSPO's length-normalised sequence ratio, broadcast to every token.
 
       s_b = exp(sum_t mask * log r_bt / max(|y_b|, 1))
+
+  `max_log_ratio=None` (default, as the paper and TRL) does not clamp.
+  verl's `compute_policy_loss_gspo` clamps `log s_b` at 10 from above,
+  which makes the sequence's gradient 0 where it binds (whatever the sign
+  of A, since the unclipped branch of its min is the clamped one); with
+  `max_log_ratio` set, `s_b` is output as 0 there, so any `ppo_clip` after
+  it gives `c = 0` as verl does.
 
   Chain first, then `ppo_clip` (GSPO: eps 3e-4 / 4e-4), and aggregate with
   `sequence_mean_token_mean`: the gradient is then GSPO's
@@ -95,7 +102,10 @@ def sequence_ratio() -> _Tx:
     mask = _mask(fn, mask_BxT, ratio_BxT.shape)
     log_r = jnp.where(mask, jnp.log(ratio_BxT.astype(jnp.float32)), 0.0)
     length = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1)
-    s = jnp.exp(jnp.sum(log_r, -1, keepdims=True) / length)
+    log_s = jnp.sum(log_r, -1, keepdims=True) / length
+    s = jnp.exp(log_s)
+    if max_log_ratio is not None:
+      s = jnp.where(log_s > max_log_ratio, 0.0, s)
     return _out(jnp.broadcast_to(s, ratio_BxT.shape), ratio_BxT), state
 
   return _stateless(update_fn)
@@ -174,7 +184,9 @@ def ess_trust_region(max_log_ratio: float = 20.0) -> _Tx:
   return _stateless(update_fn)
 
 
-def gspo(eps_low: float = 3e-4, eps_high: float = 4e-4) -> _Tx:
-  """GSPO: `chain(sequence_ratio(), ppo_clip(eps_low, eps_high))`; aggregate
-  with `sequence_mean_token_mean`. See `sequence_ratio`."""
-  return optax.chain(sequence_ratio(), ppo_clip(eps_low, eps_high))
+def gspo(eps_low: float = 3e-4, eps_high: float = 4e-4,
+         max_log_ratio: float | None = None) -> _Tx:
+  """GSPO: `chain(sequence_ratio(max_log_ratio), ppo_clip(eps_low,
+  eps_high))`; aggregate with `sequence_mean_token_mean`. See
+  `sequence_ratio` (verl: `max_log_ratio=10`)."""
+  return optax.chain(sequence_ratio(max_log_ratio), ppo_clip(eps_low, eps_high))
