@@ -96,6 +96,28 @@ def base() -> ml_collections.ConfigDict:
   # FeynRL's token-level ESS: pooled per "microbatch" or "minibatch".
   c.rl.ess_pooling = "microbatch"
   c.rl.ess_kl_coef = placeholder(float)  # default: 1 with objective=ess, else 0
+  # On-policy distillation: weight of the per-token reverse KL to the teacher
+  # of teacher.path (rljax.train.distill); 0 (default) turns it off.
+  c.rl.distill_coef = 0.0
+
+  # PPO with a value model, read only with rl.advantage="gae"
+  # (rljax.train.critic): GAE's discount and lambda, verl's value clip, and
+  # the critic's own optimizer (Adam).
+  c.critic = ml_collections.ConfigDict()
+  c.critic.gamma = 1.0
+  c.critic.lam = 1.0
+  c.critic.value_clip = 0.5     # None: no value clipping
+  c.critic.whiten = True        # whiten the advantages over the batch (verl)
+  c.critic.learning_rate = 1e-5
+  c.critic.max_grad_norm = 1.0
+
+  # The teacher of on-policy distillation (with rl.distill_coef > 0): an
+  # rljax run directory (checkpoint teacher.step, latest if None) or a
+  # Hugging Face checkpoint directory sharing the student's tokenizer.
+  c.teacher = ml_collections.ConfigDict()
+  c.teacher.path = ""
+  c.teacher.step = placeholder(int)
+  c.teacher.temperature = 1.0
 
   c.optimizer = ml_collections.ConfigDict()
   c.optimizer.name = "adamw"

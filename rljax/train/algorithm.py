@@ -54,7 +54,11 @@ _Tx = optax.GradientTransformationExtraArgs
 
 # Presets of the advantage chain; the head reduces rewards [N, R] -> [N].
 ADVANTAGE_PRESETS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo",
-                     "gdpo", "batch_std", "rank_weights")
+                     "gdpo", "batch_std", "rank_weights", "gae")
+# Presets whose advantages come from a value model: the chain gives each
+# row's weighted reward, and rl_step turns it into token-level GAE
+# advantages with the critic's values (rljax.train.critic, critic.*).
+CRITIC_ADVANTAGES = ("gae",)
 # Single transforms that may be joined with "+" into a chain, e.g.
 # rl.advantage = "center_by_group_median+scale_by_group_mad".
 ADVANTAGE_TRANSFORMS = ("center_by_group_mean", "scale_by_group_std",
@@ -235,6 +239,7 @@ def advantage_chain(rl: Mapping[str, Any], group_size: int) -> _Tx:
                               adv_lib.scale_by_batch_std()],
         "rank_weights": lambda: [head, _transform("rank_weights", rl,
                                                   group_size)],
+        "gae": lambda: [head],
     }[name]()
   clip = rl.get("advantage_clip")
   if clip and not name.endswith("clip_advantages"):

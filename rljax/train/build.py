@@ -34,6 +34,7 @@ from rljax import optim as optim_lib
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
 from rljax.train import algorithm as alg_lib
+from rljax.train import critic as critic_lib
 from rljax.train._checks import check_range
 from rljax.train.sft import SFTConfig
 from rljax.train.steps import OLD_LOGPROBS, RLStepConfig
@@ -83,11 +84,49 @@ RANGES = {
                               "rewards.memory_limit_mb")},
     "rl.ess_kl_coef": ">=0?", "sampler.top_p": "(0,1]?", "sampler.min_p": "[0,1)?",
     "sft.label_noise": "[0,1)", "rewards.max_failure_fraction": "[0,1]",
+    # PPO with a critic (rl.advantage="gae") and on-policy distillation.
+    "critic.gamma": "[0,1]", "critic.lam": "[0,1]", "critic.value_clip": ">0?",
+    "critic.learning_rate": ">0", "critic.max_grad_norm": ">0?",
+    "rl.distill_coef": ">=0", "teacher.temperature": ">0",
+    "teacher.step": "int>=0?",
 }
 def _finite(field: str, value: Any) -> None:
   if (isinstance(value, bool) or not isinstance(value, (int, float))
       or not math.isfinite(value)):
     raise ValueError(f"{field}={value!r}: a finite number is required.")
+
+
+def _validate_critic_and_teacher(config: Any) -> None:
+  """The critic's and the teacher's settings that ranges cannot express."""
+  rl = config.rl
+  if rl.advantage in alg_lib.CRITIC_ADVANTAGES:
+    if "critic" not in config:
+      raise ValueError(f"rl.advantage={rl.advantage!r} trains a value model "
+                       "but the config has no critic section: start from "
+                       "configs/common.base() (or configs/arithmetic_ppo.py).")
+    if not isinstance(config.critic.whiten, bool):
+      raise ValueError(f"critic.whiten={config.critic.whiten!r}: True or "
+                       "False is required.")
+    if rl.get("advantage_clip"):
+      raise ValueError(
+          f"rl.advantage_clip={rl.advantage_clip!r} with rl.advantage="
+          f"{rl.advantage!r}: GAE's advantages are token-level and computed "
+          "in the train step, so the clip would only clip the rewards; "
+          "accepted: rl.advantage_clip=None (or rewards.clip for rewards).")
+  coef = rl.get("distill_coef", 0.0)
+  path = config.teacher.path if "teacher" in config else ""
+  if coef and not path:
+    raise ValueError(f"rl.distill_coef={coef!r} > 0 needs a teacher: set "
+                     "teacher.path to an rljax run directory or a Hugging "
+                     "Face checkpoint directory.")
+  if path and not coef:
+    raise ValueError(f"teacher.path={path!r} is set but rl.distill_coef="
+                     f"{coef!r}: the teacher would be loaded and unused; "
+                     "accepted: rl.distill_coef > 0, or teacher.path=''.")
+  if path and not os.path.isdir(path):
+    raise ValueError(f"teacher.path={path!r} is not a directory: accepted an "
+                     "rljax run directory or a Hugging Face checkpoint "
+                     "directory.")
 
 
 def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
@@ -123,6 +162,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   if "rank_weights" in advantage.split("+"):
     alg_lib.parse_rank_weights(rl.get("rank_weights") or "median:3",
                                rl.group_size)
+  _validate_critic_and_teacher(config)
   if rl.group_size < 2 and any(
       n in alg_lib.GROUP_STATISTIC_ADVANTAGES for n in advantage.split("+")):
     raise ValueError(
@@ -388,13 +428,37 @@ def step_config(config: Any) -> RLStepConfig:
   """The ``RLStepConfig`` of ``rl.*`` (the algorithm's ESS settings are added
   by ``build``)."""
   rl = config.rl
+  teacher = config.get("teacher", {})
   return RLStepConfig(
+      critic=critic_config(config),
+      distill_coef=float(rl.get("distill_coef", 0.0)),
+      teacher_temperature=float(teacher.get("temperature", 1.0)),
       num_epochs=rl.num_epochs, num_minibatches=rl.num_minibatches,
       num_microbatches=rl.num_microbatches, aggregation=rl.aggregation,
       max_length=config.sampler.max_new_tokens, kl_coef=float(rl.kl_coef),
       entropy_coef=float(rl.entropy_coef),
       training_temperature=float(rl.training_temperature),
       old_logprobs=rl.get("old_logprobs", "recompute"))
+
+
+def critic_config(config: Any) -> critic_lib.CriticConfig | None:
+  """The ``CriticConfig`` of ``critic.*`` with ``rl.advantage="gae"``, else None."""
+  if config.rl.advantage not in alg_lib.CRITIC_ADVANTAGES:
+    return None
+  c = config.critic
+  clip = c.get("value_clip")
+  return critic_lib.CriticConfig(
+      gamma=float(c.gamma), lam=float(c.lam),
+      value_clip=None if clip is None else float(clip), whiten=bool(c.whiten))
+
+
+def critic_optimizer(config: Any):
+  """The critic's optimizer (``critic.learning_rate``, ``critic.max_grad_norm``),
+  or None without a critic."""
+  if critic_config(config) is None:
+    return None
+  return critic_lib.make_optimizer(float(config.critic.learning_rate),
+                                   config.critic.get("max_grad_norm"))
 
 
 def sft_config(config: Any) -> SFTConfig:
@@ -502,6 +566,8 @@ class Components:
     buckets: prompt length buckets.
     eos_ids: ids that end a completion.
     hf_path: ``model.path`` or "".
+    critic_optimizer: the critic's optimizer with ``rl.advantage="gae"``,
+      else None.
   """
 
   config: Any
@@ -522,6 +588,7 @@ class Components:
   buckets: tuple[int, ...]
   eos_ids: tuple[int, ...]
   hf_path: str
+  critic_optimizer: Any = None
 
   def sampler(self, num_samples: int, *, greedy: bool = False,
               record_policy_logprobs: bool = False):
@@ -583,4 +650,5 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None
       initial_params=initial_params, evaluator=make_evaluator(config),
       correctness=correctness_reward(config), algorithm=alg,
       step_config=step, sft=sft_config(config), buckets=buckets,
-      eos_ids=eos_ids(tokenizer), hf_path=hf_path)
+      eos_ids=eos_ids(tokenizer), hf_path=hf_path,
+      critic_optimizer=critic_optimizer(config))

@@ -35,7 +35,8 @@ from rljax import data as data_lib
 from rljax import metrics as metrics_lib
 from rljax import models
 from rljax.train import build as build_lib
-from rljax.train import evaluation, rundir, sft
+from rljax.train import critic as critic_lib
+from rljax.train import distill, evaluation, rundir, sft
 from rljax.train.algorithm import Algorithm
 from rljax.train.rollout import Collector
 from rljax.train.steps import TrainState, jit_rl_step, make_rl_step
@@ -71,11 +72,16 @@ def init_state(c: build_lib.Components, params: Any, key: jax.Array
   num_rewards = s.num_rewards
 
   def init(params, key):
+    critic = None
+    if sc.critic is not None:  # the value model starts from the policy
+      critic_params = critic_lib.init_params(params, c.model_config)
+      critic = critic_lib.CriticState(
+          critic_params, c.critic_optimizer.init(critic_params))
     return TrainState(
         params, alg.optimizer.init(params),
         alg.advantage.init(jnp.zeros((rows, num_rewards), jnp.float32)),
         alg.coefficient.init(jnp.zeros((micro, length), jnp.float32)),
-        jnp.zeros((), jnp.int32), jax.random.key_data(key))
+        jnp.zeros((), jnp.int32), jax.random.key_data(key), critic)
 
   with jax.set_mesh(c.mesh):  # unsharded leaves (counts, keys) replicate
     return jax.jit(init)(params, key)
@@ -215,6 +221,13 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
            ) -> dict[str, Any]:
   s, alg = c.settings, c.algorithm
   kl = bool(c.step_config.kl_coef)
+  teacher_config = teacher_params = None
+  if c.step_config.distill_coef:  # loaded before anything is compiled
+    teacher = config.teacher
+    teacher_config, teacher_params = distill.load_teacher(
+        teacher.path, c.mesh, c.model_config.vocab_size, step=teacher.get("step"))
+    log.info("teacher for on-policy distillation: %s (%s params)",
+             teacher.path, f"{models.count_params(teacher_params):,}")
   with open(os.path.join(workdir, "config.json"), "w") as f:
     f.write(config.to_json_best_effort(indent=2))
   if c.hf_path:  # what load_policy needs to rebuild tokenizer and model
@@ -303,9 +316,14 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
 
   rl_step = jit_rl_step(
       make_rl_step(c.model_config, c.step_config, alg.optimizer,
-                   alg.coefficient),
+                   alg.coefficient, critic_optimizer=c.critic_optimizer,
+                   teacher_config=teacher_config),
       c.mesh, jax.tree.map(lambda x: x.sharding, state),
-      c.param_shardings if kl else None, old_logprobs=sampler_old)
+      c.param_shardings if kl else None, old_logprobs=sampler_old,
+      teacher_shardings=(None if teacher_params is None else jax.tree.map(
+          lambda x: x.sharding, teacher_params)))
+  # The teacher is an extra argument only when there is one.
+  teacher_args = () if teacher_params is None else (teacher_params,)
   last: dict[str, float] = {}
   step = int(state.step)
   progress = metrics_lib.ProgressBar(
@@ -332,7 +350,8 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
     state = state._replace(adv_state=collected.adv_state)
     t_collect = time.time()
     with jax.set_mesh(c.mesh):
-      state, train_metrics = rl_step(state, collected.batch, ref_params)
+      state, train_metrics = rl_step(state, collected.batch, ref_params,
+                                     *teacher_args)
       train_metrics = jax.device_get(train_metrics)
     t_train = time.time()
     step = int(state.step)

@@ -42,6 +42,9 @@ import optax
 from rljax import models, sharding
 from rljax import objectives as obj_lib
 from rljax import optim as optim_lib
+from rljax.advantages import gae as gae_lib
+from rljax.train import critic as critic_lib
+from rljax.train import distill as distill_lib
 
 OLD_LOGPROBS = ("recompute", "sampler")
 
@@ -57,6 +60,8 @@ class TrainState(NamedTuple):
     step: ``[]`` int32, completed RL steps.
     key: ``[2]`` uint32 raw PRNG key data (``jax.random.key_data``), split
       at every use.
+    critic: the value model's ``critic.CriticState`` with
+      ``RLStepConfig.critic`` (PPO with a critic); None otherwise.
   """
 
   params: Any
@@ -65,6 +70,7 @@ class TrainState(NamedTuple):
   coef_state: Any
   step: jax.Array
   key: jax.Array
+  critic: Any = None
 
 
 class RLBatch(NamedTuple):
@@ -103,6 +109,15 @@ class RLStepConfig:
     old_logprobs: ``"recompute"`` or ``"sampler"`` (module docstring).
     ess_kl_coef: weight of FeynRL's ``(1 - ESS)`` pull toward ``mu``.
     ess_pooling: ``"microbatch"`` or ``"minibatch"``.
+    critic: PPO with a value model (``critic.CriticConfig``): the batch's
+      ``advantages_N`` are then the sequences' rewards, turned into
+      token-level GAE advantages with the critic's values, and the critic
+      is trained in the same step (``make_rl_step``'s ``critic_optimizer``,
+      ``TrainState.critic``). None: no critic.
+    distill_coef: weight of on-policy distillation's per-token reverse KL
+      to a teacher (``distill.distill_advantages``; ``rl_step``'s
+      ``teacher_params``); 0 turns it off.
+    teacher_temperature: the teacher's logits are divided by it.
   """
 
   num_epochs: int = 1
@@ -117,6 +132,9 @@ class RLStepConfig:
   old_logprobs: str = "recompute"
   ess_kl_coef: float = 0.0
   ess_pooling: str = "microbatch"
+  critic: critic_lib.CriticConfig | None = None
+  distill_coef: float = 0.0
+  teacher_temperature: float = 1.0
 
   def __post_init__(self):
     if self.old_logprobs not in OLD_LOGPROBS:
@@ -191,18 +209,30 @@ def _accumulate(acc, new):
 
 def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
                  optimizer: optax.GradientTransformation,
-                 coef_tx: optax.GradientTransformationExtraArgs):
-  """Returns the pure function ``rl_step(state, batch, ref_params)``.
+                 coef_tx: optax.GradientTransformationExtraArgs,
+                 critic_optimizer: optax.GradientTransformation | None = None,
+                 teacher_config: models.ModelConfig | None = None):
+  """Returns the pure function ``rl_step(state, batch, ref_params,
+  teacher_params)``.
 
   The caller jits it (``jit_rl_step`` states the shardings). ``ref_params``
-  is only read when ``cfg.kl_coef > 0`` (pass None otherwise).
+  is only read when ``cfg.kl_coef > 0``, ``teacher_params`` only when
+  ``cfg.distill_coef > 0`` (pass None otherwise). With ``cfg.critic``,
+  ``critic_optimizer`` updates ``state.critic`` (``critic.make_optimizer``);
+  ``teacher_config`` is the teacher's model config (default: the policy's).
   """
+  if cfg.critic is not None and critic_optimizer is None:
+    raise ValueError("make_rl_step: RLStepConfig.critic is set but "
+                     "critic_optimizer=None: pass the critic's optimizer "
+                     "(rljax.train.critic.make_optimizer).")
+  teacher_config = teacher_config or model_config
   optimizer = optax.with_extra_args_support(optimizer)
   num_updates = cfg.num_epochs * cfg.num_minibatches
   sampler_old = cfg.old_logprobs == "sampler"
   reuse_current_as_old = num_updates == 1 and not sampler_old
 
-  def microbatch_loss(params, mb, coef_state, normalizers, pooled_ess):
+  def microbatch_loss(params, mb, coef_state, normalizers, pooled_ess,
+                      critic_params=None):
     lp, ent = _logprobs(params, model_config, mb["tokens"], mb["input_mask"],
                         cfg)
     mask = mb["loss_mask"]
@@ -213,6 +243,9 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     ess = (obj_lib.ess_from_statistics(token_ess_stats) if pooled_ess is None
            else pooled_ess)
     adv = mb["advantages"]
+    if cfg.distill_coef:
+      adv, reverse_kl = distill_lib.distill_advantages(
+          adv, old, mb["teacher_logprobs"], mask, cfg.distill_coef)
     coef, coef_state = coef_tx.update(
         ratio, coef_state, advantages_BxT=adv, mask_BxT=mask,
         old_logprobs_BxT=old, sampler_logprobs_BxT=sampler_lp, ess=ess)
@@ -240,16 +273,32 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       loss = loss + cfg.ess_kl_coef * pull
       metrics["ess_kl"] = pull
     rm = obj_lib.ratio_metrics(ratio, mask, advantages_BxT=jnp.broadcast_to(
-        adv[:, None], mask.shape))
+        adv if adv.ndim == 2 else adv[:, None], mask.shape))
     for k in ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high"):
       metrics[k] = rm[k] * weight  # token-weighted across microbatches
     metrics["coef_mean"] = obj_lib.coefficient_metrics(coef, mask)[
         "coef_mean"] * weight
+    if cfg.distill_coef:  # token mean over the minibatch (summed over micro)
+      metrics["distill/reverse_kl"] = jnp.sum(reverse_kl) / jnp.maximum(
+          normalizers["num_tokens"], 1.0)
+    if critic_params is not None:  # its own params tree: no policy gradient
+      value_loss, critic_metrics = critic_lib.value_loss(
+          critic_params, model_config, mb, cfg.critic, cfg.aggregation,
+          normalizers)
+      loss = loss + value_loss
+      metrics.update(critic_metrics)
     sums = {"seq_ess": _sequence_ess_stats(old, sampler_lp, mask),
             "mismatch": mismatch_statistics(lp, sampler_lp, mask)}
     return loss, (metrics, sums, coef_state)
 
-  grad_fn = jax.grad(microbatch_loss, has_aux=True)
+  def trained_loss(trained, mb, coef_state, normalizers, pooled_ess):
+    """The loss of the trained trees: the policy's, or (policy, critic)."""
+    if cfg.critic is None:
+      return microbatch_loss(trained, mb, coef_state, normalizers, pooled_ess)
+    return microbatch_loss(trained[0], mb, coef_state, normalizers,
+                           pooled_ess, trained[1])
+
+  grad_fn = jax.grad(trained_loss, has_aux=True)
 
   def minibatch_token_ess(params, micro):
     """FeynRL's ESS pooled over the whole minibatch (one no-grad pass)."""
@@ -261,7 +310,8 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     return obj_lib.ess_from_statistics(jax.tree.map(jnp.sum, per_micro))
 
   def update(carry, indices_KxM, batch):
-    params, opt_state, coef_state = carry
+    params, opt_state, coef_state, critic = carry
+    trained = params if critic is None else (params, critic.params)
     k, m = indices_KxM.shape
     mb_all = jax.tree.map(lambda x: jnp.take(x, indices_KxM.reshape(-1), axis=0),
                           batch)
@@ -277,7 +327,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
 
     def accumulate(acc, mb):
       grads_acc, metrics_acc, sums_acc, coef_state = acc
-      grads, (metrics, sums, coef_state) = grad_fn(params, mb, coef_state,
+      grads, (metrics, sums, coef_state) = grad_fn(trained, mb, coef_state,
                                                    normalizers, pooled)
       return (jax.tree.map(jnp.add, grads_acc, grads),
               jax.tree.map(jnp.add, metrics_acc, metrics),
@@ -286,9 +336,9 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
                "mismatch": _accumulate(sums_acc["mismatch"], sums["mismatch"])},
               coef_state), None
 
-    zeros = jax.tree.map(jnp.zeros_like, params)
+    zeros = jax.tree.map(jnp.zeros_like, trained)
     shapes = jax.eval_shape(
-        lambda: grad_fn(params, jax.tree.map(lambda x: x[0], micro), coef_state,
+        lambda: grad_fn(trained, jax.tree.map(lambda x: x[0], micro), coef_state,
                         normalizers, pooled)[1][:2])
     metric_zeros, sums_zeros = jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -297,13 +347,22 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     # Summed over microbatches: pg_loss/kl/entropy use the minibatch's global
     # normalisers and the ratio statistics are token-weighted, so sums are means.
     seq_ess = obj_lib.ess_from_statistics(sums["seq_ess"])
+    if critic is not None:  # the critic's own update, in the same step
+      grads, critic_grads = grads
+      critic_updates, critic_opt_state = critic_optimizer.update(
+          critic_grads, critic.opt_state, critic.params)
+      critic = critic._replace(
+          params=optax.apply_updates(critic.params, critic_updates),
+          opt_state=critic_opt_state)
+      metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["ess/sequence"] = seq_ess
     updates, opt_state = optimizer.update(grads, opt_state, params, ess=seq_ess)
     params = optax.apply_updates(params, updates)
-    return (params, opt_state, coef_state), (metrics, sums["mismatch"])
+    return (params, opt_state, coef_state, critic), (metrics, sums["mismatch"])
 
-  def rl_step(state: TrainState, batch: RLBatch, ref_params=None):
+  def rl_step(state: TrainState, batch: RLBatch, ref_params=None,
+              teacher_params=None):
     n = batch.tokens_NxL.shape[0]
     key, shuffle_key = jax.random.split(jax.random.wrap_key_data(state.key))
     data = {
@@ -327,6 +386,27 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       data["ref_logprobs"] = _forward_logprobs(
           ref_params, model_config, batch.tokens_NxL, batch.input_mask_NxL,
           cfg, chunks)
+    # Teacher logprobs and values cover every column; keep those of loss_mask.
+    width = data["loss_mask"].shape[1]
+
+    def last(x):
+      return x[:, x.shape[1] - width:]
+
+    if cfg.distill_coef:
+      data["teacher_logprobs"] = last(distill_lib.teacher_logprobs(
+          teacher_params, teacher_config, batch.tokens_NxL,
+          batch.input_mask_NxL, temperature=cfg.teacher_temperature,
+          chunk_size=cfg.logprob_chunk_size, chunks=chunks))
+    if cfg.critic is not None:
+      # verl's order: V_old of the whole batch, then GAE, then the updates.
+      data["old_values"] = last(critic_lib.forward_values(
+          state.critic.params, model_config, batch.tokens_NxL,
+          batch.input_mask_NxL, chunks))
+      adv, data["returns"] = gae_lib.gae_advantages(
+          batch.advantages_N, data["old_values"], data["loss_mask"],
+          cfg.critic.gamma, cfg.critic.lam)
+      data["advantages"] = (gae_lib.whiten_advantages(adv, data["loss_mask"])
+                            if cfg.critic.whiten else adv)
     if num_updates == 1:
       order = jnp.arange(n)[None]
     else:
@@ -334,9 +414,10 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       order = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)
     indices = order.reshape(num_updates, cfg.num_microbatches,
                             n // (cfg.num_minibatches * cfg.num_microbatches))
-    (params, opt_state, coef_state), (metrics, mismatch) = jax.lax.scan(
-        lambda carry, idx: update(carry, idx, data),
-        (state.params, state.opt_state, state.coef_state), indices)
+    (params, opt_state, coef_state, critic), (metrics, mismatch) = (
+        jax.lax.scan(lambda carry, idx: update(carry, idx, data),
+                     (state.params, state.opt_state, state.coef_state,
+                      state.critic), indices))
     metrics = jax.tree.map(jnp.mean, metrics)
     if "old_logprobs" in data and not sampler_old:
       # The recomputed pi_old is the trainer at the sampler's params.
@@ -349,7 +430,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     metrics.update(optim_lib.optimizer_metrics(opt_state))
     new_state = state._replace(params=params, opt_state=opt_state,
                                coef_state=coef_state, step=state.step + 1,
-                               key=jax.random.key_data(key))
+                               key=jax.random.key_data(key), critic=critic)
     return new_state, metrics
 
   return rl_step
@@ -362,7 +443,8 @@ def batch_shardings(mesh: jax.sharding.Mesh, old_logprobs: bool) -> RLBatch:
 
 
 def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
-                ref_shardings: Any = None, *, old_logprobs: bool = False):
+                ref_shardings: Any = None, *, old_logprobs: bool = False,
+                teacher_shardings: Any = None):
   """``jax.jit(rl_step)`` with explicit shardings and the state donated.
 
   Args:
@@ -372,12 +454,15 @@ def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
       ``jax.tree.map(lambda x: x.sharding, state)``).
     ref_shardings: shardings of the reference params, or None.
     old_logprobs: whether batches carry ``old_logprobs_NxL``.
+    teacher_shardings: shardings of the teacher's params (on-policy
+      distillation); the jitted step then takes them as a fourth argument.
   """
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  teacher = () if teacher_shardings is None else (teacher_shardings,)
   return jax.jit(
       rl_step,
       in_shardings=(state_shardings, batch_shardings(mesh, old_logprobs),
-                    ref_shardings),
+                    ref_shardings) + teacher,
       out_shardings=(state_shardings, replicated),
       donate_argnums=(0,))
 
