@@ -18,6 +18,10 @@ prompt `g`. Extra arguments are keyword-only:
 * `mask_N` (optional bool `[N]`): valid samples. Padding samples (a group with
   fewer than `G` completions, a dropped prompt) are `False`: they are ignored
   by every statistic and their advantage is exactly 0.
+* `lengths_N` (`[N]`, completion lengths in tokens): read by the
+  length-aware transforms (OPO's baseline, token-level whitening, DAPO's
+  overlong penalty, VCPO's baseline); `seq_log_ratio_N` (`[N]`,
+  `log pi_old(y) / mu(y)` of each completion): read by VCPO's baseline.
 
 Several reward functions give rewards `[N, R]`; `sum_rewards` (weighted
 sum) or `normalize_each_reward` (GDPO) turn them into one value per sample
@@ -37,14 +41,22 @@ from __future__ import annotations
 from rljax.advantages.baselines import (
     center_by_batch_mean, center_by_group_mean, center_by_group_median,
     clip_advantages, group_median_pivot_mask, leave_one_out,
-    scale_by_batch_std, scale_by_group_mad, scale_by_group_std)
+    scale_by_batch_std, scale_by_group_mad, scale_by_group_std,
+    scale_by_informative_fraction)
+from rljax.advantages.length_aware import (
+    center_by_length_weighted_group_mean, overlong_penalty, whiten_by_tokens)
+from rljax.advantages.gae import (gae_advantages, terminal_rewards,
+                                  whiten_advantages)
 from rljax.advantages.metrics import advantage_metrics
+from rljax.advantages.min_variance import center_by_min_variance_baseline
 from rljax.advantages.multi_reward import normalize_each_reward, sum_rewards
 from rljax.advantages.order_statistics import (
     best_of_k_rank_weights, cvar_rank_weights, median_rank_weights,
     rank_weights, trimmed_mean_rank_weights)
+from rljax.advantages.pass_at_k import pass_at_k_advantages
 from rljax.advantages.presets import (
-    dr_grpo, gdpo, grpo, mc_grpo, reinforce_pp_baseline, rloo)
+    dr_grpo, gdpo, gpg, grpo, grpo_batch_std, mc_grpo, opo, reinforce_pp_baseline,
+    reinforce_pp_token, rloo, vcpo)
 
 __all__ = [
     "advantage_metrics",
@@ -52,22 +64,36 @@ __all__ = [
     "center_by_batch_mean",
     "center_by_group_mean",
     "center_by_group_median",
+    "center_by_length_weighted_group_mean",
+    "center_by_min_variance_baseline",
     "clip_advantages",
     "cvar_rank_weights",
     "dr_grpo",
+    "gae_advantages",
     "gdpo",
+    "gpg",
     "group_median_pivot_mask",
     "grpo",
+    "grpo_batch_std",
     "leave_one_out",
     "mc_grpo",
     "median_rank_weights",
     "normalize_each_reward",
+    "opo",
+    "overlong_penalty",
+    "pass_at_k_advantages",
     "rank_weights",
     "reinforce_pp_baseline",
+    "reinforce_pp_token",
     "rloo",
     "scale_by_batch_std",
     "scale_by_group_mad",
     "scale_by_group_std",
+    "scale_by_informative_fraction",
     "sum_rewards",
+    "terminal_rewards",
     "trimmed_mean_rank_weights",
+    "vcpo",
+    "whiten_advantages",
+    "whiten_by_tokens",
 ]

@@ -125,5 +125,28 @@ def _check_nonneg(fn: str, name: str, value: Any) -> None:
     raise ValueError(f"{fn}: {name}={value!r} must be >= 0.")
 
 
+SINGLETONS = ("zero", "raw")
+
+
+def _check_singleton(fn: str, singleton: Any) -> None:
+  if singleton not in SINGLETONS:
+    raise ValueError(f"{fn}: singleton={singleton!r} is unknown; accepted: "
+                     f"{SINGLETONS}.")
+
+
+def _lengths(fn: str, lengths_N: Any, n: int) -> jax.Array:
+  """The completion lengths `[N]` as float32; a clear error without them."""
+  if lengths_N is None:
+    raise ValueError(
+        f"{fn}: the keyword extra argument lengths_N (completion lengths "
+        "[N], in tokens) is required; the training loop's Collector passes "
+        "it.")
+  lengths_N = jnp.asarray(lengths_N)
+  if lengths_N.shape != (n,):
+    raise ValueError(f"{fn}: lengths_N must have shape ({n},) to match the "
+                     f"rewards; got {lengths_N.shape}.")
+  return lengths_N.astype(jnp.float32)
+
+
 def _stateless(update_fn) -> _Tx:
   return _Tx(lambda params: optax.EmptyState(), update_fn)

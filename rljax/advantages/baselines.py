@@ -1,5 +1,6 @@
 """Baselines and scalings of one reward per sample: group and batch mean/std,
-leave-one-out, group median/MAD (MC-GRPO), and clipping."""
+leave-one-out, group median/MAD (MC-GRPO), GPG's informative-fraction
+scaling, and clipping."""
 
 from __future__ import annotations
 
@@ -7,34 +8,44 @@ import jax
 import jax.numpy as jnp
 
 from rljax.advantages._common import (
-    _Tx, _check_nonneg, _check_rewards, _count, _grouped, _is_constant,
-    _lower_median, _mean, _out, _stateless, _std, _valid)
+    _Tx, _check_nonneg, _check_rewards, _check_singleton, _count, _grouped,
+    _is_constant, _lower_median, _mean, _out, _stateless, _std, _valid)
 
 
-def center_by_group_mean() -> _Tx:
+def center_by_group_mean(singleton: str = "zero") -> _Tx:
   """Subtracts each group's mean reward: `A_i = r_i - mean_{j in g(i)} r_j`.
 
   The baseline of GRPO and (without any std scaling) Dr.GRPO. The mean is over
   the valid samples of the group; a group whose valid rewards are all equal
-  (including a group of one) gets exactly 0.
+  gets exactly 0.
+
+  Args:
+    singleton: a group with exactly one valid sample gets `"zero"` (its own
+      mean: advantage 0, as TRL's `nanmean`) or `"raw"` (baseline 0, the
+      advantage is the reward itself, as verl's `compute_grpo_outcome_advantage`
+      which sets `id2mean = 0` for a group of one).
 
   References:
     Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
     in Open Language Models", https://arxiv.org/abs/2402.03300.
   """
   fn = "center_by_group_mean"
+  _check_singleton(fn, singleton)
 
   def update_fn(rewards_N, state, params=None, *, group_size=None, mask_N=None,
                 **extra_args):
     del params, extra_args
     x, valid = _grouped(fn, rewards_N, group_size, mask_N)
     adv = jnp.where(_is_constant(x, valid), 0.0, x - _mean(x, valid))
+    if singleton == "raw":
+      adv = jnp.where(_count(valid) == 1, x, adv)
     return _out(adv, valid, rewards_N), state
 
   return _stateless(update_fn)
 
 
-def scale_by_group_std(eps: float = 1e-6, ddof: int = 1) -> _Tx:
+def scale_by_group_std(eps: float = 1e-6, ddof: int = 1,
+                       singleton: str = "zero") -> _Tx:
   """Divides by each group's std: `A_i = u_i / (std_{j in g(i)} u_j + eps)`.
 
   Use after a centering transform (GRPO: `center_by_group_mean`). The std has
@@ -45,6 +56,10 @@ def scale_by_group_std(eps: float = 1e-6, ddof: int = 1) -> _Tx:
   Args:
     eps: added to the std. TRL uses 1e-4, verl 1e-6.
     ddof: delta degrees of freedom of the std.
+    singleton: the std of a group with exactly one valid sample: `"zero"`
+      (as above) or `"raw"` (1, as verl's `id2std = 1` for a group of one;
+      with `center_by_group_mean(singleton="raw")` the lone sample's advantage
+      is `r / (1 + eps)`, verl's number).
 
   References:
     Shao et al., "DeepSeekMath: Pushing the Limits of Mathematical Reasoning
@@ -52,12 +67,16 @@ def scale_by_group_std(eps: float = 1e-6, ddof: int = 1) -> _Tx:
   """
   fn = "scale_by_group_std"
   _check_nonneg(fn, "eps", eps)
+  _check_singleton(fn, singleton)
 
   def update_fn(updates_N, state, params=None, *, group_size=None, mask_N=None,
                 **extra_args):
     del params, extra_args
     x, valid = _grouped(fn, updates_N, group_size, mask_N)
-    return _out(x / (_std(x, valid, ddof) + eps), valid, updates_N), state
+    std = _std(x, valid, ddof)
+    if singleton == "raw":
+      std = jnp.where(_count(valid) == 1, 1.0, std)
+    return _out(x / (std + eps), valid, updates_N), state
 
   return _stateless(update_fn)
 
@@ -110,11 +129,16 @@ def scale_by_batch_std(eps: float = 1e-6, ddof: int = 1) -> _Tx:
   return _stateless(update_fn)
 
 
-def leave_one_out() -> _Tx:
+def leave_one_out(singleton: str = "zero") -> _Tx:
   """RLOO baseline: `A_i = r_i - mean_{j in g(i), j != i} r_j`.
 
   Over the valid samples of the group; a group with fewer than two valid
   samples, or with all rewards equal, gets exactly 0.
+
+  Args:
+    singleton: a group with exactly one valid sample gets `"zero"` (as above)
+      or `"raw"` (the reward itself, as verl's `compute_rloo_outcome_advantage`
+      leaves the score of a group of one unchanged).
 
   References:
     Ahmadian et al., "Back to Basics: Revisiting REINFORCE Style Optimization
@@ -123,6 +147,7 @@ def leave_one_out() -> _Tx:
     Get a Baseline for Free!" (ICLR 2019 DeepRLStructPred workshop).
   """
   fn = "leave_one_out"
+  _check_singleton(fn, singleton)
 
   def update_fn(rewards_N, state, params=None, *, group_size=None, mask_N=None,
                 **extra_args):
@@ -132,7 +157,10 @@ def leave_one_out() -> _Tx:
     total = jnp.sum(jnp.where(valid, x, 0.0), -1, keepdims=True)
     baseline = (total - x) / jnp.maximum(n - 1.0, 1.0)
     keep = (n > 1) & ~_is_constant(x, valid)
-    return _out(jnp.where(keep, x - baseline, 0.0), valid, rewards_N), state
+    adv = jnp.where(keep, x - baseline, 0.0)
+    if singleton == "raw":
+      adv = jnp.where(n == 1, x, adv)
+    return _out(adv, valid, rewards_N), state
 
   return _stateless(update_fn)
 
@@ -212,6 +240,43 @@ def group_median_pivot_mask(rewards_N: jax.Array, *, group_size: int,
   pivot = jnp.take_along_axis(order, jnp.maximum((n - 1) // 2, 0), axis=-1)
   is_pivot = (jnp.arange(x.shape[1])[None, :] == pivot) & (n > 0)
   return (valid & ~is_pivot).reshape(-1)
+
+
+def scale_by_informative_fraction() -> _Tx:
+  """GPG's correction: `A_i = u_i * alpha`, `alpha = N_valid / N_informative`.
+
+  A group whose valid rewards are all equal gives no gradient under a group
+  baseline, yet its samples still count in the loss's normaliser, which
+  shrinks the step. GPG multiplies the advantages by the inverse of the
+  fraction of valid samples that lie in an informative group (one whose
+  valid rewards are not all equal), `alpha = B / (B - M)` in the paper's
+  notation. `gpg()` chains it after `center_by_group_mean()` (GPG uses no
+  std scaling). With no informative group, `alpha = 1` (all advantages are 0
+  anyway). The authors' trainer divides the loss by
+  `inverse_alpha = min(1, n_valid_samples / num_samples) + 1e-5`; the 1e-5
+  (a relative change below 1e-5) is not reproduced. verl's `gpg` estimator
+  counts non-zero rewards instead (`alpha = bsz / count_nonzero(scores)`),
+  which differs unless exactly the informative samples have non-zero reward.
+
+  References:
+    Chu et al., "GPG: A Simple and Strong Reinforcement Learning Baseline
+    for Model Reasoning", https://arxiv.org/abs/2504.02546; code
+    https://github.com/AMAP-ML/GPG (`open_r1/trainer/grpo_trainer.py`,
+    `inverse_alpha`).
+  """
+  fn = "scale_by_informative_fraction"
+
+  def update_fn(updates_N, state, params=None, *, group_size=None,
+                mask_N=None, **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, updates_N, group_size, mask_N)
+    informative = valid & ~_is_constant(x, valid)
+    n_valid = jnp.sum(valid, dtype=jnp.float32)
+    n_inf = jnp.sum(informative, dtype=jnp.float32)
+    alpha = jnp.where(n_inf > 0, n_valid / jnp.maximum(n_inf, 1.0), 1.0)
+    return _out(x * alpha, valid, updates_N), state
+
+  return _stateless(update_fn)
 
 
 def clip_advantages(max_abs: float) -> _Tx:

@@ -80,10 +80,20 @@ def sum_rewards(reward_weights: Any = None) -> _Tx:
   """Weighted sum of several rewards, `[N, R] -> [N]` ("sum then normalize").
 
   `r_i = sum_r reward_weights[r] * R_ir`, with a non-finite entry (a reward
-  function that returned None) counted as 0, as TRL's `nansum`. Chain it
-  before a single-reward transform: `optax.chain(sum_rewards(w), grpo())`.
-  With `reward_weights=None` the weights come from the extra argument
-  `reward_weights_R` (all ones without it); a row outside `mask_N` sums to 0.
+  function that returned None) counted as 0 when the row has at least one
+  reward, as TRL's `nansum`. A row whose every reward is missing is not a
+  reward of 0: TRL marks it NaN, leaves it out of every statistic and gives
+  it advantage 0, and so does rljax, through `mask_N` (the training loop's
+  Collector leaves such rows out of it; `rl.failed_rewards="zero"` keeps
+  them in, as TRL before PR #5902 did). Here such a row outside `mask_N` sums
+  to 0, and the transforms after this one ignore it. Chain it before a
+  single-reward transform: `optax.chain(sum_rewards(w), grpo())`. With
+  `reward_weights=None` the weights come from the extra argument
+  `reward_weights_R` (all ones without it).
+
+  References:
+    TRL `trainer/grpo_trainer.py`, `_generate_and_score_completions`
+    (`unscorable_mask`, https://github.com/huggingface/trl/pull/5902).
   """
   fn = "sum_rewards"
 

@@ -9,20 +9,90 @@ import optax
 from rljax.advantages._common import _Tx
 from rljax.advantages.baselines import (
     center_by_group_mean, center_by_group_median, leave_one_out,
-    scale_by_batch_std, scale_by_group_mad, scale_by_group_std)
+    scale_by_batch_std, scale_by_group_mad, scale_by_group_std,
+    scale_by_informative_fraction)
+from rljax.advantages.length_aware import (
+    center_by_length_weighted_group_mean, whiten_by_tokens)
+from rljax.advantages.min_variance import center_by_min_variance_baseline
 from rljax.advantages.multi_reward import normalize_each_reward
 
 
-def grpo(eps: float = 1e-6) -> _Tx:
+def grpo(eps: float = 1e-6, singleton: str = "zero") -> _Tx:
   """GRPO: `(r - mean_g r) / (std_g r + eps)` (Bessel-corrected std).
+
+  `eps=1e-6` is verl's; TRL adds 1e-4. `singleton="raw"` gives a group with
+  one valid sample verl's `r / (1 + eps)` instead of 0.
 
   References:
     Shao et al., "DeepSeekMath", https://arxiv.org/abs/2402.03300.
   """
-  return optax.chain(center_by_group_mean(), scale_by_group_std(eps=eps))
+  return optax.chain(center_by_group_mean(singleton),
+                     scale_by_group_std(eps=eps, singleton=singleton))
 
 
-def dr_grpo() -> _Tx:
+def grpo_batch_std(eps: float = 1e-4) -> _Tx:
+  """TRL's `scale_rewards="batch"`: `(r - mean_g r) / (std_batch r + eps)`.
+
+  The std is Bessel-corrected, over every valid reward of the batch (TRL's
+  `nanstd(rewards)` of the raw rewards, not of the centred ones as in
+  `reinforce_pp_baseline`), and `eps=1e-4` is TRL's. Since
+  `(r - m) / (s + eps) = r / (s + eps) - m / (s + eps)`, it is the batch
+  scaling followed by the group centring.
+
+  References:
+    Liu et al., "Part I: Tricks or Traps? A Deep Dive into RL for LLM
+    Reasoning" (Lite PPO), https://arxiv.org/abs/2508.08221; TRL
+    `trainer/grpo_trainer.py`, `_generate_and_score_completions`.
+  """
+  return optax.chain(scale_by_batch_std(eps=eps), center_by_group_mean())
+
+
+def gpg() -> _Tx:
+  """GPG: `alpha * (r - mean_g r)`, `alpha = N_valid / N_informative`.
+
+  No std scaling; `alpha` undoes the dilution of the loss normaliser by
+  zero-variance groups (`scale_by_informative_fraction`). Pair it with the
+  `reinforce` objective (GPG has no ratio clip and no KL).
+
+  References:
+    Chu et al., "GPG: A Simple and Strong Reinforcement Learning Baseline
+    for Model Reasoning", https://arxiv.org/abs/2504.02546.
+  """
+  return optax.chain(center_by_group_mean(), scale_by_informative_fraction())
+
+
+def opo() -> _Tx:
+  """OPO: `r - sum_g L r / sum_g L` (length-weighted group baseline).
+
+  References:
+    Hao et al., "On-Policy RL with Optimal Reward Baseline",
+    https://arxiv.org/abs/2505.23585.
+  """
+  return optax.chain(center_by_length_weighted_group_mean())
+
+
+def reinforce_pp_token(eps: float = 1e-8) -> _Tx:
+  """verl's `reinforce_plus_plus_baseline`: group mean subtracted, then
+  whitened over all valid tokens of the batch (`whiten_by_tokens`).
+
+  References:
+    Hu et al., "REINFORCE++", https://arxiv.org/abs/2501.03262.
+  """
+  return optax.chain(center_by_group_mean(), whiten_by_tokens(eps=eps))
+
+
+def vcpo() -> _Tx:
+  """VCPO's minimum-variance baseline with the released scripts' std scaling
+  (`center_by_min_variance_baseline(norm_by_std=True)`).
+
+  References:
+    Huang et al., "Stable Asynchrony: Variance-Controlled Off-Policy RL for
+    LLMs", https://arxiv.org/abs/2602.17616.
+  """
+  return optax.chain(center_by_min_variance_baseline(norm_by_std=True))
+
+
+def dr_grpo(singleton: str = "zero") -> _Tx:
   """Dr.GRPO: `r - mean_g r`, no std scaling (pair it with the
   `sequence_mean_token_sum_norm` loss aggregation).
 
@@ -30,19 +100,19 @@ def dr_grpo() -> _Tx:
     Liu et al., "Understanding R1-Zero-Like Training: A Critical
     Perspective", https://arxiv.org/abs/2503.20783.
   """
-  return optax.chain(center_by_group_mean())
+  return optax.chain(center_by_group_mean(singleton))
 
 
-def rloo() -> _Tx:
+def rloo(singleton: str = "zero") -> _Tx:
   """RLOO: `r_i - mean_{j != i} r_j` within the group.
 
   References:
     Ahmadian et al., https://arxiv.org/abs/2402.14740.
   """
-  return optax.chain(leave_one_out())
+  return optax.chain(leave_one_out(singleton))
 
 
-def reinforce_pp_baseline(eps: float = 1e-6) -> _Tx:
+def reinforce_pp_baseline(eps: float = 1e-6, singleton: str = "zero") -> _Tx:
   """REINFORCE++ with baseline: group mean subtracted, then batch std scaling.
 
   The paper z-scores the group-centred rewards over the global batch. Their
@@ -55,7 +125,8 @@ def reinforce_pp_baseline(eps: float = 1e-6) -> _Tx:
     Hu et al., "REINFORCE++: Stabilizing Critic-Free Policy Optimization with
     Global Advantage Normalization", https://arxiv.org/abs/2501.03262.
   """
-  return optax.chain(center_by_group_mean(), scale_by_batch_std(eps=eps))
+  return optax.chain(center_by_group_mean(singleton),
+                     scale_by_batch_std(eps=eps))
 
 
 def mc_grpo(eps: float = 1e-3) -> _Tx:
