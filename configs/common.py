@@ -75,35 +75,43 @@ def base() -> ml_collections.ConfigDict:
   c.rl.num_minibatches = 1
   c.rl.num_microbatches = 1
   # A preset (grpo, dr_grpo, rloo, reinforce_pp, mc_grpo, gdpo, batch_std,
-  # rank_weights, grpo_batch_std, gpg, pass_at_k, opo, reinforce_pp_token,
-  # vcpo) or transforms joined with "+", e.g.
+  # rank_weights) or transforms joined with "+", e.g.
   # "center_by_group_median+scale_by_group_mad" (rljax.train.algorithm).
   c.rl.advantage = "grpo"
   c.rl.advantage_clip = placeholder(float)
   c.rl.rank_weights = "median:3"  # with rank_weights: median:k, cvar:k:alpha, ...
-  c.rl.pass_k = 2  # with pass_at_k: the k of pass@k (<= rl.group_size)
-  c.rl.pass_threshold = 1.0  # with pass_at_k: a reward >= this is a pass
-  # DAPO's overlong penalty (the overlong_penalty link): the ramp length
-  # (None: sampler.max_new_tokens // 5, DAPO's 4096 of 20480) and its depth.
-  c.rl.overlong_buffer = placeholder(int)
-  c.rl.overlong_penalty_factor = 1.0
-  # Peer conventions (docs/conventions.md): the epsilon added to every std
-  # (None: the chain's own, 1e-6 as verl; TRL uses 1e-4); what a group with
-  # one valid sample gets ("zero", as TRL; "raw": its reward, as verl); a
-  # row whose every reward failed ("exclude": out of the statistics, as TRL;
-  # "zero": scored 0, as TRL before PR #5902).
-  c.rl.std_eps = placeholder(float)
-  c.rl.singleton_groups = "zero"
-  c.rl.failed_rewards = "exclude"
-  # ppo_clip, dual_clip, gspo, cispo, ess (FeynRL), reinforce.
+  # ppo_clip, dual_clip, gspo, cispo, ess (FeynRL), reinforce, sapo, gmpo,
+  # pnpo, dppo_tv, dppo_kl (deltas: the clip_eps fields), clip_cov, kl_cov.
   c.rl.objective = "ppo_clip"
   c.rl.clip_eps_low = 0.2
   c.rl.clip_eps_high = 0.28
+  c.rl.gspo_max_log_ratio = placeholder(float)  # verl clamps log s at 10
+  c.rl.sapo_tau_pos = 1.0        # SAPO's gate temperatures (verl, TRL)
+  c.rl.sapo_tau_neg = 1.05
+  c.rl.gmpo_eps = 0.4            # GMPO's clip range, in log space
+  c.rl.clip_cov_ratio = 2e-4     # Clip-Cov: fraction of tokens dropped,
+  c.rl.clip_cov_low = 1.0        # drawn among covariances in (low, high)
+  c.rl.clip_cov_high = 5.0
+  c.rl.kl_cov_ratio = 2e-4       # KL-Cov: fraction of tokens penalised
+  c.rl.kl_cov_coef = 1.0         # and the penalty's weight
   c.rl.is_correction = "none"    # none, tis, mis
   c.rl.is_cap = 2.0
+  c.rl.is_floor = placeholder(float)  # tis: lower bound of the weight
+  c.rl.is_batch_normalize = False     # tis: divide the weights by their mean
   c.rl.is_level = "token"        # token, sequence
+  # verl's rollout rejection: tokens/sequences leave the loss mask (and its
+  # normaliser), e.g. "seq_sum_k1:0.5:2.0" or "token_k3:0.1,seq_max_k2:0.5"
+  # (objectives.parse_rejection); "" is off.
+  c.rl.rejection = ""
+  # token_mean, token_sum, sequence_mean_token_mean, sequence_mean_token_sum,
+  # sequence_mean_token_sum_norm (Dr.GRPO), sequence_mean_token_scale (Tunix).
   c.rl.aggregation = "token_mean"
+  c.rl.count_empty_sequences = False  # True: every row counts (TRL grpo)
+  c.rl.max_log_ratio = 20.0      # clamp of the log-ratio (verl 20, TRL none)
   c.rl.kl_coef = 0.0
+  # k3, k1, k2, abs, low_var_kl (verl), k1+, k3+ (straight-through), k3_is
+  # (TRL's bias-corrected); objectives.KL_ESTIMATORS.
+  c.rl.kl_estimator = "k3"
   c.rl.entropy_coef = 0.0
   c.rl.training_temperature = 1.0
   # pi_old: "recompute" (trainer forward) or "sampler" (its logprobs; bypass).

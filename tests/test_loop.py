@@ -59,16 +59,24 @@ OTHER_AXES = {
     "optimizer.ess_scaling": (None,) + optim.ESS_RULES,
     "rl.is_level": obj.LEVELS,
     "rl.ess_pooling": alg_lib.ESS_POOLINGS,
+    "rl.kl_estimator": obj.KL_ESTIMATORS,
+    # verl's rollout rejection: off, token, sequence, and a combination.
+    "rl.rejection": ("", "token_k1:0.5:2.0", "seq_mean_k3:0.05",
+                     "seq_sum_k1:0.5:2.0,seq_max_k2:0.5"),
+    "rl.is_batch_normalize": (False, True),
+    "rl.count_empty_sequences": (False, True),
 }
 
 
 # Settings a value needs to mean anything in a 2-step run (e.g. a KL
 # estimator trains only with kl_coef > 0). Keys: (axis, value).
 CASE_FIXUPS = {
-    # The built-in task's parity reward (0.5 after weighting) counts as a pass,
-    # so that an untrained policy has informative groups.
-    ("rl.advantage", "pass_at_k"): {"rl.pass_threshold": 0.5},
-    ("rl.objective", "gspo"): {"rl.aggregation": "sequence_mean_token_mean"},
+    ("rl.objective", "gspo"): {"rl.aggregation": "sequence_mean_token_mean",
+                               "rl.gspo_max_log_ratio": 10.0},
+    **{("rl.kl_estimator", k): {"rl.kl_coef": 0.01}
+       for k in obj.KL_ESTIMATORS if k != "k3"},
+    ("rl.is_batch_normalize", True): {"rl.is_correction": "tis",
+                                      "rl.is_floor": 0.5},
 }
 
 
@@ -87,12 +95,6 @@ def _cases():
       case.update(CASE_FIXUPS.get((key, value), {}))
     cases.append(case)
   for axis, values in axes.items():
-    for value in values:  # A value a fixup overrode gets a case of its own.
-      if value not in {c[axis] for c in cases}:
-        case = {a: v[0] for a, v in axes.items()}
-        case[axis] = value
-        case.update(CASE_FIXUPS.get((axis, value), {}))
-        cases.append(case)
     assert set(values) <= {c[axis] for c in cases}, axis
   return cases
 

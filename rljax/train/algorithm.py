@@ -11,9 +11,7 @@ need:
   ``RewardSpec``s are applied in exactly one place. Extra arguments:
   ``group_size`` (static int), ``mask_N`` (rows with at least one reward: a
   row whose every reward failed is left out of every statistic and gets
-  advantage 0, as TRL does; ``failed_rewards="zero"`` keeps it in, scored
-  0), ``reward_weights_R`` and ``advantage_extra_args`` (completion lengths,
-  sequence log-ratios).
+  advantage 0, as TRL does) and ``reward_weights_R``.
 * ``coefficient``: importance ratio ``[B, T]`` -> per-token policy-gradient
   coefficient (``rljax.objectives``).
 * ``optimizer``: gradients -> updates; it receives the VCPO sequence-level
@@ -56,9 +54,7 @@ _Tx = optax.GradientTransformationExtraArgs
 
 # Presets of the advantage chain; the head reduces rewards [N, R] -> [N].
 ADVANTAGE_PRESETS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo",
-                     "gdpo", "batch_std", "rank_weights", "gae",
-                     "grpo_batch_std", "gpg", "pass_at_k", "opo",
-                     "reinforce_pp_token", "vcpo")
+                     "gdpo", "batch_std", "rank_weights", "gae")
 # Presets whose advantages come from a value model: the chain gives each
 # row's weighted reward, and rl_step turns it into token-level GAE
 # advantages with the critic's values (rljax.train.critic, critic.*).
@@ -68,23 +64,17 @@ CRITIC_ADVANTAGES = ("gae",)
 ADVANTAGE_TRANSFORMS = ("center_by_group_mean", "scale_by_group_std",
                         "center_by_batch_mean", "scale_by_batch_std",
                         "leave_one_out", "center_by_group_median",
-                        "scale_by_group_mad", "rank_weights", "clip_advantages",
-                        "overlong_penalty", "whiten_by_tokens")
+                        "scale_by_group_mad", "rank_weights", "clip_advantages")
 # Chains that divide by a per-group statistic: they need G >= 2.
 GROUP_STATISTIC_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp",
                               "mc_grpo", "gdpo", "rank_weights",
                               "center_by_group_mean", "scale_by_group_std",
                               "leave_one_out", "center_by_group_median",
-                              "scale_by_group_mad", "grpo_batch_std", "gpg",
-                              "pass_at_k", "opo", "reinforce_pp_token", "vcpo")
-# Chains that take rl.singleton_groups="raw" (verl: a group of one keeps its
-# reward); with it they also run with rl.group_size=1.
-SINGLETON_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp",
-                        "center_by_group_mean", "scale_by_group_std",
-                        "leave_one_out")
-SINGLETON_GROUPS = ("zero", "raw")
-FAILED_REWARDS = ("exclude", "zero")
-OBJECTIVES = ("ppo_clip", "dual_clip", "gspo", "cispo", "ess", "reinforce")
+                              "scale_by_group_mad")
+OBJECTIVES = ("ppo_clip", "dual_clip", "gspo", "cispo", "ess", "reinforce",
+              "sapo", "gmpo", "pnpo", "dppo_tv", "dppo_kl", "clip_cov",
+              "kl_cov")
+# "tis" takes rl.is_floor (a lower bound) and rl.is_batch_normalize.
 IS_CORRECTIONS = ("none", "tis", "mis")
 RANK_PRESETS = ("median", "trimmed_mean", "cvar", "best_of_k")
 ESS_POOLINGS = ("microbatch", "minibatch")
@@ -111,10 +101,6 @@ class Algorithm:
     ess_pooling: pool the token-level (FeynRL) ESS per ``"microbatch"`` (as
       the reference code) or over the whole ``"minibatch"`` (one extra
       no-gradient forward pass per minibatch).
-    failed_rewards: a row whose every reward failed is left out of every
-      statistic with advantage 0 (``"exclude"``, TRL since PR #5902) or
-      scored 0 and kept in the statistics (``"zero"``, TRL's earlier
-      ``nansum``).
     name: a label for logs.
   """
 
@@ -125,7 +111,6 @@ class Algorithm:
   drop_pivot: bool = False
   ess_kl_coef: float = 0.0
   ess_pooling: str = "microbatch"
-  failed_rewards: str = "exclude"
   name: str = "custom"
 
   def __post_init__(self):
@@ -142,8 +127,6 @@ class Algorithm:
           f"Algorithm.drop_pivot=True with extra_samples={self.extra_samples}: "
           "dropping the pivot keeps group_size rows only with extra_samples=1.")
     check_choice("Algorithm.ess_pooling", self.ess_pooling, ESS_POOLINGS)
-    check_choice("Algorithm.failed_rewards", self.failed_rewards,
-                 FAILED_REWARDS)
     if not (isinstance(self.ess_kl_coef, (int, float))
             and math.isfinite(self.ess_kl_coef) and self.ess_kl_coef >= 0):
       raise ValueError(f"Algorithm.ess_kl_coef={self.ess_kl_coef!r}: a finite "
@@ -162,9 +145,7 @@ class Algorithm:
       state = self.advantage.init(r)
       return self.advantage.update(
           r, state, group_size=group_size, mask_N=jnp.ones((num_rows,), bool),
-          reward_weights_R=jnp.ones((num_rewards,), jnp.float32),
-          **advantage_extra_args(jnp.ones((num_rows,), jnp.int32),
-                                 jnp.zeros((num_rows,), jnp.float32)))[0]
+          reward_weights_R=jnp.ones((num_rewards,), jnp.float32))[0]
 
     try:
       out = jax.eval_shape(run, rewards)
@@ -180,16 +161,6 @@ class Algorithm:
           f"shape {out.shape}; advantages [{num_rows}] are required. Start "
           "the chain with advantages.sum_rewards() or "
           "advantages.normalize_each_reward().")
-
-
-def advantage_extra_args(lengths_N: jax.Array,
-                         seq_log_ratio_N: jax.Array) -> dict[str, jax.Array]:
-  """The per-row extra arguments every advantage chain receives, besides
-  ``group_size``, ``mask_N`` and ``reward_weights_R``: the completion
-  lengths ``lengths_N`` and the sequence log-ratio
-  ``seq_log_ratio_N = log pi_old(y) / mu(y)`` (0 without the sampler's policy
-  logprobs). Transforms that do not read them ignore them."""
-  return {"lengths_N": lengths_N, "seq_log_ratio_N": seq_log_ratio_N}
 
 
 def _get(section: Mapping[str, Any], name: str, default: Any = None) -> Any:
@@ -232,89 +203,45 @@ def parse_rank_weights(spec: str, group_size: int) -> np.ndarray:
     raise ValueError(f"{field}={spec!r}: {e}") from e
 
 
-def overlong_buffer(rl: Mapping[str, Any], max_new_tokens: int) -> int:
-  """DAPO's ``L_cache``: ``rl.overlong_buffer``, or a fifth of the budget
-  (DAPO's 4096 of 20480) when it is None."""
-  return int(_get(rl, "overlong_buffer", max(1, max_new_tokens // 5)))
-
-
-def _transform(name: str, rl: Mapping[str, Any], group_size: int,
-               max_new_tokens: int | None = None) -> _Tx:
-  eps = rl.get("std_eps")
-  singleton = _get(rl, "singleton_groups", "zero")
+def _transform(name: str, rl: Mapping[str, Any], group_size: int) -> _Tx:
   if name == "rank_weights":
     return adv_lib.rank_weights(
         parse_rank_weights(_get(rl, "rank_weights", "median:3"), group_size))
   if name == "clip_advantages":
     return adv_lib.clip_advantages(float(_get(rl, "advantage_clip", 5.0)))
-  if name == "overlong_penalty":
-    if max_new_tokens is None:
-      raise ValueError("rl.advantage link 'overlong_penalty' needs the "
-                       "generation budget (sampler.max_new_tokens).")
-    return adv_lib.overlong_penalty(
-        int(max_new_tokens), overlong_buffer(rl, int(max_new_tokens)),
-        float(_get(rl, "overlong_penalty_factor", 1.0)))
-  if name in ("center_by_group_mean", "leave_one_out"):
-    return getattr(adv_lib, name)(singleton)
-  if name == "scale_by_group_std":
-    return adv_lib.scale_by_group_std(
-        1e-6 if eps is None else float(eps), singleton=singleton)
-  if name == "scale_by_batch_std" and eps is not None:
-    return adv_lib.scale_by_batch_std(float(eps))
   return getattr(adv_lib, name)()
 
 
-def advantage_chain(rl: Mapping[str, Any], group_size: int,
-                    max_new_tokens: int | None = None) -> _Tx:
+def advantage_chain(rl: Mapping[str, Any], group_size: int) -> _Tx:
   """The rewards ``[N, R]`` -> advantages ``[N]`` chain named by ``rl.advantage``.
 
   ``rl.advantage`` is a preset (``ADVANTAGE_PRESETS``) or transforms of
   ``ADVANTAGE_TRANSFORMS`` joined with ``"+"``; with ``rl.advantage_clip``
   the advantages are clipped last. ``group_size`` is the number of samples
-  per prompt the chain sees (``G + 1`` for MC-GRPO). Conventions:
-  ``rl.std_eps`` (None: each chain's own, 1e-6 as verl, 1e-4 for TRL's
-  ``grpo_batch_std`` and GDPO) is added to every std; ``rl.singleton_groups``
-  (``SINGLETON_GROUPS``) is what a group with one valid sample gets.
-  ``max_new_tokens`` (the generation budget) is needed by
-  ``overlong_penalty``.
+  per prompt the chain sees (``G + 1`` for MC-GRPO).
   """
   name = _get(rl, "advantage", "grpo")
-  eps = rl.get("std_eps")
-  singleton = _get(rl, "singleton_groups", "zero")
-  check_choice("rl.singleton_groups", singleton, SINGLETON_GROUPS)
   head = adv_lib.sum_rewards()
   if "+" in name or name in ADVANTAGE_TRANSFORMS and name != "rank_weights":
     links = name.split("+")
     for link in links:
       check_choice("rl.advantage (a link of a '+' chain)", link,
                    ADVANTAGE_TRANSFORMS)
-    chain = [head] + [_transform(link, rl, group_size, max_new_tokens)
-                      for link in links]
+    chain = [head] + [_transform(link, rl, group_size) for link in links]
   else:
     check_choice("rl.advantage", name,
                  ADVANTAGE_PRESETS + ADVANTAGE_TRANSFORMS)
-    e6 = 1e-6 if eps is None else float(eps)
-    e4 = 1e-4 if eps is None else float(eps)
     chain = {
-        "grpo": lambda: [head, adv_lib.grpo(e6, singleton)],
-        "dr_grpo": lambda: [head, adv_lib.dr_grpo(singleton)],
-        "rloo": lambda: [head, adv_lib.rloo(singleton)],
-        "reinforce_pp": lambda: [head, adv_lib.reinforce_pp_baseline(
-            e6, singleton)],
+        "grpo": lambda: [head, adv_lib.grpo()],
+        "dr_grpo": lambda: [head, adv_lib.dr_grpo()],
+        "rloo": lambda: [head, adv_lib.rloo()],
+        "reinforce_pp": lambda: [head, adv_lib.reinforce_pp_baseline()],
         "mc_grpo": lambda: [head, adv_lib.mc_grpo()],
-        "gdpo": lambda: [adv_lib.gdpo(eps=e4)],
+        "gdpo": lambda: [adv_lib.gdpo()],
         "batch_std": lambda: [head, adv_lib.center_by_batch_mean(),
-                              adv_lib.scale_by_batch_std(e6)],
+                              adv_lib.scale_by_batch_std()],
         "rank_weights": lambda: [head, _transform("rank_weights", rl,
                                                   group_size)],
-        "grpo_batch_std": lambda: [head, adv_lib.grpo_batch_std(e4)],
-        "gpg": lambda: [head, adv_lib.gpg()],
-        "pass_at_k": lambda: [head, adv_lib.pass_at_k_advantages(
-            int(_get(rl, "pass_k", 2)),
-            float(_get(rl, "pass_threshold", 1.0)))],
-        "opo": lambda: [head, adv_lib.opo()],
-        "reinforce_pp_token": lambda: [head, adv_lib.reinforce_pp_token()],
-        "vcpo": lambda: [head, adv_lib.vcpo()],
         "gae": lambda: [head],
     }[name]()
   clip = rl.get("advantage_clip")
@@ -330,29 +257,57 @@ def _reinforce() -> _Tx:
                  jnp.ones_like(updates), state))
 
 
-def coefficient_chain(rl: Mapping[str, Any]) -> _Tx:
-  """The per-token coefficient chain of ``rl.objective`` and ``rl.is_correction``."""
+def coefficient_chain(rl: Mapping[str, Any], seed: int | None = None) -> _Tx:
+  """The per-token coefficient chain of ``rl.objective`` and ``rl.is_correction``.
+
+  ``seed`` seeds Clip-Cov's token draw (``rl.objective="clip_cov"`` needs
+  it; ``build`` passes the config's ``seed``). KL-Cov's penalty and the
+  rejection mask are loss terms of the step (``RLStepConfig``), not links.
+  """
   objective = _get(rl, "objective", "ppo_clip")
   check_choice("rl.objective", objective, OBJECTIVES)
   correction = _get(rl, "is_correction", "none")
   check_choice("rl.is_correction", correction, IS_CORRECTIONS)
   eps_low = float(_get(rl, "clip_eps_low", 0.2))
   eps_high = float(_get(rl, "clip_eps_high", eps_low))
+  if objective == "clip_cov" and seed is None:
+    raise ValueError("rl.objective='clip_cov' draws tokens at random: pass "
+                     "seed= to coefficient_chain / from_config.")
+  gspo_max = rl.get("gspo_max_log_ratio")
   links = {
       "ppo_clip": lambda: [obj_lib.ppo_clip(eps_low, eps_high)],
       "dual_clip": lambda: [obj_lib.ppo_clip(eps_low, eps_high),
                             obj_lib.dual_clip(float(_get(rl, "dual_clip_c", 3.0)))],
-      "gspo": lambda: [obj_lib.gspo(float(_get(rl, "gspo_eps_low", 3e-4)),
-                                    float(_get(rl, "gspo_eps_high", 4e-4)))],
+      "gspo": lambda: [obj_lib.gspo(
+          float(_get(rl, "gspo_eps_low", 3e-4)),
+          float(_get(rl, "gspo_eps_high", 4e-4)),
+          None if gspo_max is None else float(gspo_max))],
       "cispo": lambda: [obj_lib.cispo(float(_get(rl, "cispo_cap", 5.0)))],
       "ess": lambda: [obj_lib.ess_trust_region()],
       "reinforce": lambda: [],
+      "sapo": lambda: [obj_lib.sapo(float(_get(rl, "sapo_tau_pos", 1.0)),
+                                    float(_get(rl, "sapo_tau_neg", 1.05)))],
+      # GMPO's range is in log space (paper: e^-0.4, e^0.4).
+      "gmpo": lambda: [obj_lib.gmpo(float(_get(rl, "gmpo_eps", 0.4)),
+                                    float(_get(rl, "gmpo_eps", 0.4)))],
+      "pnpo": lambda: [obj_lib.prefix_ratio(eps_low, eps_high)],
+      # DPPO's reference code reads its deltas from the PPO clip fields.
+      "dppo_tv": lambda: [obj_lib.dppo("tv", eps_low, eps_high)],
+      "dppo_kl": lambda: [obj_lib.dppo("kl", eps_low, eps_high)],
+      "clip_cov": lambda: [obj_lib.clip_cov(
+          eps_low, eps_high, float(_get(rl, "clip_cov_ratio", 2e-4)),
+          float(_get(rl, "clip_cov_low", 1.0)),
+          float(_get(rl, "clip_cov_high", 5.0)), seed=int(seed))],
+      "kl_cov": lambda: [obj_lib.kl_cov()],
   }[objective]()
   level = _get(rl, "is_level", "token")
   check_choice("rl.is_level", level, obj_lib.LEVELS)
   cap = float(_get(rl, "is_cap", 2.0))
   if correction == "tis":
-    links.append(obj_lib.truncated_is(cap=cap, level=level))
+    floor = rl.get("is_floor")
+    links.append(obj_lib.truncated_is(
+        cap=cap, level=level, floor=None if floor is None else float(floor),
+        batch_normalize=bool(rl.get("is_batch_normalize", False))))
   elif correction == "mis":
     links.append(obj_lib.masked_is(high=cap, level=level))
   return optax.chain(*links) if links else _reinforce()
@@ -392,9 +347,9 @@ def optimizer(opt: Mapping[str, Any], num_updates: int) -> _Tx:
 
 
 def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any],
-                max_new_tokens: int | None = None) -> Algorithm:
+                seed: int | None = None) -> Algorithm:
   """The ``Algorithm`` named by a config's ``rl`` and ``optimizer`` sections
-  (``max_new_tokens``: the generation budget, for ``overlong_penalty``)."""
+  (``seed``: for ``rl.objective="clip_cov"``)."""
   name = _get(rl, "advantage", "grpo")
   mc = name == "mc_grpo"
   group_size = int(rl["group_size"]) + (1 if mc else 0)
@@ -403,12 +358,11 @@ def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any],
                  * int(_get(rl, "num_minibatches", 1)))
   ess_kl = _get(rl, "ess_kl_coef", 1.0 if objective == "ess" else 0.0)
   return Algorithm(
-      advantage=advantage_chain(rl, group_size, max_new_tokens),
-      coefficient=coefficient_chain(rl),
+      advantage=advantage_chain(rl, group_size),
+      coefficient=coefficient_chain(rl, seed),
       optimizer=optimizer(opt, num_updates),
       extra_samples=1 if mc else 0,
       drop_pivot=mc,
       ess_kl_coef=float(ess_kl),
       ess_pooling=_get(rl, "ess_pooling", "microbatch"),
-      failed_rewards=_get(rl, "failed_rewards", "exclude"),
       name=f"{name}/{objective}")

@@ -83,10 +83,13 @@ RANGES = {
                               "optimizer.max_consecutive_nonfinite",
                               "rewards.memory_limit_mb")},
     "rl.ess_kl_coef": ">=0?", "sampler.top_p": "(0,1]?", "sampler.min_p": "[0,1)?",
+  # Objectives, rollout corrections and KL of issue 10.
+  **{f"rl.{f}": ">0" for f in ("sapo_tau_pos", "sapo_tau_neg", "gmpo_eps",
+                               "max_log_ratio")},
+  **{f"rl.{f}": ">0?" for f in ("is_floor", "gspo_max_log_ratio")},
+  **{f"rl.{f}": "(0,1]" for f in ("clip_cov_ratio", "kl_cov_ratio")},
+  "rl.kl_cov_coef": ">=0",
     "sft.label_noise": "[0,1)", "rewards.max_failure_fraction": "[0,1]",
-    # Advantage conventions and the length-aware advantages (issue 10).
-    "rl.std_eps": ">=0?", "rl.pass_k": "int>=1", "rl.overlong_buffer": "int>=1?",
-    "rl.overlong_penalty_factor": ">=0", "rl.pass_threshold": ">=0",
     # PPO with a critic (rl.advantage="gae") and on-policy distillation.
     "critic.gamma": "[0,1]", "critic.lam": "[0,1]", "critic.value_clip": ">0?",
     "critic.learning_rate": ">0", "critic.max_grad_norm": ">0?",
@@ -132,27 +135,6 @@ def _validate_critic_and_teacher(config: Any) -> None:
                      "directory.")
 
 
-def _validate_advantage_conventions(config: Any) -> None:
-  """The advantage conventions and settings that ranges cannot express."""
-  rl = config.rl
-  links = rl.advantage.split("+")
-  alg_lib.check_choice("rl.singleton_groups",
-                       rl.get("singleton_groups", "zero"),
-                       alg_lib.SINGLETON_GROUPS)
-  alg_lib.check_choice("rl.failed_rewards", rl.get("failed_rewards", "exclude"),
-                       alg_lib.FAILED_REWARDS)
-  if "pass_at_k" in links and rl.get("pass_k", 2) > rl.group_size:
-    raise ValueError(f"rl.pass_k={rl.pass_k} with rl.advantage='pass_at_k': "
-                     f"k must be at most rl.group_size={rl.group_size}.")
-  budget = config.sampler.max_new_tokens
-  buffer = rl.get("overlong_buffer")
-  if "overlong_penalty" in links and buffer is not None and buffer > budget:
-    raise ValueError(
-        f"rl.overlong_buffer={buffer} with rl.advantage={rl.advantage!r}: the "
-        "penalty ramp must fit in the generation budget; accepted: an integer "
-        f"in [1, sampler.max_new_tokens={budget}], or None (a fifth of it).")
-
-
 def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   """Checks the config before anything is compiled; errors name the field."""
   rl = config.rl
@@ -174,6 +156,12 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   alg_lib.check_choice("rl.is_level", rl.get("is_level", "token"),
                        obj_lib.LEVELS)
   alg_lib.check_choice("rl.aggregation", rl.aggregation, obj_lib.AGGREGATIONS)
+  alg_lib.check_choice("rl.kl_estimator", rl.get("kl_estimator", "k3"),
+                       obj_lib.KL_ESTIMATORS)
+  obj_lib.parse_rejection(rl.get("rejection", ""))
+  if rl.get("is_floor") is not None and rl.is_floor > rl.is_cap:
+    raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "
+                     "the truncation interval is empty.")
   alg_lib.check_choice("rl.old_logprobs", rl.get("old_logprobs", "recompute"),
                        OLD_LOGPROBS)
   alg_lib.check_choice("rl.ess_pooling", rl.get("ess_pooling", "microbatch"),
@@ -187,16 +175,12 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
     alg_lib.parse_rank_weights(rl.get("rank_weights") or "median:3",
                                rl.group_size)
   _validate_critic_and_teacher(config)
-  _validate_advantage_conventions(config)
-  singleton_raw = (rl.get("singleton_groups") == "raw" and all(
-      n in alg_lib.SINGLETON_ADVANTAGES for n in advantage.split("+")))
-  if rl.group_size < 2 and not singleton_raw and any(
+  if rl.group_size < 2 and any(
       n in alg_lib.GROUP_STATISTIC_ADVANTAGES for n in advantage.split("+")):
     raise ValueError(
         f"rl.group_size={rl.group_size} with rl.advantage={advantage!r}: "
         "a group baseline needs at least 2 samples per prompt; use "
-        "rl.group_size >= 2, or rl.advantage='batch_std' (or, for "
-        f"{alg_lib.SINGLETON_ADVANTAGES}, rl.singleton_groups='raw').")
+        "rl.group_size >= 2, or rl.advantage='batch_std'.")
   n = rl.prompts_per_step * rl.group_size
   if n % (rl.num_minibatches * rl.num_microbatches):
     raise ValueError(
@@ -449,8 +433,7 @@ def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
 
 def algorithm(config: Any) -> alg_lib.Algorithm:
   """The ``Algorithm`` named by ``rl.*`` and ``optimizer.*``."""
-  return alg_lib.from_config(config.rl, config.optimizer,
-                             config.sampler.max_new_tokens)
+  return alg_lib.from_config(config.rl, config.optimizer, seed=config.seed)
 
 
 def step_config(config: Any) -> RLStepConfig:
@@ -467,7 +450,14 @@ def step_config(config: Any) -> RLStepConfig:
       max_length=config.sampler.max_new_tokens, kl_coef=float(rl.kl_coef),
       entropy_coef=float(rl.entropy_coef),
       training_temperature=float(rl.training_temperature),
-      old_logprobs=rl.get("old_logprobs", "recompute"))
+      old_logprobs=rl.get("old_logprobs", "recompute"),
+      kl_estimator=rl.get("kl_estimator", "k3"),
+      rejection=obj_lib.parse_rejection(rl.get("rejection", "")),
+      kl_cov_coef=(float(rl.get("kl_cov_coef", 1.0))
+                   if rl.objective == "kl_cov" else 0.0),
+      kl_cov_ratio=float(rl.get("kl_cov_ratio", 2e-4)),
+      max_log_ratio=float(rl.get("max_log_ratio", 20.0)),
+      count_empty_sequences=bool(rl.get("count_empty_sequences", False)))
 
 
 def critic_config(config: Any) -> critic_lib.CriticConfig | None:

@@ -118,6 +118,22 @@ class RLStepConfig:
       to a teacher (``distill.distill_advantages``; ``rl_step``'s
       ``teacher_params``); 0 turns it off.
     teacher_temperature: the teacher's logits are divided by it.
+    kl_estimator: the KL term's estimator (``objectives.KL_ESTIMATORS``,
+      default ``"k3"``; ``"k3_is"`` reweights by ``pi_theta / pi_old``).
+    rejection: ``objectives.Rejection`` criteria (verl's rollout
+      rejection): before the minibatch normalisers are computed, tokens or
+      sequences whose ``pi_old`` vs ``mu`` statistic fails a criterion leave
+      the loss mask, so they also leave the normaliser (unlike
+      ``masked_is``). ``pi_old`` is the recomputed one (the recompute pass
+      then always runs, even with one update per step) or, with
+      ``old_logprobs="sampler"``, the sampler's ``policy_logprobs``.
+    kl_cov_coef, kl_cov_ratio: KL-Cov's penalty
+      (``objectives.kl_cov_penalty``), added when ``kl_cov_coef > 0``.
+    max_log_ratio: clamp of ``log pi_theta - log pi_old`` in the ratio
+      (verl: 20; TRL: none).
+    count_empty_sequences: the sequence normaliser counts every row of the
+      minibatch (TRL's ``grpo`` / ``dr_grpo``), not only rows with a valid
+      token (verl, rljax's default).
   """
 
   num_epochs: int = 1
@@ -135,8 +151,17 @@ class RLStepConfig:
   critic: critic_lib.CriticConfig | None = None
   distill_coef: float = 0.0
   teacher_temperature: float = 1.0
+  kl_estimator: str = "k3"
+  rejection: tuple[obj_lib.Rejection, ...] = ()
+  kl_cov_coef: float = 0.0
+  kl_cov_ratio: float = 2e-4
+  max_log_ratio: float = 20.0
+  count_empty_sequences: bool = False
 
   def __post_init__(self):
+    if self.kl_estimator not in obj_lib.KL_ESTIMATORS:
+      raise ValueError(f"rl.kl_estimator={self.kl_estimator!r}; accepted: "
+                       f"{obj_lib.KL_ESTIMATORS}.")
     if self.old_logprobs not in OLD_LOGPROBS:
       raise ValueError(f"rl.old_logprobs={self.old_logprobs!r}; accepted: "
                        f"{OLD_LOGPROBS}.")
@@ -238,7 +263,8 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     mask = mb["loss_mask"]
     sampler_lp = mb["sampler_logprobs"]
     old = jax.lax.stop_gradient(lp) if reuse_current_as_old else mb["old_logprobs"]
-    ratio = obj_lib.importance_ratio(lp, old, mask)
+    ratio = obj_lib.importance_ratio(lp, old, mask,
+                                     max_log_ratio=cfg.max_log_ratio)
     token_ess_stats = _token_ess_stats(lp, sampler_lp, mask)
     ess = (obj_lib.ess_from_statistics(token_ess_stats) if pooled_ess is None
            else pooled_ess)
@@ -262,8 +288,10 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       loss = loss + cfg.entropy_coef * obj_lib.entropy_loss(
           ent, mask, cfg.aggregation, **normalizers)
     if cfg.kl_coef:
-      kl = obj_lib.aggregate_loss(obj_lib.kl_k3(lp, mb["ref_logprobs"]), mask,
-                                  cfg.aggregation, **normalizers)
+      kl = obj_lib.aggregate_loss(
+          obj_lib.kl_penalty(lp, mb["ref_logprobs"], cfg.kl_estimator,
+                             old_logprobs_BxT=old), mask, cfg.aggregation,
+          **normalizers)
       loss = loss + cfg.kl_coef * kl
       metrics["kl"] = kl
     if cfg.ess_kl_coef:
@@ -272,6 +300,13 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
           **normalizers)
       loss = loss + cfg.ess_kl_coef * pull
       metrics["ess_kl"] = pull
+    if cfg.kl_cov_coef:
+      penalty = obj_lib.aggregate_loss(
+          obj_lib.kl_cov_penalty(lp, old, adv, mask, kl_ratio=cfg.kl_cov_ratio,
+                                 kl_coef=cfg.kl_cov_coef), mask,
+          cfg.aggregation, **normalizers)
+      loss = loss + penalty
+      metrics["kl_cov_penalty"] = penalty
     rm = obj_lib.ratio_metrics(ratio, mask, advantages_BxT=jnp.broadcast_to(
         adv if adv.ndim == 2 else adv[:, None], mask.shape))
     for k in ("ratio_mean", "clip_frac", "clip_frac_low", "clip_frac_high"):
@@ -316,9 +351,12 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     mb_all = jax.tree.map(lambda x: jnp.take(x, indices_KxM.reshape(-1), axis=0),
                           batch)
     mask = mb_all["loss_mask"]
+    # At least 1, so an all-masked minibatch (e.g. all rejected) gives 0.
+    num_sequences = (float(mask.shape[0]) if cfg.count_empty_sequences
+                     else jnp.sum(jnp.any(mask, -1), dtype=jnp.float32))
     normalizers = {
-        "num_tokens": jnp.sum(mask, dtype=jnp.float32),
-        "num_sequences": jnp.sum(jnp.any(mask, -1), dtype=jnp.float32),
+        "num_tokens": jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0),
+        "num_sequences": jnp.maximum(num_sequences, 1.0),
         "max_length": cfg.max_length,
     }
     micro = jax.tree.map(lambda x: x.reshape(k, m, *x.shape[1:]), mb_all)
@@ -382,6 +420,17 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       data["old_logprobs"] = _forward_logprobs(
           state.params, model_config, batch.tokens_NxL, batch.input_mask_NxL,
           cfg, chunks)
+    if cfg.rejection:
+      if "old_logprobs" not in data:
+        data["old_logprobs"] = _forward_logprobs(
+            state.params, model_config, batch.tokens_NxL, batch.input_mask_NxL,
+            cfg, chunks)
+      full_mask = data["loss_mask"]
+      data["loss_mask"] = obj_lib.rejection_mask(
+          data["old_logprobs"], data["sampler_logprobs"], full_mask,
+          cfg.rejection)
+      rejected = (jnp.sum(full_mask & ~data["loss_mask"], dtype=jnp.float32)
+                  / jnp.maximum(jnp.sum(full_mask, dtype=jnp.float32), 1.0))
     if cfg.kl_coef:
       data["ref_logprobs"] = _forward_logprobs(
           ref_params, model_config, batch.tokens_NxL, batch.input_mask_NxL,
@@ -427,6 +476,8 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       # The first update's forward ran at the sampler's params.
       mismatch = jax.tree.map(lambda x: x[0], mismatch)
     metrics.update(_mismatch_metrics(mismatch))
+    if cfg.rejection:
+      metrics["rejection/frac_tokens"] = rejected
     metrics.update(optim_lib.optimizer_metrics(opt_state))
     new_state = state._replace(params=params, opt_state=opt_state,
                                coef_state=coef_state, step=state.step + 1,
