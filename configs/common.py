@@ -75,11 +75,26 @@ def base() -> ml_collections.ConfigDict:
   c.rl.num_minibatches = 1
   c.rl.num_microbatches = 1
   # A preset (grpo, dr_grpo, rloo, reinforce_pp, mc_grpo, gdpo, batch_std,
-  # rank_weights) or transforms joined with "+", e.g.
+  # rank_weights, grpo_batch_std, gpg, pass_at_k, opo, reinforce_pp_token,
+  # vcpo) or transforms joined with "+", e.g.
   # "center_by_group_median+scale_by_group_mad" (rljax.train.algorithm).
   c.rl.advantage = "grpo"
   c.rl.advantage_clip = placeholder(float)
   c.rl.rank_weights = "median:3"  # with rank_weights: median:k, cvar:k:alpha, ...
+  c.rl.pass_k = 2  # with pass_at_k: the k of pass@k (<= rl.group_size)
+  c.rl.pass_threshold = 1.0  # with pass_at_k: a reward >= this is a pass
+  # DAPO's overlong penalty (the overlong_penalty link): the ramp length
+  # (None: sampler.max_new_tokens // 5, DAPO's 4096 of 20480) and its depth.
+  c.rl.overlong_buffer = placeholder(int)
+  c.rl.overlong_penalty_factor = 1.0
+  # Peer conventions (docs/conventions.md): the epsilon added to every std
+  # (None: the chain's own, 1e-6 as verl; TRL uses 1e-4); what a group with
+  # one valid sample gets ("zero", as TRL; "raw": its reward, as verl); a
+  # row whose every reward failed ("exclude": out of the statistics, as TRL;
+  # "zero": scored 0, as TRL before PR #5902).
+  c.rl.std_eps = placeholder(float)
+  c.rl.singleton_groups = "zero"
+  c.rl.failed_rewards = "exclude"
   # ppo_clip, dual_clip, gspo, cispo, ess (FeynRL), reinforce, sapo, gmpo,
   # pnpo, dppo_tv, dppo_kl (deltas: the clip_eps fields), clip_cov, kl_cov.
   c.rl.objective = "ppo_clip"

@@ -71,6 +71,9 @@ OTHER_AXES = {
 # Settings a value needs to mean anything in a 2-step run (e.g. a KL
 # estimator trains only with kl_coef > 0). Keys: (axis, value).
 CASE_FIXUPS = {
+    # The built-in task's parity reward (0.5 after weighting) counts as a pass,
+    # so that an untrained policy has informative groups.
+    ("rl.advantage", "pass_at_k"): {"rl.pass_threshold": 0.5},
     ("rl.objective", "gspo"): {"rl.aggregation": "sequence_mean_token_mean",
                                "rl.gspo_max_log_ratio": 10.0},
     **{("rl.kl_estimator", k): {"rl.kl_coef": 0.01}
@@ -95,6 +98,12 @@ def _cases():
       case.update(CASE_FIXUPS.get((key, value), {}))
     cases.append(case)
   for axis, values in axes.items():
+    for value in values:  # A value a fixup overrode gets a case of its own.
+      if value not in {c[axis] for c in cases}:
+        case = {a: v[0] for a, v in axes.items()}
+        case[axis] = value
+        case.update(CASE_FIXUPS.get((axis, value), {}))
+        cases.append(case)
     assert set(values) <= {c[axis] for c in cases}, axis
   return cases
 

@@ -11,7 +11,9 @@ need:
   ``RewardSpec``s are applied in exactly one place. Extra arguments:
   ``group_size`` (static int), ``mask_N`` (rows with at least one reward: a
   row whose every reward failed is left out of every statistic and gets
-  advantage 0, as TRL does) and ``reward_weights_R``.
+  advantage 0, as TRL does; ``failed_rewards="zero"`` keeps it in, scored
+  0), ``reward_weights_R`` and ``advantage_extra_args`` (completion lengths,
+  sequence log-ratios).
 * ``coefficient``: importance ratio ``[B, T]`` -> per-token policy-gradient
   coefficient (``rljax.objectives``).
 * ``optimizer``: gradients -> updates; it receives the VCPO sequence-level
@@ -54,7 +56,9 @@ _Tx = optax.GradientTransformationExtraArgs
 
 # Presets of the advantage chain; the head reduces rewards [N, R] -> [N].
 ADVANTAGE_PRESETS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo",
-                     "gdpo", "batch_std", "rank_weights", "gae")
+                     "gdpo", "batch_std", "rank_weights", "gae",
+                     "grpo_batch_std", "gpg", "pass_at_k", "opo",
+                     "reinforce_pp_token", "vcpo")
 # Presets whose advantages come from a value model: the chain gives each
 # row's weighted reward, and rl_step turns it into token-level GAE
 # advantages with the critic's values (rljax.train.critic, critic.*).
@@ -64,13 +68,22 @@ CRITIC_ADVANTAGES = ("gae",)
 ADVANTAGE_TRANSFORMS = ("center_by_group_mean", "scale_by_group_std",
                         "center_by_batch_mean", "scale_by_batch_std",
                         "leave_one_out", "center_by_group_median",
-                        "scale_by_group_mad", "rank_weights", "clip_advantages")
+                        "scale_by_group_mad", "rank_weights", "clip_advantages",
+                        "overlong_penalty", "whiten_by_tokens")
 # Chains that divide by a per-group statistic: they need G >= 2.
 GROUP_STATISTIC_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp",
                               "mc_grpo", "gdpo", "rank_weights",
                               "center_by_group_mean", "scale_by_group_std",
                               "leave_one_out", "center_by_group_median",
-                              "scale_by_group_mad")
+                              "scale_by_group_mad", "grpo_batch_std", "gpg",
+                              "pass_at_k", "opo", "reinforce_pp_token", "vcpo")
+# Chains that take rl.singleton_groups="raw" (verl: a group of one keeps its
+# reward); with it they also run with rl.group_size=1.
+SINGLETON_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp",
+                        "center_by_group_mean", "scale_by_group_std",
+                        "leave_one_out")
+SINGLETON_GROUPS = ("zero", "raw")
+FAILED_REWARDS = ("exclude", "zero")
 OBJECTIVES = ("ppo_clip", "dual_clip", "gspo", "cispo", "ess", "reinforce",
               "sapo", "gmpo", "pnpo", "dppo_tv", "dppo_kl", "clip_cov",
               "kl_cov")
@@ -101,6 +114,10 @@ class Algorithm:
     ess_pooling: pool the token-level (FeynRL) ESS per ``"microbatch"`` (as
       the reference code) or over the whole ``"minibatch"`` (one extra
       no-gradient forward pass per minibatch).
+    failed_rewards: a row whose every reward failed is left out of every
+      statistic with advantage 0 (``"exclude"``, TRL since PR #5902) or
+      scored 0 and kept in the statistics (``"zero"``, TRL's earlier
+      ``nansum``).
     name: a label for logs.
   """
 
@@ -111,6 +128,7 @@ class Algorithm:
   drop_pivot: bool = False
   ess_kl_coef: float = 0.0
   ess_pooling: str = "microbatch"
+  failed_rewards: str = "exclude"
   name: str = "custom"
 
   def __post_init__(self):
@@ -127,6 +145,8 @@ class Algorithm:
           f"Algorithm.drop_pivot=True with extra_samples={self.extra_samples}: "
           "dropping the pivot keeps group_size rows only with extra_samples=1.")
     check_choice("Algorithm.ess_pooling", self.ess_pooling, ESS_POOLINGS)
+    check_choice("Algorithm.failed_rewards", self.failed_rewards,
+                 FAILED_REWARDS)
     if not (isinstance(self.ess_kl_coef, (int, float))
             and math.isfinite(self.ess_kl_coef) and self.ess_kl_coef >= 0):
       raise ValueError(f"Algorithm.ess_kl_coef={self.ess_kl_coef!r}: a finite "
@@ -145,7 +165,9 @@ class Algorithm:
       state = self.advantage.init(r)
       return self.advantage.update(
           r, state, group_size=group_size, mask_N=jnp.ones((num_rows,), bool),
-          reward_weights_R=jnp.ones((num_rewards,), jnp.float32))[0]
+          reward_weights_R=jnp.ones((num_rewards,), jnp.float32),
+          **advantage_extra_args(jnp.ones((num_rows,), jnp.int32),
+                                 jnp.zeros((num_rows,), jnp.float32)))[0]
 
     try:
       out = jax.eval_shape(run, rewards)
@@ -161,6 +183,16 @@ class Algorithm:
           f"shape {out.shape}; advantages [{num_rows}] are required. Start "
           "the chain with advantages.sum_rewards() or "
           "advantages.normalize_each_reward().")
+
+
+def advantage_extra_args(lengths_N: jax.Array,
+                         seq_log_ratio_N: jax.Array) -> dict[str, jax.Array]:
+  """The per-row extra arguments every advantage chain receives, besides
+  ``group_size``, ``mask_N`` and ``reward_weights_R``: the completion
+  lengths ``lengths_N`` and the sequence log-ratio
+  ``seq_log_ratio_N = log pi_old(y) / mu(y)`` (0 without the sampler's policy
+  logprobs). Transforms that do not read them ignore them."""
+  return {"lengths_N": lengths_N, "seq_log_ratio_N": seq_log_ratio_N}
 
 
 def _get(section: Mapping[str, Any], name: str, default: Any = None) -> Any:
@@ -203,45 +235,89 @@ def parse_rank_weights(spec: str, group_size: int) -> np.ndarray:
     raise ValueError(f"{field}={spec!r}: {e}") from e
 
 
-def _transform(name: str, rl: Mapping[str, Any], group_size: int) -> _Tx:
+def overlong_buffer(rl: Mapping[str, Any], max_new_tokens: int) -> int:
+  """DAPO's ``L_cache``: ``rl.overlong_buffer``, or a fifth of the budget
+  (DAPO's 4096 of 20480) when it is None."""
+  return int(_get(rl, "overlong_buffer", max(1, max_new_tokens // 5)))
+
+
+def _transform(name: str, rl: Mapping[str, Any], group_size: int,
+               max_new_tokens: int | None = None) -> _Tx:
+  eps = rl.get("std_eps")
+  singleton = _get(rl, "singleton_groups", "zero")
   if name == "rank_weights":
     return adv_lib.rank_weights(
         parse_rank_weights(_get(rl, "rank_weights", "median:3"), group_size))
   if name == "clip_advantages":
     return adv_lib.clip_advantages(float(_get(rl, "advantage_clip", 5.0)))
+  if name == "overlong_penalty":
+    if max_new_tokens is None:
+      raise ValueError("rl.advantage link 'overlong_penalty' needs the "
+                       "generation budget (sampler.max_new_tokens).")
+    return adv_lib.overlong_penalty(
+        int(max_new_tokens), overlong_buffer(rl, int(max_new_tokens)),
+        float(_get(rl, "overlong_penalty_factor", 1.0)))
+  if name in ("center_by_group_mean", "leave_one_out"):
+    return getattr(adv_lib, name)(singleton)
+  if name == "scale_by_group_std":
+    return adv_lib.scale_by_group_std(
+        1e-6 if eps is None else float(eps), singleton=singleton)
+  if name == "scale_by_batch_std" and eps is not None:
+    return adv_lib.scale_by_batch_std(float(eps))
   return getattr(adv_lib, name)()
 
 
-def advantage_chain(rl: Mapping[str, Any], group_size: int) -> _Tx:
+def advantage_chain(rl: Mapping[str, Any], group_size: int,
+                    max_new_tokens: int | None = None) -> _Tx:
   """The rewards ``[N, R]`` -> advantages ``[N]`` chain named by ``rl.advantage``.
 
   ``rl.advantage`` is a preset (``ADVANTAGE_PRESETS``) or transforms of
   ``ADVANTAGE_TRANSFORMS`` joined with ``"+"``; with ``rl.advantage_clip``
   the advantages are clipped last. ``group_size`` is the number of samples
-  per prompt the chain sees (``G + 1`` for MC-GRPO).
+  per prompt the chain sees (``G + 1`` for MC-GRPO). Conventions:
+  ``rl.std_eps`` (None: each chain's own, 1e-6 as verl, 1e-4 for TRL's
+  ``grpo_batch_std`` and GDPO) is added to every std; ``rl.singleton_groups``
+  (``SINGLETON_GROUPS``) is what a group with one valid sample gets.
+  ``max_new_tokens`` (the generation budget) is needed by
+  ``overlong_penalty``.
   """
   name = _get(rl, "advantage", "grpo")
+  eps = rl.get("std_eps")
+  singleton = _get(rl, "singleton_groups", "zero")
+  check_choice("rl.singleton_groups", singleton, SINGLETON_GROUPS)
   head = adv_lib.sum_rewards()
   if "+" in name or name in ADVANTAGE_TRANSFORMS and name != "rank_weights":
     links = name.split("+")
     for link in links:
       check_choice("rl.advantage (a link of a '+' chain)", link,
                    ADVANTAGE_TRANSFORMS)
-    chain = [head] + [_transform(link, rl, group_size) for link in links]
+    chain = [head] + [_transform(link, rl, group_size, max_new_tokens)
+                      for link in links]
   else:
     check_choice("rl.advantage", name,
                  ADVANTAGE_PRESETS + ADVANTAGE_TRANSFORMS)
+    e6 = 1e-6 if eps is None else float(eps)
+    e4 = 1e-4 if eps is None else float(eps)
     chain = {
-        "grpo": lambda: [head, adv_lib.grpo()],
-        "dr_grpo": lambda: [head, adv_lib.dr_grpo()],
-        "rloo": lambda: [head, adv_lib.rloo()],
-        "reinforce_pp": lambda: [head, adv_lib.reinforce_pp_baseline()],
+        "grpo": lambda: [head, adv_lib.grpo(e6, singleton)],
+        "dr_grpo": lambda: [head, adv_lib.dr_grpo(singleton)],
+        "rloo": lambda: [head, adv_lib.rloo(singleton)],
+        "reinforce_pp": lambda: [head, adv_lib.reinforce_pp_baseline(
+            e6, singleton)],
         "mc_grpo": lambda: [head, adv_lib.mc_grpo()],
-        "gdpo": lambda: [adv_lib.gdpo()],
+        "gdpo": lambda: [adv_lib.gdpo(eps=e4)],
         "batch_std": lambda: [head, adv_lib.center_by_batch_mean(),
-                              adv_lib.scale_by_batch_std()],
+                              adv_lib.scale_by_batch_std(e6)],
         "rank_weights": lambda: [head, _transform("rank_weights", rl,
                                                   group_size)],
+        "grpo_batch_std": lambda: [head, adv_lib.grpo_batch_std(e4)],
+        "gpg": lambda: [head, adv_lib.gpg()],
+        "pass_at_k": lambda: [head, adv_lib.pass_at_k_advantages(
+            int(_get(rl, "pass_k", 2)),
+            float(_get(rl, "pass_threshold", 1.0)))],
+        "opo": lambda: [head, adv_lib.opo()],
+        "reinforce_pp_token": lambda: [head, adv_lib.reinforce_pp_token()],
+        "vcpo": lambda: [head, adv_lib.vcpo()],
         "gae": lambda: [head],
     }[name]()
   clip = rl.get("advantage_clip")
@@ -347,9 +423,11 @@ def optimizer(opt: Mapping[str, Any], num_updates: int) -> _Tx:
 
 
 def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any],
+                max_new_tokens: int | None = None,
                 seed: int | None = None) -> Algorithm:
   """The ``Algorithm`` named by a config's ``rl`` and ``optimizer`` sections
-  (``seed``: for ``rl.objective="clip_cov"``)."""
+  (``max_new_tokens``: the generation budget, for ``overlong_penalty``;
+  ``seed``: for ``rl.objective="clip_cov"``)."""
   name = _get(rl, "advantage", "grpo")
   mc = name == "mc_grpo"
   group_size = int(rl["group_size"]) + (1 if mc else 0)
@@ -358,11 +436,12 @@ def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any],
                  * int(_get(rl, "num_minibatches", 1)))
   ess_kl = _get(rl, "ess_kl_coef", 1.0 if objective == "ess" else 0.0)
   return Algorithm(
-      advantage=advantage_chain(rl, group_size),
+      advantage=advantage_chain(rl, group_size, max_new_tokens),
       coefficient=coefficient_chain(rl, seed),
       optimizer=optimizer(opt, num_updates),
       extra_samples=1 if mc else 0,
       drop_pivot=mc,
       ess_kl_coef=float(ess_kl),
       ess_pooling=_get(rl, "ess_pooling", "microbatch"),
+      failed_rewards=_get(rl, "failed_rewards", "exclude"),
       name=f"{name}/{objective}")

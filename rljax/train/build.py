@@ -90,6 +90,9 @@ RANGES = {
   **{f"rl.{f}": "(0,1]" for f in ("clip_cov_ratio", "kl_cov_ratio")},
   "rl.kl_cov_coef": ">=0",
     "sft.label_noise": "[0,1)", "rewards.max_failure_fraction": "[0,1]",
+    # Advantage conventions and the length-aware advantages (issue 10).
+    "rl.std_eps": ">=0?", "rl.pass_k": "int>=1", "rl.overlong_buffer": "int>=1?",
+    "rl.overlong_penalty_factor": ">=0", "rl.pass_threshold": ">=0",
     # PPO with a critic (rl.advantage="gae") and on-policy distillation.
     "critic.gamma": "[0,1]", "critic.lam": "[0,1]", "critic.value_clip": ">0?",
     "critic.learning_rate": ">0", "critic.max_grad_norm": ">0?",
@@ -135,6 +138,27 @@ def _validate_critic_and_teacher(config: Any) -> None:
                      "directory.")
 
 
+def _validate_advantage_conventions(config: Any) -> None:
+  """The advantage conventions and settings that ranges cannot express."""
+  rl = config.rl
+  links = rl.advantage.split("+")
+  alg_lib.check_choice("rl.singleton_groups",
+                       rl.get("singleton_groups", "zero"),
+                       alg_lib.SINGLETON_GROUPS)
+  alg_lib.check_choice("rl.failed_rewards", rl.get("failed_rewards", "exclude"),
+                       alg_lib.FAILED_REWARDS)
+  if "pass_at_k" in links and rl.get("pass_k", 2) > rl.group_size:
+    raise ValueError(f"rl.pass_k={rl.pass_k} with rl.advantage='pass_at_k': "
+                     f"k must be at most rl.group_size={rl.group_size}.")
+  budget = config.sampler.max_new_tokens
+  buffer = rl.get("overlong_buffer")
+  if "overlong_penalty" in links and buffer is not None and buffer > budget:
+    raise ValueError(
+        f"rl.overlong_buffer={buffer} with rl.advantage={rl.advantage!r}: the "
+        "penalty ramp must fit in the generation budget; accepted: an integer "
+        f"in [1, sampler.max_new_tokens={budget}], or None (a fifth of it).")
+
+
 def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   """Checks the config before anything is compiled; errors name the field."""
   rl = config.rl
@@ -175,12 +199,16 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
     alg_lib.parse_rank_weights(rl.get("rank_weights") or "median:3",
                                rl.group_size)
   _validate_critic_and_teacher(config)
-  if rl.group_size < 2 and any(
+  _validate_advantage_conventions(config)
+  singleton_raw = (rl.get("singleton_groups") == "raw" and all(
+      n in alg_lib.SINGLETON_ADVANTAGES for n in advantage.split("+")))
+  if rl.group_size < 2 and not singleton_raw and any(
       n in alg_lib.GROUP_STATISTIC_ADVANTAGES for n in advantage.split("+")):
     raise ValueError(
         f"rl.group_size={rl.group_size} with rl.advantage={advantage!r}: "
         "a group baseline needs at least 2 samples per prompt; use "
-        "rl.group_size >= 2, or rl.advantage='batch_std'.")
+        "rl.group_size >= 2, or rl.advantage='batch_std' (or, for "
+        f"{alg_lib.SINGLETON_ADVANTAGES}, rl.singleton_groups='raw').")
   n = rl.prompts_per_step * rl.group_size
   if n % (rl.num_minibatches * rl.num_microbatches):
     raise ValueError(
@@ -433,7 +461,8 @@ def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
 
 def algorithm(config: Any) -> alg_lib.Algorithm:
   """The ``Algorithm`` named by ``rl.*`` and ``optimizer.*``."""
-  return alg_lib.from_config(config.rl, config.optimizer, seed=config.seed)
+  return alg_lib.from_config(config.rl, config.optimizer,
+                             config.sampler.max_new_tokens, seed=config.seed)
 
 
 def step_config(config: Any) -> RLStepConfig:

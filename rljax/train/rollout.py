@@ -11,7 +11,10 @@ Rewards. Each reward function is a column of ``rewards_NxR`` (NaN where it
 gave no reward); the ``RewardSpec`` weights reach the advantage chain as
 ``reward_weights_R`` and are applied there, once. A row whose every reward
 failed is outside ``mask_N``: no group statistic sees it and its advantage
-is 0 (TRL's semantics); ``reward/all_failed`` counts such rows.
+is 0 (TRL's semantics; ``Algorithm.failed_rewards="zero"`` scores it 0 and
+keeps it in); ``reward/all_failed`` counts such rows. The chain also
+receives ``advantage_extra_args``: completion lengths and sequence
+log-ratios.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import tokenizers as tok_lib
 from rljax.advantages import advantage_metrics
-from rljax.train.algorithm import Algorithm
+from rljax.train.algorithm import Algorithm, advantage_extra_args
 from rljax.train.steps import RLBatch, batch_shardings
 
 
@@ -70,9 +73,15 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
                  algorithm: Algorithm, group_size: int):
   """Advantages, the pivot drop and the trainer's layout (jitted)."""
   sampled = group_size + algorithm.extra_samples
+  if rollout.policy_logprobs is None:
+    seq_log_ratio_N = jnp.zeros(rollout.lengths.shape, jnp.float32)
+  else:  # log pi_old(y) / mu(y), masked positions are 0 in both.
+    seq_log_ratio_N = jnp.sum(
+        rollout.policy_logprobs - rollout.sampler_logprobs, axis=-1)
   advantages_N, adv_state = algorithm.advantage.update(
       rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
-      reward_weights_R=weights_R)
+      reward_weights_R=weights_R,
+      **advantage_extra_args(rollout.lengths, seq_log_ratio_N))
   total_N = _weighted_total(rewards_NxR, weights_R)
   metrics = advantage_metrics(total_N, advantages_N, group_size=sampled,
                               mask_N=valid_N)
@@ -193,6 +202,8 @@ class Collector:
     result = self.evaluator.evaluate(fields["prompt"], completions, fields)
     t_reward = time.time()
     valid_N = result.valid_NxR.any(axis=1)
+    if self.algorithm.failed_rewards == "zero":  # Scored 0, kept in the stats.
+      valid_N = np.ones_like(valid_N)
     fn = self._postprocess_fn(rollout.policy_logprobs is not None)
     with (jax.set_mesh(self.mesh) if self.mesh is not None
           else contextlib.nullcontext()):
@@ -206,7 +217,7 @@ class Collector:
     metrics.update({f"adv/{k}": float(v)
                     for k, v in adv_metrics.items()})
     metrics.update({
-        "reward/all_failed": float(np.sum(~valid_N)),
+        "reward/all_failed": float(np.sum(~result.valid_NxR.any(axis=1))),
         "reward/failure_fraction": float(1.0 - result.valid_NxR.mean()),
         "accuracy": float(correct.mean()),
         "completion_length/mean": float(lengths.mean()),
