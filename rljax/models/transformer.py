@@ -122,6 +122,77 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
   return out.reshape(b, t, n, h)
 
 
+DECODE_BLOCK = 16  # cache slots per block of ``decode_attend``
+
+
+def decode_attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
+                  softcap: float | None = None, prefix: tuple | None = None,
+                  block: int = DECODE_BLOCK):
+  """``attend`` over a KV cache, in blocks of ``block`` slots: the decode seam.
+
+  The one attention function of the cached (decode and draft-verify) path,
+  and the seam where a fused decode kernel goes: on a GPU or TPU a Pallas
+  (``jax.experimental.pallas``) paged/ragged decode-attention kernel can
+  replace this body with the same arguments. None is wired: Pallas kernels
+  run on CPU only with ``interpret=True``, an emulator far slower than this
+  XLA code, so a CPU test could check equality but not speed; the seam is
+  left for a device task.
+
+  Why blocks: the sampler's decode cache grows between length segments, so
+  one step may see ``S`` or ``2 S`` slots. Scores are per-slot dot products;
+  the softmax sums and the value sum are taken within fixed ``block``-slot
+  blocks and then across blocks, and a wholly empty block adds exact zeros,
+  so the result does not depend on how many empty blocks follow: segmented
+  and unsegmented decode give bitwise-equal logits. When ``S`` is not a
+  multiple of ``block`` the block is ``gcd(S, block)``; the sampler sizes its
+  caches in multiples of ``DECODE_BLOCK``.
+
+  Args: as ``attend`` (``mask_BxTxS``: which cache slots each query sees).
+  Returns: ``[B, T, N, H]`` in the dtype of ``v``.
+
+  References: Dao et al., "FlashAttention" (blockwise softmax),
+  https://arxiv.org/abs/2205.14135; gemma's sampler (cache layout).
+  """
+  b, t, n, h = q_BxTxNxH.shape
+  s, kh = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
+  block = math.gcd(s, block)
+  nb = s // block
+  q = q_BxTxNxH.reshape(b, t, kh, n // kh, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH.astype(q.dtype),
+                      preferred_element_type=jnp.float32) * scale
+  logits = _softcap(logits, softcap)
+  logits = jnp.where(mask_BxTxS[:, None, None], logits, _NEG_INF)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  plogits = None
+  if prefix is not None:
+    pk, pv, pmask = prefix
+    p = pk.shape[0]
+    qg = q.reshape(p, b // p, t, kh, n // kh, h)
+    plogits = jnp.einsum("pxtkgh,pskh->pxkgts", qg, pk.astype(q.dtype),
+                         preferred_element_type=jnp.float32) * scale
+    plogits = _softcap(plogits, softcap)
+    plogits = jnp.where(pmask[:, None, None, None], plogits, _NEG_INF)
+    plogits = plogits.reshape(b, kh, n // kh, t, -1)
+    m = jnp.maximum(m, jnp.max(plogits, axis=-1, keepdims=True))
+  e = jnp.exp(logits - m).reshape(b, kh, n // kh, t, nb, block)
+  ones = jnp.ones(v_BxSxKxH.shape[:-1] + (1,), v_BxSxKxH.dtype)
+  v1 = jnp.concatenate([v_BxSxKxH, ones], -1).reshape(b, nb, block, kh, h + 1)
+  # Per block [..., h + 1]: the weighted values and (last) the weight sum.
+  part = jnp.einsum("bkgtnc,bnckh->bkgtnh", e.astype(v1.dtype), v1,
+                    preferred_element_type=jnp.float32)
+  acc = jnp.sum(part, axis=4)
+  if prefix is not None:
+    pe = jnp.exp(plogits - m).reshape(p, b // p, kh, n // kh, t, -1)
+    pones = jnp.ones(pv.shape[:-1] + (1,), pv.dtype)
+    pv1 = jnp.concatenate([pv, pones], -1).astype(v1.dtype)
+    pacc = jnp.einsum("pxkgts,pskh->pxkgth", pe.astype(v1.dtype), pv1,
+                      preferred_element_type=jnp.float32)
+    acc = acc + pacc.reshape(acc.shape)
+  out = acc[..., :h] / acc[..., h:]
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(
+      v_BxSxKxH.dtype)
+
+
 def _param(module, name, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape,
                       dtype)
@@ -202,8 +273,9 @@ class Attention(nn.Module):
     prefix = None if prefix_kv is None else (prefix_kv.k, prefix_kv.v,
                                              prefix_mask)
     scale = c.query_scale if c.query_scale is not None else h ** -0.5
-    out = attend(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
-                 scale=scale, softcap=c.attn_logit_softcap, prefix=prefix)
+    attention = attend if layer_kv is None else decode_attend
+    out = attention(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
+                    scale=scale, softcap=c.attn_logit_softcap, prefix=prefix)
     out = jnp.einsum("btnh,nhd->btd", out, wo.astype(dt))
     return sharding.constrain(out, ("batch", "length", "act_embed")), new_kv
 

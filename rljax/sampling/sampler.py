@@ -39,6 +39,7 @@ from rljax import sharding
 from rljax.models import (Decoder, KVCache, ModelConfig, compute_logits,
                           init_cache, output_projection, positions_from_mask)
 from rljax.models.kv_cache import LayerKV
+from rljax.models.transformer import DECODE_BLOCK
 from rljax.sampling.methods import SamplingMethod
 
 _CACHE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -205,6 +206,12 @@ def segment_ends(num_steps: int, first: int | None) -> tuple[int, ...]:
   return tuple(ends) + (num_steps,)
 
 
+def _round_up(slots: int) -> int:
+  """Cache slots are whole blocks of ``decode_attend``, so that its sums are
+  the same for every segment (bitwise-equal segmented decode)."""
+  return -(-slots // DECODE_BLOCK) * DECODE_BLOCK
+
+
 def _ended(tokens_NxT, column_N, token_N, eos_V, stop_sequences):
   """Whether ``token_N``, just written at ``column_N``, ends its row."""
   hit = jnp.any(token_N[:, None] == eos_V[None], axis=1)
@@ -311,7 +318,8 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
         next_position=state.next_position + 1)
 
   for end in segment_ends(t, sc.segment_slots):
-    state = state._replace(cache=_grow(state.cache, base_slots + end))
+    state = state._replace(cache=_grow(state.cache,
+                                       _round_up(base_slots + end)))
     state = jax.lax.while_loop(
         lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, state)
   return state
@@ -338,7 +346,7 @@ def _prefill(params, prompt_tokens_BxP, prompt_mask_BxP, *, model,
             init_cache(mc, b * g, 0, cache_dtype, prefix=prefix))
   tokens_NxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
   mask_NxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
-  cache = init_cache(mc, b * g, p, cache_dtype)
+  cache = init_cache(mc, b * g, _round_up(p), cache_dtype)
   hidden, cache = model.apply(
       {"params": params}, tokens_NxP, positions_from_mask(mask_NxP), cache,
       input_mask_BxT=mask_NxP)
