@@ -1,13 +1,24 @@
 """Per-token logprobs and entropy from final hidden states, chunked.
 
-An RL step needs ``log pi(y_t)`` of the sampled tokens and (often) the
+An RL step needs ``log pi(y_t)`` of the sampled tokens and (sometimes) the
 entropy of ``pi`` at each position, but never the full ``B x T x V`` fp32
 logits: for a 150k vocabulary they dwarf the model's activations. Here logits
 are formed one time chunk at a time (``C`` positions), optionally one vocab
-chunk at a time with an online logsumexp, reduced to three numbers per token
+chunk at a time with an online logsumexp, reduced to a few numbers per token
 and discarded. ``jax.checkpoint`` on the chunk body makes the backward pass
 recompute a chunk's logits instead of storing them, so the peak extra memory is
 ``B x C x V`` (or ``B x C x V_chunk``) floats in both passes.
+
+Rematerialisation is chosen by size (``remat=None``): recomputing a chunk's
+projection costs one more ``B x C x D x V`` matmul in the backward pass, which
+only pays when the logits would not fit. Below ``REMAT_ABOVE_BYTES`` of fp32
+logits the whole ``B x T x V`` block is formed once, in one matmul, and its
+softmax kept for the backward pass (what an eager PyTorch step does); above
+it, chunks are rematerialised. ``launch/bench_train_step.py --remat_sweep``
+measures the crossover.
+
+The entropy is computed only when asked for (``with_entropy``): a loss
+without an entropy bonus skips one ``B x T x V`` pass.
 
 With ``z = softcap(h @ W) / temperature``:
 
@@ -23,6 +34,9 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
+
+# fp32 logits bytes (B * T * V * 4) above which chunks are rematerialised.
+REMAT_ABOVE_BYTES = 256 * 2**20
 
 
 def _check(hidden_BxTxD, w_DxV, targets_BxT, chunk_size, vocab_chunk_size,
@@ -59,16 +73,19 @@ def _scaled_logits(h_BxCxD, w_DxV, softcap, temperature):
   return z / temperature
 
 
-def _full_vocab_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature):
+def _full_vocab_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
+                      with_entropy):
   z = _scaled_logits(h_BxCxD, w_DxV, softcap, temperature)
   lse = jax.nn.logsumexp(z, axis=-1)
   z_y = jnp.take_along_axis(z, y_BxC[..., None], axis=-1)[..., 0]
+  if not with_entropy:
+    return z_y - lse, None
   p = jnp.exp(z - lse[..., None])
   return z_y - lse, lse - jnp.sum(p * z, axis=-1)
 
 
 def _vocab_chunked_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
-                         vocab_chunk_size):
+                         vocab_chunk_size, with_entropy):
   v = w_DxV.shape[1]
   n = -(-v // vocab_chunk_size)
   b, c = y_BxC.shape
@@ -97,7 +114,13 @@ def _vocab_chunked_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
   init = (jnp.full((b, c), _NEG, jnp.float32), zeros, zeros, zeros)
   (m, s, t, z_y), _ = jax.lax.scan(body, init, jnp.arange(n))
   lse = m + jnp.log(s)
-  return z_y - lse, lse - t / s
+  return z_y - lse, (lse - t / s) if with_entropy else None
+
+
+def remat_by_size(batch: int, length: int, vocab_size: int) -> bool:
+  """Whether ``token_logprobs(remat=None)`` rematerialises: when the fp32
+  logits ``batch x length x vocab_size`` exceed ``REMAT_ABOVE_BYTES``."""
+  return batch * length * vocab_size * 4 > REMAT_ABOVE_BYTES
 
 
 def token_logprobs(
@@ -109,7 +132,9 @@ def token_logprobs(
     softcap: float | None = None,
     chunk_size: int = 128,
     vocab_chunk_size: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    with_entropy: bool = True,
+    remat: bool | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
   """Logprob of each target token and the entropy at each position.
 
   Args:
@@ -121,14 +146,28 @@ def token_logprobs(
     softcap: optional final-logit soft-cap (Gemma 2).
     chunk_size: positions per chunk (``C``).
     vocab_chunk_size: if set, vocabulary columns per chunk, with an online
-      logsumexp; bounds memory by ``B x C x vocab_chunk_size``.
+      logsumexp; bounds memory by ``B x C x vocab_chunk_size`` (always
+      rematerialised).
+    with_entropy: compute the entropy (else ``entropy_BxT`` is None).
+    remat: recompute each chunk's logits in the backward pass (True), or
+      form all ``B x T x V`` logits at once and keep them (False; one chunk,
+      ``chunk_size`` is ignored). None chooses by size (``remat_by_size``).
 
   Returns:
-    ``(logp_BxT, entropy_BxT)``, both fp32.
+    ``(logp_BxT, entropy_BxT)``, fp32 (``entropy_BxT`` None without
+    ``with_entropy``).
   """
   _check(hidden_BxTxD, w_DxV, targets_BxT, chunk_size, vocab_chunk_size,
          temperature)
   b, t, d = hidden_BxTxD.shape
+  v = w_DxV.shape[1]
+  temperature = jnp.asarray(temperature, jnp.float32)
+  vocab_chunked = vocab_chunk_size is not None and vocab_chunk_size < v
+  if remat is None:
+    remat = vocab_chunked or remat_by_size(b, t, v)
+  if not remat and not vocab_chunked:
+    return _full_vocab_stats(hidden_BxTxD, targets_BxT, w_DxV, softcap,
+                             temperature, with_entropy)
   c = min(chunk_size, t)
   n = -(-t // c)
   pad = n * c - t
@@ -136,17 +175,17 @@ def token_logprobs(
   y = jnp.pad(targets_BxT, ((0, 0), (0, pad)))
   h_NxBxCxD = h.reshape(b, n, c, d).transpose(1, 0, 2, 3)
   y_NxBxC = y.reshape(b, n, c).transpose(1, 0, 2)
-  temperature = jnp.asarray(temperature, jnp.float32)
 
-  @jax.checkpoint
   def chunk(inputs):
     h_BxCxD, y_BxC = inputs
-    if vocab_chunk_size is None or vocab_chunk_size >= w_DxV.shape[1]:
-      return _full_vocab_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature)
+    if not vocab_chunked:
+      return _full_vocab_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
+                               with_entropy)
     return _vocab_chunked_stats(h_BxCxD, y_BxC, w_DxV, softcap, temperature,
-                                vocab_chunk_size)
+                                vocab_chunk_size, with_entropy)
 
+  if remat:
+    chunk = jax.checkpoint(chunk)
   logp, ent = jax.lax.map(chunk, (h_NxBxCxD, y_NxBxC))
-  logp = logp.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
-  ent = ent.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
-  return logp, ent
+  unchunk = lambda x: x.transpose(1, 0, 2).reshape(b, n * c)[:, :t]
+  return unchunk(logp), None if ent is None else unchunk(ent)

@@ -22,8 +22,18 @@ def sequence_logprobs(
     temperature: float | jax.Array = 1.0,
     chunk_size: int = 128,
     vocab_chunk_size: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
+    num_scored: int | None = None,
+    with_entropy: bool = True,
+    remat: bool | None = None,
+) -> tuple[jax.Array, jax.Array | None]:
   """Per-token ``log pi(tokens[t] | tokens[<t])`` and entropy, aligned to T.
+
+  With ``num_scored = S`` only the last ``S`` columns are scored (an RL
+  batch's completion, ``L = P + T`` with the prompt left-padded to ``P``):
+  the hidden states are sliced before the output projection, so the
+  projection, the log-softmax and their backward pass run on ``S`` positions,
+  not ``T - 1`` (as ``logits_to_keep`` in transformers and TRL's
+  ``_get_per_token_logps``). The decoder itself still runs on every token.
 
   Args:
     params: policy params.
@@ -33,24 +43,41 @@ def sequence_logprobs(
     temperature: logits are divided by it.
     chunk_size: time chunk of ``rljax.logprobs.token_logprobs``.
     vocab_chunk_size: optional vocab chunk.
+    num_scored: score only the last ``S`` columns (``1 <= S < T``); None
+      scores all ``T``.
+    with_entropy: compute the entropy (else the second output is None).
+    remat: rematerialisation of the logprob chunks
+      (``rljax.logprobs.token_logprobs``; None chooses by size).
 
   Returns:
-    ``(logp_BxT, entropy_BxT)`` in fp32: entry ``t`` scores token ``t`` given
-    the tokens before it (the entropy of that predictive distribution). Both
-    are 0 wherever token ``t`` or token ``t - 1`` is padding, so column 0,
-    every padded position and the first real token of a left-padded row
-    (which has only padding before it) are 0.
+    ``(logp_BxS, entropy_BxS)`` in fp32 (``S = T`` without ``num_scored``):
+    entry ``s`` scores token ``T - S + s`` given the tokens before it (the
+    entropy of that predictive distribution). Both are 0 wherever that token
+    or its predecessor is padding, so column 0 of a full-width result, every
+    padded position and the first real token of a left-padded row (which has
+    only padding before it) are 0.
   """
+  t = tokens_BxT.shape[1]
+  s = t - 1 if num_scored is None else num_scored
+  if not 1 <= s < t:
+    raise ValueError(
+        f"num_scored={num_scored}: between 1 and the row length - 1 = {t - 1} "
+        "(the first token has no predecessor) is accepted, or None.")
   positions = positions_from_mask(input_mask_BxT)
   hidden, _ = Decoder(config).apply({"params": params}, tokens_BxT, positions,
                                     input_mask_BxT=input_mask_BxT)
   logp, ent = logprobs_lib.token_logprobs(
-      hidden[:, :-1], output_projection(params, config), tokens_BxT[:, 1:],
-      temperature=temperature, softcap=config.final_logit_softcap,
-      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
+      hidden[:, t - s - 1:t - 1], output_projection(params, config),
+      tokens_BxT[:, t - s:], temperature=temperature,
+      softcap=config.final_logit_softcap, chunk_size=chunk_size,
+      vocab_chunk_size=vocab_chunk_size, with_entropy=with_entropy,
+      remat=remat)
   input_mask_BxT = input_mask_BxT.astype(jnp.bool_)
-  scored = input_mask_BxT[:, 1:] & input_mask_BxT[:, :-1]
+  scored = input_mask_BxT[:, t - s:] & input_mask_BxT[:, t - s - 1:t - 1]
   logp = jnp.where(scored, logp, 0.0)
-  ent = jnp.where(scored, ent, 0.0)
+  ent = None if ent is None else jnp.where(scored, ent, 0.0)
+  if num_scored is not None:
+    return logp, ent
   zero = jnp.zeros_like(logp[:, :1])
-  return (jnp.concatenate([zero, logp], 1), jnp.concatenate([zero, ent], 1))
+  return (jnp.concatenate([zero, logp], 1),
+          None if ent is None else jnp.concatenate([zero, ent], 1))

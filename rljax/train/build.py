@@ -486,7 +486,9 @@ def step_config(config: Any) -> RLStepConfig:
                    if rl.objective == "kl_cov" else 0.0),
       kl_cov_ratio=float(rl.get("kl_cov_ratio", 2e-4)),
       max_log_ratio=float(rl.get("max_log_ratio", 20.0)),
-      count_empty_sequences=bool(rl.get("count_empty_sequences", False)))
+      count_empty_sequences=bool(rl.get("count_empty_sequences", False)),
+      # The rollout's completion is the last max_new_tokens columns of a row.
+      completion_length=config.sampler.max_new_tokens)
 
 
 def critic_config(config: Any) -> critic_lib.CriticConfig | None:

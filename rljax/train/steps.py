@@ -106,6 +106,14 @@ class RLStepConfig:
     entropy_coef: weight of the entropy bonus.
     training_temperature: logits are divided by it.
     logprob_chunk_size: time chunk of the logprob computation.
+    completion_length: the last ``T`` columns of a row, the only ones that
+      can carry loss (``RLBatch``'s completion, ``sampler.max_new_tokens``):
+      only they are scored, so the output projection and log-softmax run on
+      ``T`` positions, not ``L - 1``. None scores every column.
+    logprob_remat: rematerialise the logprob chunks in the backward pass
+      (``logprobs.token_logprobs``); None chooses by the size of the logits.
+    entropy_metric: report the ``entropy`` metric. The entropy is computed
+      only when it is reported or ``entropy_coef > 0``.
     old_logprobs: ``"recompute"`` or ``"sampler"`` (module docstring).
     ess_kl_coef: weight of FeynRL's ``(1 - ESS)`` pull toward ``mu``.
     ess_pooling: ``"microbatch"`` or ``"minibatch"``.
@@ -145,6 +153,9 @@ class RLStepConfig:
   entropy_coef: float = 0.0
   training_temperature: float = 1.0
   logprob_chunk_size: int = 128
+  completion_length: int | None = None
+  logprob_remat: bool | None = None
+  entropy_metric: bool = True
   old_logprobs: str = "recompute"
   ess_kl_coef: float = 0.0
   ess_pooling: str = "microbatch"
@@ -171,12 +182,21 @@ class RLStepConfig:
     if self.aggregation not in obj_lib.AGGREGATIONS:
       raise ValueError(f"rl.aggregation={self.aggregation!r}; accepted: "
                        f"{obj_lib.AGGREGATIONS}.")
+    if self.completion_length is not None and self.completion_length < 1:
+      raise ValueError(f"completion_length={self.completion_length}: a "
+                       "positive integer or None is accepted.")
 
 
-def _logprobs(params, model_config, tokens, input_mask, cfg):
+def _logprobs(params, model_config, tokens, input_mask, cfg,
+              with_entropy=False):
+  """``(logp, entropy or None)`` of the scored columns (the last
+  ``cfg.completion_length``, or all)."""
   return models.sequence_logprobs(params, model_config, tokens, input_mask,
                                   temperature=cfg.training_temperature,
-                                  chunk_size=cfg.logprob_chunk_size)
+                                  chunk_size=cfg.logprob_chunk_size,
+                                  num_scored=cfg.completion_length,
+                                  with_entropy=with_entropy,
+                                  remat=cfg.logprob_remat)
 
 
 def _forward_logprobs(params, model_config, tokens, input_mask, cfg, chunks):
@@ -253,13 +273,14 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
   teacher_config = teacher_config or model_config
   optimizer = optax.with_extra_args_support(optimizer)
   num_updates = cfg.num_epochs * cfg.num_minibatches
+  with_entropy = bool(cfg.entropy_coef) or cfg.entropy_metric
   sampler_old = cfg.old_logprobs == "sampler"
   reuse_current_as_old = num_updates == 1 and not sampler_old
 
   def microbatch_loss(params, mb, coef_state, normalizers, pooled_ess,
                       critic_params=None):
     lp, ent = _logprobs(params, model_config, mb["tokens"], mb["input_mask"],
-                        cfg)
+                        cfg, with_entropy)
     mask = mb["loss_mask"]
     sampler_lp = mb["sampler_logprobs"]
     old = jax.lax.stop_gradient(lp) if reuse_current_as_old else mb["old_logprobs"]
@@ -279,11 +300,11 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
                                       **normalizers)
     loss = pg
     weight = jnp.sum(mask) / jnp.maximum(normalizers["num_tokens"], 1.0)
-    ent_mean = obj_lib.aggregate_loss(jax.lax.stop_gradient(ent), mask,
-                                      "token_mean",
-                                      num_tokens=normalizers["num_tokens"])
-    metrics = {"pg_loss": pg, "entropy": ent_mean,
-               "ess/token": ess * weight}
+    metrics = {"pg_loss": pg, "ess/token": ess * weight}
+    if cfg.entropy_metric:
+      metrics["entropy"] = obj_lib.aggregate_loss(
+          jax.lax.stop_gradient(ent), mask, "token_mean",
+          num_tokens=normalizers["num_tokens"])
     if cfg.entropy_coef:
       loss = loss + cfg.entropy_coef * obj_lib.entropy_loss(
           ent, mask, cfg.aggregation, **normalizers)
@@ -401,12 +422,20 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
 
   def rl_step(state: TrainState, batch: RLBatch, ref_params=None,
               teacher_params=None):
-    n = batch.tokens_NxL.shape[0]
+    n, length = batch.tokens_NxL.shape
+    if cfg.completion_length is not None and cfg.completion_length >= length:
+      raise ValueError(
+          f"rl_step: completion_length={cfg.completion_length} must be below "
+          f"the batch's row length L={length} (L = prompt + completion).")
+    # Per-token arrays keep only the scored columns (``_logprobs``).
+    scored = ((lambda x: x) if cfg.completion_length is None
+              else lambda x: x[:, length - cfg.completion_length:])
     key, shuffle_key = jax.random.split(jax.random.wrap_key_data(state.key))
     data = {
         "tokens": batch.tokens_NxL, "input_mask": batch.input_mask_NxL,
-        "loss_mask": batch.loss_mask_NxL, "advantages": batch.advantages_N,
-        "sampler_logprobs": batch.sampler_logprobs_NxL,
+        "loss_mask": scored(batch.loss_mask_NxL),
+        "advantages": batch.advantages_N,
+        "sampler_logprobs": scored(batch.sampler_logprobs_NxL),
     }
     chunks = cfg.num_minibatches * cfg.num_microbatches
     if sampler_old:
@@ -415,7 +444,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
             "rl_step: RLStepConfig.old_logprobs='sampler' needs "
             "RLBatch.old_logprobs_NxL (the sampler's policy_logprobs); build "
             "the sampler with record_policy_logprobs=True.")
-      data["old_logprobs"] = batch.old_logprobs_NxL
+      data["old_logprobs"] = scored(batch.old_logprobs_NxL)
     elif not reuse_current_as_old:
       data["old_logprobs"] = _forward_logprobs(
           state.params, model_config, batch.tokens_NxL, batch.input_mask_NxL,
@@ -526,7 +555,7 @@ def make_sft_step(model_config: models.ModelConfig,
 
   def loss_fn(params, tokens, input_mask, loss_mask):
     lp, _ = models.sequence_logprobs(params, model_config, tokens, input_mask,
-                                     chunk_size=chunk_size)
+                                     chunk_size=chunk_size, with_entropy=False)
     return obj_lib.aggregate_loss(-lp, loss_mask, "token_mean")
 
   def sft_step(params, opt_state, tokens, input_mask, loss_mask):
