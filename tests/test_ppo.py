@@ -185,9 +185,10 @@ def test_values_at_t_do_not_see_token_t(batch):
   params = critic_lib.init_params(models.init_params(MC, jax.random.key(0)), MC)
   params["head"]["kernel"] = jax.random.normal(jax.random.key(1), (MC.d_model,))
   tokens = np.array(batch.tokens_NxL)
-  v = critic_lib.values(params, MC, tokens, batch.input_mask_NxL)
+  values = jax.jit(critic_lib.values, static_argnums=1)
+  v = values(params, MC, tokens, batch.input_mask_NxL)
   tokens[:, 6] = (tokens[:, 6] + 1) % MC.vocab_size
-  v2 = critic_lib.values(params, MC, tokens, batch.input_mask_NxL)
+  v2 = values(params, MC, tokens, batch.input_mask_NxL)
   np.testing.assert_allclose(v[:, :7], v2[:, :7], rtol=1e-6, atol=1e-6)
   assert np.abs(np.asarray(v[:, 7]) - np.asarray(v2[:, 7])).max() > 1e-4
   assert np.all(np.asarray(v[:, 0]) == 0)
@@ -204,23 +205,33 @@ def _state(params, optimizer, coef_tx, critic_opt=None, critic_params=None):
                           jax.random.key_data(jax.random.key(0)), critic)
 
 
-def test_zero_critic_policy_update_equals_the_plain_step_on_rewards(batch):
+SGD_LR = 0.5
+
+
+@pytest.fixture(scope="module")
+def critic_step():
+  """One compiled step with a critic (gamma = lam = 1, no whitening), shared."""
+  critic_opt = critic_lib.make_optimizer(3e-3)
+  cfg = train.RLStepConfig(critic=critic_lib.CriticConfig(
+      gamma=1.0, lam=1.0, value_clip=0.5, whiten=False))
+  step = jax.jit(train.make_rl_step(MC, cfg, optax.sgd(SGD_LR),
+                                    obj.ppo_clip(0.2),
+                                    critic_optimizer=critic_opt))
+  return step, critic_opt
+
+
+def test_zero_critic_policy_update_equals_the_plain_step_on_rewards(
+    batch, critic_step):
   """V = 0, gamma = lam = 1, no whitening: every token's advantage is the
   row's reward, so the policy moves exactly as the critic-free step with
   advantages_N = rewards."""
   params = models.init_params(MC, jax.random.key(0))
   coef_tx = obj.ppo_clip(0.2)
-  sgd = optax.sgd(0.5)
-  critic_cfg = critic_lib.CriticConfig(gamma=1.0, lam=1.0, value_clip=0.5,
-                                       whiten=False)
-  critic_opt = critic_lib.make_optimizer(1e-3)
-  with_critic = jax.jit(train.make_rl_step(
-      MC, train.RLStepConfig(critic=critic_cfg), sgd, coef_tx,
-      critic_optimizer=critic_opt))
+  sgd = optax.sgd(SGD_LR)
+  step, critic_opt = critic_step
   plain = jax.jit(train.make_rl_step(MC, train.RLStepConfig(), sgd, coef_tx))
   critic_params = critic_lib.init_params(params, MC)
-  a, out = with_critic(_state(params, sgd, coef_tx, critic_opt, critic_params),
-                       batch)
+  a, out = step(_state(params, sgd, coef_tx, critic_opt, critic_params), batch)
   b, _ = plain(_state(params, sgd, coef_tx), batch)
   moved = max(float(jnp.max(jnp.abs(x - y))) for x, y in zip(
       jax.tree.leaves(a.params), jax.tree.leaves(params)))
@@ -235,16 +246,11 @@ def test_zero_critic_policy_update_equals_the_plain_step_on_rewards(batch):
   assert out["critic/grad_norm"] > 0
 
 
-def test_the_critic_learns_the_returns_over_steps(batch):
+def test_the_critic_learns_the_returns_over_steps(batch, critic_step):
   params = models.init_params(MC, jax.random.key(0))
   coef_tx = obj.ppo_clip(0.2)
-  opt = optax.adam(1e-4)
-  critic_opt = critic_lib.make_optimizer(3e-3)
-  cfg = train.RLStepConfig(num_minibatches=2, num_microbatches=2,
-                           critic=critic_lib.CriticConfig(value_clip=None))
-  step = jax.jit(train.make_rl_step(MC, cfg, opt, coef_tx,
-                                    critic_optimizer=critic_opt))
-  state = _state(params, opt, coef_tx, critic_opt,
+  step, critic_opt = critic_step
+  state = _state(params, optax.sgd(SGD_LR), coef_tx, critic_opt,
                  critic_lib.init_params(params, MC))
   losses = []
   for _ in range(12):

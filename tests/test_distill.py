@@ -1,0 +1,140 @@
+"""On-policy distillation: the per-token reverse-KL advantage, its gradient
+against the exact reverse KL, the step against an independent surrogate, and
+a loop whose teacher is a run directory loaded from the config."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from rljax import models, train
+from rljax import objectives as obj
+from rljax.train import distill
+from tests.test_ppo import loop_config, rl_rows
+
+
+def test_distill_advantages_equal_the_formula():
+  rng = np.random.RandomState(0)
+  old, teacher = rng.randn(3, 5), rng.randn(3, 5)
+  mask = rng.rand(3, 5) > 0.3
+  adv_N = rng.randn(3).astype(np.float32)
+  a, rkl = distill.distill_advantages(adv_N, old, teacher, mask, 0.7)
+  want_rkl = np.where(mask, old - teacher, 0.0)
+  np.testing.assert_allclose(rkl, want_rkl, rtol=1e-6)
+  np.testing.assert_allclose(a, adv_N[:, None] - 0.7 * want_rkl, rtol=1e-6)
+  a2, _ = distill.distill_advantages(np.broadcast_to(adv_N[:, None], (3, 5)),
+                                     old, teacher, mask, 0.7)
+  np.testing.assert_allclose(a2, a, rtol=1e-6)
+
+
+def test_expected_gradient_is_the_exact_reverse_kl_gradient():
+  """Over one position with V tokens: the pi-weighted sum of the per-token
+  policy-gradient losses' gradients is beta * grad KL(pi || pi_T), the
+  exact divergence computed over the vocabulary."""
+  v, beta = 7, 0.5
+  theta = jax.random.normal(jax.random.key(0), (v,))
+  teacher_logits = jax.random.normal(jax.random.key(1), (v,))
+  log_t = jax.nn.log_softmax(teacher_logits)
+  mask = jnp.ones((1, 1), bool)
+
+  def token_loss(theta, y):
+    lp = jax.nn.log_softmax(theta)[y].reshape(1, 1)
+    adv, _ = distill.distill_advantages(
+        jnp.zeros((1,)), jax.lax.stop_gradient(lp), log_t[y].reshape(1, 1),
+        mask, beta)
+    return obj.policy_gradient_loss(jnp.ones((1, 1)), adv, lp, mask,
+                                    "token_mean")
+
+  grads = jax.vmap(jax.grad(token_loss), (None, 0))(theta, jnp.arange(v))
+  pi = jax.nn.softmax(theta)
+  expected = jnp.einsum("v,vd->d", pi, grads)
+
+  def reverse_kl(theta):
+    log_p = jax.nn.log_softmax(theta)
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_t))
+
+  want = beta * jax.grad(reverse_kl)(theta)
+  assert float(jnp.abs(want).max()) > 1e-3
+  np.testing.assert_allclose(expected, want, rtol=1e-5, atol=1e-6)
+
+
+MC = models.get_preset("tiny")
+
+
+def test_the_step_follows_the_reverse_kl_surrogate():
+  """One on-policy SGD step with zero rewards moves the params by
+  -lr * grad of beta * token_mean(sg(lp - lp_T) * lp), the surrogate
+  written from models.sequence_logprobs alone."""
+  rng = np.random.RandomState(2)
+  n, length = 4, 9
+  tokens = rng.randint(4, MC.vocab_size, (n, length)).astype(np.int32)
+  input_mask = np.ones((n, length), bool)
+  loss_mask = np.zeros((n, length), bool)
+  loss_mask[:, 5:] = True
+  loss_mask[1, 7:] = False
+  batch = train.RLBatch(tokens, input_mask, loss_mask,
+                        np.zeros((n,), np.float32),
+                        np.zeros((n, length), np.float32))
+  student = models.init_params(MC, jax.random.key(0))
+  teacher = models.init_params(MC, jax.random.key(1))
+  beta, lr = 0.3, 0.5
+  coef_tx = obj.ppo_clip(0.2)
+  sgd = optax.sgd(lr)
+  step = jax.jit(train.make_rl_step(
+      MC, train.RLStepConfig(distill_coef=beta, teacher_temperature=1.0),
+      sgd, coef_tx))
+  state = train.TrainState(student, sgd.init(student), optax.EmptyState(),
+                           coef_tx.init(jnp.zeros((1, 1))),
+                           jnp.zeros((), jnp.int32),
+                           jax.random.key_data(jax.random.key(0)))
+  new, out = step(state, batch, None, teacher)
+
+  lp_t = models.sequence_logprobs(teacher, MC, tokens, input_mask)[0]
+
+  def surrogate(params):
+    lp = models.sequence_logprobs(params, MC, tokens, input_mask)[0]
+    per_token = jax.lax.stop_gradient(lp - lp_t) * lp
+    return beta * jnp.sum(jnp.where(loss_mask, per_token, 0.0)) / loss_mask.sum()
+
+  grads = jax.grad(surrogate)(student)
+  for p, g, q in zip(jax.tree.leaves(student), jax.tree.leaves(grads),
+                     jax.tree.leaves(new.params)):
+    np.testing.assert_allclose(q, p - lr * g, rtol=1e-4, atol=1e-6)
+  lp_s = models.sequence_logprobs(student, MC, tokens, input_mask)[0]
+  want_rkl = float(np.asarray(lp_s - lp_t)[loss_mask].mean())
+  np.testing.assert_allclose(out["distill/reverse_kl"], want_rkl, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_distillation_from_a_run_directory_in_the_loop(tmp_path):
+  teacher_dir = str(tmp_path / "teacher")
+  train.run(loop_config(**{"rl.num_steps": 1,
+                           "optimizer.learning_rate": 1e-2}), teacher_dir)
+  config = loop_config(**{"rl.distill_coef": 1.0, "teacher.path": teacher_dir})
+  train.run(config, str(tmp_path / "student"))
+  rows = rl_rows(tmp_path / "student")
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert math.isfinite(r["distill/reverse_kl"]) and r["grad_norm"] > 0
+  # Same seed, same initial params: the teacher is the student one update on.
+  assert rows[0]["distill/reverse_kl"] != 0.0
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"rl.distill_coef": 0.5}, r"rl.distill_coef=0.5 > 0 needs a teacher"),
+    ({"teacher.path": "/tmp"}, r"teacher.path='/tmp' is set but rl.distill_coef"),
+    ({"rl.distill_coef": 1.0, "teacher.path": "/nonexistent/run"},
+     r"teacher.path='/nonexistent/run' is not a directory"),
+    ({"rl.distill_coef": -1.0}, r"rl.distill_coef=-1.0"),
+])
+def test_bad_distillation_settings_fail_before_compile(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    train.build.validate(loop_config(**overrides))
+
+
+def test_a_directory_that_is_no_teacher_is_named(tmp_path):
+  with pytest.raises(ValueError, match="neither an rljax run directory"):
+    distill.load_teacher(str(tmp_path), None, MC.vocab_size)
