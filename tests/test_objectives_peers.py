@@ -146,6 +146,77 @@ def direct_gspo_clamped(lp, old, sampler, adv, m, aggregation, eps=(0.05, 0.08),
   return jnp.mean(jnp.sum(jnp.where(m, loss, 0.0), -1) / jnp.sum(m, -1))
 
 
+def _verl_dual_clip_loss(r, a, low, high, clip_c):
+  """verl's vanilla PPO loss with explicit bounds and the dual clip."""
+  l1, l2 = -a * r, -a * jnp.clip(r, low, high)
+  clip1 = jnp.maximum(l1, l2)
+  return jnp.where(a < 0, jnp.minimum(-a * clip_c, clip1), clip1)
+
+
+def direct_dcpo(lp, old, sampler, adv, m, aggregation, eps=(0.2, 0.28),
+                clip_c=10.0):
+  """lime-RL/DCPO `get_clip_low_high` + `compute_policy_loss_dcpo`."""
+  del sampler
+  q = jnp.exp(old)
+  low_c = 1 - jnp.where(q != 0, 4 * eps[0] / q, 0)
+  low_c = low_c * (low_c >= 0)
+  high_c = jnp.where(q != 0, 1 + 4 * eps[1] / q, jnp.inf)
+  low, high = (1 + jnp.sqrt(low_c)) / 2, (1 + jnp.sqrt(high_c)) / 2
+  high = jnp.clip(high, 0, max(clip_c, 10))
+  return _agg(_verl_dual_clip_loss(jnp.exp(lp - old), adv[:, None], low, high,
+                                   clip_c), m, aggregation)
+
+
+def direct_band(lp, old, sampler, adv, m, aggregation, divergence="tv",
+                delta=0.05, eps=(0.2, 0.28), upper_max=100.0):
+  """OpenMOSS/BandPO `band` (closed forms) in max(-A r, -A clip(r))."""
+  del sampler
+  p = jnp.exp(jnp.clip(old, -700.0, 0.0))
+  if divergence == "tv":
+    up, lo, r_star = 1 + delta / p, 1 - delta / p, max(1 - delta, 0.0)
+  else:
+    term = jnp.sqrt(delta * (1 - p) / p)
+    up, lo, r_star = 1 + term, 1 - term, 1.0
+  up, lo = jnp.minimum(up, 1 / p), jnp.maximum(lo, 0.0)
+  up = jnp.where(p > 1 - 1e-6, 1.0, up)
+  lo = jnp.where(p > 1 - 1e-6, r_star, lo)
+  up = jnp.where(p < 1e-6, 1 / jnp.maximum(p, 1e-12), up)
+  lo = jnp.where(p < 1e-6, 0.0, lo)
+  lo = jnp.clip(jnp.minimum(lo, 1 - eps[0]), 0.0, 1.0)
+  up = jnp.clip(jnp.maximum(up, 1 + eps[1]), 1.0, upper_max)
+  a, r = adv[:, None], jnp.exp(lp - old)
+  return _agg(jnp.maximum(-a * r, -a * jnp.clip(r, lo, up)), m, aggregation)
+
+
+def _bapo_bounds_numpy(r, a, m, target, low, low_max, high, high_max, step):
+  """WooooDyy/BAPO `compute_policy_loss_bapo`'s search, in numpy."""
+  def rho(lo, hi):
+    e = np.where(a >= 0, np.minimum(r, hi), np.maximum(r, lo)) * a * m
+    pos, neg = np.clip(e, 0, None).sum(), (-np.clip(e, None, 0)).sum()
+    return np.inf if neg <= 0 else pos / (neg + 1e-8)
+  value = rho(low, high)
+  while value < target and low < low_max:
+    low = min(low + step, low_max)
+    value = rho(low, high)
+  while value < target and high < high_max:
+    high = min(high + step, high_max)
+    value = rho(low, high)
+  return np.float32(low), np.float32(high)
+
+
+def direct_bapo(lp, old, sampler, adv, m, aggregation, target=1.0):
+  del sampler
+  a, r = adv[:, None], jnp.exp(lp - old)
+  bounds = jax.pure_callback(
+      lambda r, a, m: _bapo_bounds_numpy(
+          np.asarray(r, np.float64), np.asarray(a, np.float64), np.asarray(m),
+          target, 0.6, 0.9, 1.2, 3.0, 0.05),
+      (jax.ShapeDtypeStruct((), jnp.float32),) * 2, sg(r),
+      jnp.broadcast_to(a, r.shape), m)
+  return _agg(_verl_dual_clip_loss(r, a, bounds[0], bounds[1], 3.0), m,
+              aggregation)
+
+
 # name -> (transform factory, aggregation, direct loss, extra loss term)
 def _kl_cov_term(lp, old, sampler, adv, mask, aggregation):
   return obj.aggregate_loss(
@@ -188,6 +259,17 @@ CASES = {
         functools.partial(direct_tis_floor_norm, level="sequence"), None),
     "gspo_clamped": (lambda: obj.gspo(0.05, 0.08, max_log_ratio=0.05),
                      "sequence_mean_token_mean", direct_gspo_clamped, None),
+    "dcpo": (lambda: obj.dcpo_clip(0.2, 0.28, 1.5), "token_mean",
+             functools.partial(direct_dcpo, clip_c=1.5), None),
+    "bandpo_tv": (lambda: obj.band_clip("tv", 0.05, 0.1, 0.1), "token_mean",
+                  functools.partial(direct_band, eps=(0.1, 0.1)), None),
+    "bandpo_chi2": (lambda: obj.band_clip("chi2", 0.02, 0.1, 0.1),
+                    "token_mean", functools.partial(
+                        direct_band, divergence="chi2", delta=0.02,
+                        eps=(0.1, 0.1)), None),
+    "bapo": (obj.bapo_clip, "token_mean", direct_bapo, None),
+    "bapo_unreachable": (lambda: obj.bapo_clip(50.0), "token_mean",
+                         functools.partial(direct_bapo, target=50.0), None),
 }
 
 
@@ -223,7 +305,8 @@ def _zero_grad_fraction(name, seed=0):
 
 
 @pytest.mark.parametrize("name", ["gmpo", "pnpo", "dppo_tv", "dppo_kl",
-                                  "dppo_tv_old", "clip_cov", "gspo_clamped"])
+                                  "dppo_tv_old", "clip_cov", "gspo_clamped",
+                                  "dcpo", "bandpo_tv", "bandpo_chi2", "bapo"])
 def test_the_limit_binds_on_some_tokens_not_all(name):
   """The test batches exercise both sides of each limit."""
   fracs = [_zero_grad_fraction(name, s) for s in range(2)]
@@ -305,6 +388,33 @@ def test_dppo_values():
   capped = _apply(obj.dppo("tv", 0.9, cap=10.0), [[1.0, 1.0]],
                   advantages_BxT=jnp.ones(1), **kw)
   np.testing.assert_allclose(capped, [[10.0, 10.0]])
+
+
+def test_dcpo_band_and_bapo_bounds():
+  """Hand values of the adaptive intervals."""
+  ones = jnp.ones((1, 2))
+  old = jnp.log(jnp.array([[1.0, 0.1]]))
+  # DCPO: q = 1: low = (1 + sqrt(0.2)) / 2 = 0.7236, high = (1 + sqrt(2.12))
+  # / 2 = 1.228; q = 0.1: low = 0.5, high = (1 + sqrt(12.2)) / 2 = 2.246.
+  r = jnp.array([[1.25, 2.2]])
+  np.testing.assert_allclose(
+      _apply(obj.dcpo_clip(), r, advantages_BxT=ones, old_logprobs_BxT=old),
+      [[0.0, 2.2]], rtol=1e-6)
+  r = jnp.array([[0.7, 0.55]])
+  np.testing.assert_allclose(
+      _apply(obj.dcpo_clip(), r, advantages_BxT=-ones, old_logprobs_BxT=old),
+      [[0.0, 0.55]], rtol=1e-6)
+  # BandPO TV, delta 0.05, no relaxation: p = 0.1 -> [0.5, 1.5].
+  tx = obj.band_clip("tv", 0.05, None, None)
+  np.testing.assert_allclose(
+      _apply(tx, [[1.45, 1.55]], advantages_BxT=ones,
+             old_logprobs_BxT=jnp.log(jnp.full((1, 2), 0.1))), [[1.45, 0.0]],
+      rtol=1e-6)
+  # BAPO: one positive token at r = 1 (A = 1), one negative at r = 0.5
+  # (A = -1): rho = 1 / max(0.5, low); low 0.6 -> 1/0.6 >= 1 at once.
+  c = _apply(obj.bapo_clip(), [[1.0, 0.5]], advantages_BxT=jnp.array(
+      [[1.0, -1.0]]))
+  np.testing.assert_allclose(c, [[1.0, 0.0]])  # 0.5 < low = 0.6: clipped
 
 
 def test_clip_cov_draws_the_requested_count_reproducibly():
@@ -603,6 +713,14 @@ def _inputs(seed):
 
 
 HARNESS_CASES = [
+    harness.Case("dcpo_clip", obj.dcpo_clip, dict(eps_low=0.2, eps_high=0.28,
+                                                  clip_ratio_c=1.5), _inputs),
+    harness.Case("band_clip_tv", obj.band_clip,
+                 dict(divergence="tv", delta=0.05, eps_low=0.1), _inputs),
+    harness.Case("band_clip_chi2", obj.band_clip,
+                 dict(divergence="chi2", delta=0.02, eps_high=None), _inputs),
+    harness.Case("bapo_clip", obj.bapo_clip, dict(target=1.0, step=0.05),
+                 _inputs, static_args=("step",)),
     harness.Case("sapo", obj.sapo, dict(tau_pos=1.0, tau_neg=1.05), _inputs),
     harness.Case("gmpo", obj.gmpo, dict(eps_low=0.1, eps_high=0.15), _inputs),
     harness.Case("prefix_ratio", obj.prefix_ratio,

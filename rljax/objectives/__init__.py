@@ -19,7 +19,8 @@ importance ratio and are refined link by link, and the loss is one function:
 Order in a chain: `sequence_ratio` (if any) comes first, then one trust
 region that reads its input as the ratio (`ppo_clip`, optionally followed by
 `dual_clip`; or `cispo`, `ess_trust_region`, `sapo`, `gmpo`,
-`prefix_ratio` (PNPO), `dppo`, `clip_cov`, `kl_cov`), then behaviour-policy
+`prefix_ratio` (PNPO), `dppo`, `clip_cov`, `kl_cov`, `dcpo_clip`,
+`band_clip`, `bapo_clip`), then behaviour-policy
 corrections that multiply by a weight computed from the extra arguments
 (`truncated_is`, `masked_is`). `rejection_mask` acts on the loss mask
 instead (a rejected token leaves the normaliser), and `kl_penalty` /
@@ -41,6 +42,8 @@ dtype and stop its gradient. Gradients reach the parameters only through the
 from __future__ import annotations
 
 from rljax.objectives._common import LEVELS
+from rljax.objectives.adaptive_clips import (
+    BAND_DIVERGENCES, band_clip, bapo_clip, dcpo_clip)
 from rljax.objectives.corrections import masked_is, truncated_is
 from rljax.objectives.covariance import (
     ClipCovState, clip_cov, kl_cov, kl_cov_penalty)
@@ -64,6 +67,7 @@ from rljax.objectives.trust_regions import (
 
 __all__ = [
     "AGGREGATIONS",
+    "BAND_DIVERGENCES",
     "ClipCovState",
     "DPPO_ANCHORS",
     "DPPO_DIVERGENCES",
@@ -73,9 +77,12 @@ __all__ = [
     "REJECTION_STATISTICS",
     "Rejection",
     "aggregate_loss",
+    "band_clip",
+    "bapo_clip",
     "cispo",
     "clip_cov",
     "coefficient_metrics",
+    "dcpo_clip",
     "dppo",
     "dual_clip",
     "entropy_loss",
