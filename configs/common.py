@@ -96,7 +96,8 @@ def base() -> ml_collections.ConfigDict:
   c.rl.singleton_groups = "zero"
   c.rl.failed_rewards = "exclude"
   # ppo_clip, dual_clip, gspo, cispo, ess (FeynRL), reinforce, sapo, gmpo,
-  # pnpo, dppo_tv, dppo_kl (deltas: the clip_eps fields), clip_cov, kl_cov.
+  # pnpo, dppo_tv, dppo_kl (deltas: the clip_eps fields), clip_cov, kl_cov,
+  # dcpo, bandpo_tv, bandpo_chi2, bapo (rljax.objectives).
   c.rl.objective = "ppo_clip"
   c.rl.clip_eps_low = 0.2
   c.rl.clip_eps_high = 0.28
@@ -109,6 +110,9 @@ def base() -> ml_collections.ConfigDict:
   c.rl.clip_cov_high = 5.0
   c.rl.kl_cov_ratio = 2e-4       # KL-Cov: fraction of tokens penalised
   c.rl.kl_cov_coef = 1.0         # and the penalty's weight
+  c.rl.dcpo_clip_c = 10.0        # DCPO's dual clip and cap of its upper bound
+  c.rl.band_delta = 0.05         # BandPO's divergence radius
+  c.rl.bapo_target = 1.0         # BAPO: positive / negative contribution
   c.rl.is_correction = "none"    # none, tis, mis
   c.rl.is_cap = 2.0
   c.rl.is_floor = placeholder(float)  # tis: lower bound of the weight

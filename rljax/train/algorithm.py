@@ -86,7 +86,7 @@ SINGLETON_GROUPS = ("zero", "raw")
 FAILED_REWARDS = ("exclude", "zero")
 OBJECTIVES = ("ppo_clip", "dual_clip", "gspo", "cispo", "ess", "reinforce",
               "sapo", "gmpo", "pnpo", "dppo_tv", "dppo_kl", "clip_cov",
-              "kl_cov")
+              "kl_cov", "dcpo", "bandpo_tv", "bandpo_chi2", "bapo")
 # "tis" takes rl.is_floor (a lower bound) and rl.is_batch_normalize.
 IS_CORRECTIONS = ("none", "tis", "mis")
 RANK_PRESETS = ("median", "trimmed_mean", "cvar", "best_of_k")
@@ -375,6 +375,14 @@ def coefficient_chain(rl: Mapping[str, Any], seed: int | None = None) -> _Tx:
           float(_get(rl, "clip_cov_low", 1.0)),
           float(_get(rl, "clip_cov_high", 5.0)), seed=int(seed))],
       "kl_cov": lambda: [obj_lib.kl_cov()],
+      "dcpo": lambda: [obj_lib.dcpo_clip(
+          eps_low, eps_high, float(_get(rl, "dcpo_clip_c", 10.0)))],
+      # BandPO relaxes its band to at least the PPO interval (its code).
+      "bandpo_tv": lambda: [obj_lib.band_clip(
+          "tv", float(_get(rl, "band_delta", 0.05)), eps_low, eps_high)],
+      "bandpo_chi2": lambda: [obj_lib.band_clip(
+          "chi2", float(_get(rl, "band_delta", 0.05)), eps_low, eps_high)],
+      "bapo": lambda: [obj_lib.bapo_clip(float(_get(rl, "bapo_target", 1.0)))],
   }[objective]()
   level = _get(rl, "is_level", "token")
   check_choice("rl.is_level", level, obj_lib.LEVELS)

@@ -85,7 +85,8 @@ RANGES = {
     "rl.ess_kl_coef": ">=0?", "sampler.top_p": "(0,1]?", "sampler.min_p": "[0,1)?",
   # Objectives, rollout corrections and KL of issue 10.
   **{f"rl.{f}": ">0" for f in ("sapo_tau_pos", "sapo_tau_neg", "gmpo_eps",
-                               "max_log_ratio")},
+                               "max_log_ratio", "dcpo_clip_c", "band_delta",
+                               "bapo_target")},
   **{f"rl.{f}": ">0?" for f in ("is_floor", "gspo_max_log_ratio")},
   **{f"rl.{f}": "(0,1]" for f in ("clip_cov_ratio", "kl_cov_ratio")},
   "rl.kl_cov_coef": ">=0",
