@@ -1,0 +1,209 @@
+"""SPEC-RL speculative rollouts: an earlier rollout of the same prompt is the draft.
+
+For a prompt sampled before (an epoch over the dataset, or replay), the
+previous rollout of the same prompt and sample slot is the draft. The
+current policy verifies the whole draft in one parallel forward pass (which
+also fills the KV cache of every draft slot), keeps the accepted prefix of
+each row, and the ordinary decode loop (``sampler._decode``) continues each
+row from its own first rejected column.
+
+Acceptance rule (SPEC-RL's ``spec_cut_with_knobs`` with ``scale = 1`` and
+``bias = -log_lenience``). Draft token ``y_j`` was drawn with recorded log
+probability ``lp_old_j`` (its ``sampler_logprobs``); under the current
+sampling distribution (temperature, top-k / top-p / min-p of ``config``)
+it has ``lp_new_j``. With ``u_j ~ U(0, 1)`` the row keeps
+``a = min{j : log u_j > log_lenience + lp_new_j - lp_old_j}`` draft
+tokens, i.e. token ``j`` is accepted with probability
+``min(1, lenience * p_new / p_old)``; greedy decoding accepts exactly the
+tokens that are the current argmax. The token at the first rejected column
+is drawn from the current policy itself.
+
+Exactness. This is *lenient*, not exact, for ``log_lenience >= 0``:
+exact speculative sampling (Leviathan et al. 2023) draws the rejected
+position from the residual ``max(0, p_new - p_old)``, which needs the old
+policy's full distribution at that position; only the drafted token's old
+logprob is stored. The marginal of a kept token is
+``q(y) min(1, l p(y)/q(y)) + (1 - sum_y' q(y') min(1, l p(y')/q(y'))) p(y)``
+(``q`` old, ``p`` new, ``l`` lenience), which equals ``p`` when ``q == p``
+and moves towards ``q`` as ``l`` grows; ``tests/test_spec_rl.py`` checks
+the sampler against this formula with a chi-square test and reports its
+distance to ``p``. It is exact in two cases: a draft from the current
+policy (every token is accepted, the output is the draft) and greedy
+decoding.
+
+Logprobs. An accepted token's ``sampler_logprobs`` is ``lp_new`` (its
+logprob under the current sampling distribution: the distribution it
+would have been drawn from; under the lenient rule its actual acceptance
+probability is not a per-token distribution, so this is the defined choice)
+and a drawn token's is as in plain sampling. ``policy_logprobs`` is always
+under the current policy at the training temperature, so the trainer's
+importance corrections see the current policy exactly.
+
+References:
+  Liu et al., "SPEC-RL: Accelerating On-Policy Reinforcement Learning via
+  Speculative Rollouts", https://arxiv.org/abs/2509.23232, code
+  github.com/ShopeeLLM/Spec-RL (``verl/utils/speculative_decoding.py``).
+  Leviathan et al., "Fast Inference from Transformers via Speculative
+  Decoding", https://arxiv.org/abs/2211.17192.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import sharding
+from rljax.models import ModelConfig, compute_logits
+from rljax.sampling.sampler import (Rollout, SamplerConfig, _decode, _ended,
+                                    _LoopState, _grow, _prefill,
+                                    _round_up, _setup, _to_rollout,
+                                    _token_logprobs)
+
+_VERIFY_CHUNK = 128  # draft positions whose [N, chunk, V] logits exist at once
+
+
+class Draft(NamedTuple):
+  """Draft completions, one per rollout row (``N = B * G``, group-contiguous).
+
+  Attributes:
+    tokens: ``[N, T]`` int32, an earlier completion of the row's prompt.
+    mask: ``[N, T]`` bool, its real tokens (all False: no draft for the row).
+    logprobs: ``[N, T]`` fp32, their ``sampler_logprobs`` when drawn.
+  """
+
+  tokens: jax.Array
+  mask: jax.Array
+  logprobs: jax.Array
+
+
+def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
+                      key, *, model_config: ModelConfig, config: SamplerConfig,
+                      log_lenience: float) -> tuple[Rollout, jax.Array]:
+  mc, sc = model_config, config
+  t = sc.max_new_tokens
+  prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+  model, w_DxV, cache_dtype, prompt_len_N = _setup(params, prompt_mask_BxP,
+                                                   mc, sc)
+  last_NxD, cache = _prefill(params, prompt_tokens_BxP, prompt_mask_BxP,
+                             model=model, w_DxV=w_DxV, mc=mc, sc=sc,
+                             cache_dtype=cache_dtype)
+  draft_mask_NxT = draft.mask.astype(jnp.bool_)
+  start = cache.index
+  cache = _grow(cache, _round_up(cache.mask.shape[1] + t))
+  cols_T = jnp.arange(t, dtype=jnp.int32)
+  hidden_NxTxD, cache = model.apply(
+      {"params": params}, draft.tokens, prompt_len_N[:, None] + cols_T[None],
+      cache, input_mask_BxT=draft_mask_NxT)
+  # Row j of `before` is the hidden state that predicts draft token j.
+  before_NxTxD = jnp.concatenate([last_NxD[:, None], hidden_NxTxD[:, :-1]], 1)
+  sampler_lp, policy_lp, argmax = [], [], []
+  for lo in range(0, t, _VERIFY_CHUNK):
+    hi = min(lo + _VERIFY_CHUNK, t)
+    logits = compute_logits(before_NxTxD[:, lo:hi], w_DxV,
+                            mc.final_logit_softcap)
+    s, p = _token_logprobs(logits, draft.tokens[:, lo:hi], sc)
+    sampler_lp.append(s)
+    policy_lp.append(p)
+    argmax.append(jnp.argmax(logits, -1).astype(jnp.int32))
+  sampler_lp = jnp.concatenate(sampler_lp, 1)
+  policy_lp = jnp.concatenate(policy_lp, 1)
+  key_accept, key_decode = jax.random.split(key)
+  if sc.method.greedy:
+    accept = draft.tokens == jnp.concatenate(argmax, 1)
+  else:
+    log_u = jnp.log(jax.random.uniform(key_accept, (draft.tokens.shape[0], t)))
+    accept = log_u <= log_lenience + sampler_lp - draft.logprobs
+  accept = accept & draft_mask_NxT
+  accepted_N = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
+  kept_NxT = cols_T[None] < accepted_N[:, None]
+  tokens = jnp.where(kept_NxT, draft.tokens, sc.pad_id)
+  # Rejected draft slots stay in the cache but are never attended to again.
+  cache = cache._replace(mask=jax.lax.dynamic_update_slice(
+      cache.mask, kept_NxT, (0, start)))
+  next_NxD = jnp.take_along_axis(
+      before_NxTxD, jnp.minimum(accepted_N, t - 1)[:, None, None], 1)
+  logits = compute_logits(next_NxD, w_DxV, mc.final_logit_softcap)[:, 0]
+  last = jnp.maximum(accepted_N - 1, 0)
+  ended = (accepted_N > 0) & _ended(
+      tokens, last, jnp.take_along_axis(tokens, last[:, None], 1)[:, 0],
+      jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32),
+      sc.stop_sequences)
+  zero = jnp.zeros_like(sampler_lp)
+  state = _LoopState(
+      step=jnp.zeros((), jnp.int32),
+      logits=sharding.constrain(logits, ("batch", "act_vocab")),
+      cache=cache, tokens=tokens, mask=kept_NxT,
+      policy_logp=(jnp.where(kept_NxT, policy_lp, zero)
+                   if sc.record_policy_logprobs else None),
+      sampler_logp=jnp.where(kept_NxT, sampler_lp, zero),
+      column=accepted_N, done=ended | (accepted_N >= t), finished=ended,
+      next_position=prompt_len_N + accepted_N)
+  final = _decode(params, state, key_decode, model=model, w_DxV=w_DxV, mc=mc,
+                  sc=sc, base_slots=cache.mask.shape[1])
+  return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final, sc),
+          accepted_N)
+
+
+def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
+                             mesh: jax.sharding.Mesh | None = None,
+                             param_shardings: Any = None,
+                             rules: sharding.Rules = sharding.DEFAULT_RULES,
+                             *, log_lenience: float = 0.0):
+  """A jitted ``fn(params, tokens_BxP, mask_BxP, draft, key) -> (Rollout, accepted_N)``.
+
+  ``accepted_N`` (int32) is the number of draft tokens each row kept.
+  Shardings and the padding of a prompt count that does not divide the
+  batch axes are those of ``sampling.make_sampler`` (the draft rows are
+  padded with the last prompt's rows).
+
+  Args:
+    model_config: static model config.
+    config: the ``SamplerConfig`` of the rollouts (the same as plain
+      sampling's: the draft only changes which tokens are proposed).
+    mesh, param_shardings, rules: as ``make_sampler``.
+    log_lenience: ``log l >= 0`` of the acceptance rule (module docstring):
+      0 is SPEC-RL's strict rule, 0.5 its "lenience 0.5" runs.
+  """
+  if not log_lenience >= 0:
+    raise ValueError(f"sampler.spec_log_lenience={log_lenience!r}: a number "
+                     ">= 0 is required.")
+  fn = functools.partial(_speculative_impl, model_config=model_config,
+                         config=config, log_lenience=float(log_lenience))
+  if mesh is None:
+    return jax.jit(fn)
+  batch2 = sharding.batch_sharding(mesh, 2, rules)
+  batch1 = sharding.batch_sharding(mesh, 1, rules)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out = Rollout(batch2, batch2, batch2, batch2, batch1, batch1,
+                batch2 if config.record_policy_logprobs else None, batch2)
+  jitted = jax.jit(fn, in_shardings=(param_shardings, batch2, batch2,
+                                     Draft(batch2, batch2, batch2), replicated),
+                   out_shardings=(out, batch1))
+  axes = batch1.spec[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  ways = int(np.prod([mesh.shape[a] for a in axes]))
+  g = config.num_samples
+
+  def call(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft, key):
+    b = prompt_tokens_BxP.shape[0]
+    extra = -b % ways
+    if extra:
+      prompt_tokens_BxP, prompt_mask_BxP = (
+          jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
+          for x in (prompt_tokens_BxP, prompt_mask_BxP))
+      draft = Draft(*(jnp.concatenate([x, jnp.tile(x[-g:], (extra, 1))])
+                      for x in draft))
+    with jax.set_mesh(mesh):
+      rollout, accepted_N = jitted(params, prompt_tokens_BxP, prompt_mask_BxP,
+                                   draft, key)
+    if extra:
+      n = b * g
+      rollout = jax.tree.map(lambda x: x[:n], rollout)
+      accepted_N = accepted_N[:n]
+    return rollout, accepted_N
+  call.jitted = jitted
+  return call

@@ -1,0 +1,189 @@
+"""SPEC-RL speculative rollouts (rljax.sampling.speculative) and the draft store."""
+
+import jax
+import numpy as np
+import pytest
+from scipy import stats
+
+from rljax import models, sampling
+
+MC = models.get_preset("tiny")
+BUCKETS = (8, 16)
+BASE = sampling.SamplerConfig(
+    num_samples=3, max_new_tokens=12, cache_dtype="float32",
+    method=sampling.SamplingMethod(temperature=0.8, top_k=40),
+    training_temperature=1.0, record_policy_logprobs=True, segment_slots=4)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return models.init_params(MC, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def other_params(params):
+  """A nearby policy (as after some RL steps): 30% of another init mixed in."""
+  far = models.init_params(MC, jax.random.key(7))
+  return jax.tree.map(lambda a, b: 0.7 * a + 0.3 * b, params, far)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.RandomState(0)
+  lists = [list(rng.randint(4, MC.vocab_size, size=n)) for n in (3, 7, 5, 6)]
+  return sampling.pad_prompts(lists, BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def eos():
+  """A token that ends some samples early (a frequent one of a plain run)."""
+  return 17
+
+
+@pytest.fixture(scope="module")
+def samplers(eos):
+  config = BASE.replace(eos_ids=(eos,))
+  return (sampling.make_sampler(MC, config),
+          sampling.make_speculative_sampler(MC, config))
+
+
+def _draft(rollout):
+  return sampling.Draft(rollout.completion_tokens, rollout.completion_mask,
+                        rollout.sampler_logprobs)
+
+
+def _recomputed_logprobs(params, rollout):
+  """Full-forward (no cache) logprobs of the completion tokens."""
+  tokens, mask = rollout.sequences()
+  lp, _ = models.sequence_logprobs(params, MC, tokens, mask)
+  return np.asarray(lp)[:, rollout.prompt_tokens.shape[1]:]
+
+
+def test_self_draft_is_all_accepted_and_equals_plain_sampling(
+    params, prompts, samplers):
+  plain_fn, spec_fn = samplers
+  tokens, mask = prompts
+  plain = jax.device_get(plain_fn(params, tokens, mask, jax.random.key(1)))
+  assert plain.lengths.min() < 12 < plain.lengths.max() + 1  # EOS and not
+  spec, accepted = jax.device_get(
+      spec_fn(params, tokens, mask, _draft(plain), jax.random.key(2)))
+  np.testing.assert_array_equal(accepted, plain.lengths)
+  for name in ("completion_tokens", "completion_mask", "lengths", "finished"):
+    np.testing.assert_array_equal(getattr(spec, name), getattr(plain, name))
+  np.testing.assert_allclose(spec.sampler_logprobs, plain.sampler_logprobs,
+                             atol=1e-5)
+  m = spec.completion_mask
+  np.testing.assert_allclose(spec.policy_logprobs[m],
+                             _recomputed_logprobs(params, spec)[m], atol=1e-5)
+
+
+def test_other_policy_draft_keeps_a_prefix_and_logprobs_are_current(
+    params, other_params, prompts, samplers):
+  plain_fn, spec_fn = samplers
+  tokens, mask = prompts
+  old = jax.device_get(plain_fn(other_params, tokens, mask, jax.random.key(3)))
+  spec, accepted = jax.device_get(
+      spec_fn(params, tokens, mask, _draft(old), jax.random.key(4)))
+  assert (accepted < old.lengths).any() and (accepted > 0).any()
+  for row, a in enumerate(accepted):
+    np.testing.assert_array_equal(spec.completion_tokens[row, :a],
+                                  old.completion_tokens[row, :a])
+  # Every kept token (accepted or drawn) is scored under the current policy.
+  m = spec.completion_mask
+  np.testing.assert_allclose(spec.policy_logprobs[m],
+                             _recomputed_logprobs(params, spec)[m], atol=1e-5)
+  assert (spec.lengths >= accepted).all()
+  assert ((spec.lengths == 12) | spec.finished).all()
+
+
+def test_greedy_speculation_is_exact(params, other_params, prompts):
+  """Greedy accepts exactly the current argmax tokens: output == plain greedy."""
+  config = BASE.replace(method=sampling.SamplingMethod(greedy=True))
+  tokens, mask = prompts
+  old = sampling.make_sampler(MC, config)(other_params, tokens, mask,
+                                          jax.random.key(0))
+  plain = jax.device_get(sampling.make_sampler(MC, config)(
+      params, tokens, mask, jax.random.key(0)))
+  spec, _ = jax.device_get(sampling.make_speculative_sampler(MC, config)(
+      params, tokens, mask, _draft(old), jax.random.key(5)))
+  np.testing.assert_array_equal(spec.completion_tokens, plain.completion_tokens)
+
+
+def _first_token_probs(params, prompt_tokens, prompt_mask, temperature):
+  logits, _ = models.Decoder(MC).apply(
+      {"params": params}, prompt_tokens, models.positions_from_mask(prompt_mask),
+      input_mask_BxT=prompt_mask, return_logits=True)
+  z = np.asarray(logits, np.float64)[0, -1] / temperature
+  p = np.exp(z - z.max())
+  return p / p.sum()
+
+
+@pytest.mark.parametrize("log_lenience", [0.0, 0.5])
+def test_different_policy_draft_chi_square(params, other_params, log_lenience):
+  """Kept first tokens follow the lenient rule's marginal, measured against
+  plain sampling's distribution (the rule is documented as lenient)."""
+  g, temperature = 4000, 0.3
+  config = sampling.SamplerConfig(
+      num_samples=g, max_new_tokens=1, cache_dtype="float32",
+      method=sampling.SamplingMethod(temperature=temperature))
+  tokens, mask = sampling.pad_prompts([[5, 9, 11]], BUCKETS)
+  p = _first_token_probs(params, tokens, mask, temperature)
+  q = _first_token_probs(other_params, tokens, mask, temperature)
+  old = sampling.make_sampler(MC, config)(other_params, tokens, mask,
+                                          jax.random.key(11))
+  spec, accepted = jax.device_get(sampling.make_speculative_sampler(
+      MC, config, log_lenience=log_lenience)(
+          params, tokens, mask, _draft(old), jax.random.key(12)))
+  lenience = np.exp(log_lenience)
+  keep = np.minimum(1.0, lenience * p / q) * q
+  marginal = keep + (1.0 - keep.sum()) * p
+  counts = np.bincount(spec.completion_tokens[:, 0], minlength=MC.vocab_size)
+
+  def chi2_pvalue(expected):
+    big = expected * g >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum()) * g
+    return stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+  assert chi2_pvalue(marginal) > 1e-3
+  deviation = 0.5 * np.abs(marginal - p).sum()
+  print(f"log_lenience={log_lenience}: acceptance {accepted.mean():.3f}, "
+        f"total variation from plain sampling {deviation:.3f}")
+  assert 0.02 < deviation < 0.5  # measurable with 4000 draws: p-value below
+  assert chi2_pvalue(p) < 1e-3
+  np.testing.assert_allclose(accepted.mean(), keep.sum(), atol=0.03)
+
+
+def test_no_recompile_across_new_prompts_in_a_bucket(params):
+  config = BASE.replace(max_new_tokens=6)
+  plain_fn = sampling.make_sampler(MC, config)
+  spec_fn = sampling.make_speculative_sampler(MC, config)
+  rng = np.random.RandomState(5)
+  for lengths in ((3, 5, 2, 4), (8, 2, 6, 1), (6, 6, 7, 3)):
+    tokens, mask = sampling.pad_prompts(
+        [list(rng.randint(4, 200, size=n)) for n in lengths], BUCKETS)
+    old = plain_fn(params, tokens, mask, jax.random.key(0))
+    jax.block_until_ready(spec_fn(params, tokens, mask, _draft(old),
+                                  jax.random.key(1)))
+  assert spec_fn._cache_size() == 1
+  assert plain_fn._cache_size() == 1
+
+
+def test_draft_store_is_bounded_and_keyed_by_prompt():
+  store = sampling.DraftStore(max_prompts=2)
+  rows = lambda v: (np.full((2, 3), v), np.ones((2, 3), bool),  # noqa: E731
+                    np.full((2, 3), -1.0))
+  store.update([[1], [2]], *(np.concatenate([a, b]) for a, b in
+                             zip(rows(10), rows(20))))
+  assert store.lookup([[3]], 2, 3) is None
+  draft = store.lookup([[2], [3]], 2, 3)
+  np.testing.assert_array_equal(draft.tokens, [[20] * 3] * 2 + [[0] * 3] * 2)
+  np.testing.assert_array_equal(draft.mask.any(1), [True, True, False, False])
+  assert store.lookup([[2]], 2, 4) is None  # another max_new_tokens: no draft
+  store.update([[3]], *rows(30))  # evicts [1], the least recently used
+  assert len(store) == 2 and store.lookup([[1]], 2, 3) is None
+  assert store.lookup([[2]], 2, 3) is not None
+  with pytest.raises(ValueError, match="spec_store_prompts=0"):
+    sampling.DraftStore(max_prompts=0)
+  with pytest.raises(ValueError, match="spec_log_lenience=-1"):
+    sampling.make_speculative_sampler(MC, BASE, log_lenience=-1)
