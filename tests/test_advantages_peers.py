@@ -8,9 +8,11 @@ formulas written out in NumPy (float64) from reading their code:
   `compute_gpg_outcome_advantage`, the REINFORCE++ estimators) and
   `utils/torch_functional.py` (`masked_whiten`), `reward_manager/dapo.py`;
 * the authors' code of Pass@k Training (`code/passk_adv.py`), GPG
-  (`grpo_trainer.py`, `inverse_alpha`) and VCPO (the README's closed form).
+  (`grpo_trainer.py`, `inverse_alpha`), KTAE (`compute_key_tokens.py`) and
+  VCPO (the README's closed form).
 """
 
+import fractions
 import functools
 import math
 
@@ -46,7 +48,8 @@ def _chain(name, group_size=G, max_new_tokens=10, **rl):
     n = r.shape[0]
     extra = alg_lib.advantage_extra_args(
         jnp.asarray(lengths), jnp.zeros(n) if log_ratio is None
-        else jnp.asarray(log_ratio, jnp.float32))
+        else jnp.asarray(log_ratio, jnp.float32),
+        jnp.zeros((n, 1), jnp.int32), jnp.ones((n, 1), bool))
     out = tx.update(r, tx.init(r), group_size=group_size,
                     mask_N=jnp.ones(n, bool) if mask is None
                     else jnp.asarray(mask),
@@ -223,6 +226,78 @@ def test_vcpo_min_variance_baseline():
       expected, rtol=1e-5, atol=1e-6)
 
 
+def _ktae_group_reference(tokens, mask, rewards):
+  """The authors' `ComputeKeyTokens` for one group, in float64 Python, with
+  Fisher's test in exact rational arithmetic."""
+  correct = [i for i, r in enumerate(rewards) if r > 0]
+  wrong = [i for i, r in enumerate(rewards) if r <= 0]
+  if not correct or not wrong:
+    return {}
+  seen = lambda i: {v for v, m in zip(tokens[i], mask[i]) if m}
+  count = lambda rows, v: sum(v == u for i in rows
+                              for u, m in zip(tokens[i], mask[i]) if m)
+  len_c = sum(sum(mask[i]) for i in correct)
+  len_w = sum(sum(mask[i]) for i in wrong)
+  avg = (len_c + len_w) / 2
+  k_c, k_w = 2 * (0.5 + 0.5 * len_c / avg), 2 * (0.5 + 0.5 * len_w / avg)
+  ent = lambda p: -p * math.log2(p) if p > 0 else 0.0
+  cond = lambda x, y: ent(x / (x + y)) + ent(y / (x + y)) if x + y else 0.0
+  weights = {}
+  for v in set().union(*(seen(i) for i in range(len(rewards)))):
+    a = sum(v in seen(i) for i in correct)
+    b = sum(v in seen(i) for i in wrong)
+    c, d = len(correct) - a, len(wrong) - b
+    n, r1, c1 = a + b + c + d, a + b, a + c
+    p_k = lambda k: fractions.Fraction(
+        math.comb(c1, k) * math.comb(n - c1, r1 - k), math.comb(n, r1))
+    p = sum(p_k(k) for k in range(max(0, r1 + c1 - n), min(r1, c1) + 1)
+            if p_k(k) <= p_k(a))
+    fisher = math.exp(-2 * p) if p != 1 else 0.0
+    ig = ent((a + c) / n) + ent((b + d) / n) - (
+        (a + b) / n * cond(a, b) + (c + d) / n * cond(c, d))
+    h = (math.asin(math.sqrt(a / (a + c + 1e-10)))
+         - math.asin(math.sqrt(b / (b + d + 1e-10))))
+    f_c, f_w = count(correct, v) / len_c, count(wrong, v) / len_w
+    tf_c, tf_w = f_c * 3 / (f_c + k_c), f_w * 3 / (f_w + k_w)
+    key = (fisher + ig) * (h + tf_c / (tf_w + 1e-5) - tf_w / (tf_c + 1e-5)) / 2
+    weights[v] = math.tanh(key / 2)  # (sigmoid(key) - 0.5) * 2
+  return weights
+
+
+def test_ktae_matches_the_authors_code():
+  rng = np.random.default_rng(0)
+  g, t = 4, 6
+  r = np.array([1, 0, 0, 1, 1, 1, 1, 1, 0, 2, 1, 0, 0, 0, 0, 0], np.float32)
+  tokens = rng.integers(0, 7, (16, t))
+  mask = np.arange(t)[None] < rng.integers(1, t + 1, 16)[:, None]
+  tx = adv.ktae_advantages()
+  got = np.asarray(tx.update(jnp.asarray(r), tx.init(jnp.asarray(r)),
+                             group_size=g, tokens_NxT=jnp.asarray(tokens),
+                             completion_mask_NxT=jnp.asarray(mask))[0])
+  expected = np.zeros((16, t))
+  for start in range(0, 16, g):
+    rows = slice(start, start + g)
+    v = r[rows].astype(np.float64)
+    z = ((v - v.mean()) / (v.std(ddof=1) + 1e-6) if v.max() > v.min()
+         else np.zeros(g))
+    w = _ktae_group_reference(tokens[rows].tolist(), mask[rows].tolist(),
+                              v.tolist())
+    for i in range(g):
+      for j in range(t):
+        if mask[start + i, j]:
+          expected[start + i, j] = z[i] + w.get(tokens[start + i, j], 0.0)
+  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+  assert np.any(np.abs(got - np.repeat(got[:, :1], t, 1))[mask] > 0.05)
+  # From the config, through the Collector's extra arguments.
+  tx = alg_lib.advantage_chain({"advantage": "ktae"}, g)
+  out = tx.update(jnp.asarray(r)[:, None], tx.init(jnp.asarray(r)[:, None]),
+                  group_size=g, mask_N=jnp.ones(16, bool),
+                  reward_weights_R=jnp.ones(1), **alg_lib.advantage_extra_args(
+                      jnp.asarray(mask.sum(1)), jnp.zeros(16),
+                      jnp.asarray(tokens), jnp.asarray(mask)))[0]
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["grpo_batch_std", "gpg", "pass_at_k", "opo",
                                   "reinforce_pp_token", "vcpo"])
 def test_masked_rows_are_ignored_and_zero(name):
@@ -311,6 +386,8 @@ def _inputs(seed):
   m = rng.random(12) < 0.8
   m[0] = True
   return r, {"mask_N": jnp.asarray(m),
+             "tokens_NxT": jnp.asarray(rng.integers(0, 5, (12, 3)), jnp.int32),
+             "completion_mask_NxT": jnp.asarray(rng.random((12, 3)) < 0.8),
              "lengths_N": jnp.asarray(rng.integers(1, 9, 12), jnp.int32),
              "seq_log_ratio_N": jnp.asarray(rng.normal(size=12) * 0.3,
                                             jnp.float32)}
@@ -331,6 +408,7 @@ HARNESS_CASES = [
     _case("overlong_penalty", adv.overlong_penalty,
           static_args=("max_length", "buffer_length"), max_length=8,
           buffer_length=3, penalty_factor=0.5),
+    _case("ktae", adv.ktae_advantages, static_args=("use_tf",), eps=1e-6),
     _case("vcpo_baseline", adv.center_by_min_variance_baseline,
           static_args=("norm_by_std",), norm_by_std=True),
 ]

@@ -21,7 +21,9 @@ prompt `g`. Extra arguments are keyword-only:
 * `lengths_N` (`[N]`, completion lengths in tokens): read by the
   length-aware transforms (OPO's baseline, token-level whitening, DAPO's
   overlong penalty, VCPO's baseline); `seq_log_ratio_N` (`[N]`,
-  `log pi_old(y) / mu(y)` of each completion): read by VCPO's baseline.
+  `log pi_old(y) / mu(y)` of each completion): read by VCPO's baseline;
+  `tokens_NxT` and `completion_mask_NxT` (the completions): read by KTAE,
+  the one transform whose advantages are per token (`[N, T]`).
 
 Several reward functions give rewards `[N, R]`; `sum_rewards` (weighted
 sum) or `normalize_each_reward` (GDPO) turn them into one value per sample
@@ -47,6 +49,7 @@ from rljax.advantages.length_aware import (
     center_by_length_weighted_group_mean, overlong_penalty, whiten_by_tokens)
 from rljax.advantages.gae import (gae_advantages, terminal_rewards,
                                   whiten_advantages)
+from rljax.advantages.key_tokens import ktae_advantages
 from rljax.advantages.metrics import advantage_metrics
 from rljax.advantages.min_variance import center_by_min_variance_baseline
 from rljax.advantages.multi_reward import normalize_each_reward, sum_rewards
@@ -75,6 +78,7 @@ __all__ = [
     "group_median_pivot_mask",
     "grpo",
     "grpo_batch_std",
+    "ktae_advantages",
     "leave_one_out",
     "mc_grpo",
     "median_rank_weights",

@@ -58,7 +58,7 @@ _Tx = optax.GradientTransformationExtraArgs
 ADVANTAGE_PRESETS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo",
                      "gdpo", "batch_std", "rank_weights", "gae",
                      "grpo_batch_std", "gpg", "pass_at_k", "opo",
-                     "reinforce_pp_token", "vcpo")
+                     "reinforce_pp_token", "vcpo", "ktae")
 # Presets whose advantages come from a value model: the chain gives each
 # row's weighted reward, and rl_step turns it into token-level GAE
 # advantages with the critic's values (rljax.train.critic, critic.*).
@@ -76,7 +76,8 @@ GROUP_STATISTIC_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp",
                               "center_by_group_mean", "scale_by_group_std",
                               "leave_one_out", "center_by_group_median",
                               "scale_by_group_mad", "grpo_batch_std", "gpg",
-                              "pass_at_k", "opo", "reinforce_pp_token", "vcpo")
+                              "pass_at_k", "opo", "reinforce_pp_token", "vcpo",
+                              "ktae")
 # Chains that take rl.singleton_groups="raw" (verl: a group of one keeps its
 # reward); with it they also run with rl.group_size=1.
 SINGLETON_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp",
@@ -167,7 +168,9 @@ class Algorithm:
           r, state, group_size=group_size, mask_N=jnp.ones((num_rows,), bool),
           reward_weights_R=jnp.ones((num_rewards,), jnp.float32),
           **advantage_extra_args(jnp.ones((num_rows,), jnp.int32),
-                                 jnp.zeros((num_rows,), jnp.float32)))[0]
+                                 jnp.zeros((num_rows,), jnp.float32),
+                                 jnp.zeros((num_rows, 1), jnp.int32),
+                                 jnp.ones((num_rows, 1), bool)))[0]
 
     try:
       out = jax.eval_shape(run, rewards)
@@ -177,22 +180,27 @@ class Algorithm:
           f"{num_rewards}] with group_size={group_size}: {e} Start the chain "
           "with advantages.sum_rewards() or advantages.normalize_each_reward()."
       ) from e
-    if out.shape != (num_rows,):
+    if out.shape not in ((num_rows,), (num_rows, 1)):
       raise ValueError(
           f"Algorithm.advantage maps rewards [{num_rows}, {num_rewards}] to "
-          f"shape {out.shape}; advantages [{num_rows}] are required. Start "
+          f"shape {out.shape}; advantages [{num_rows}] (or per completion "
+          f"token, [{num_rows}, T]) are required. Start "
           "the chain with advantages.sum_rewards() or "
           "advantages.normalize_each_reward().")
 
 
-def advantage_extra_args(lengths_N: jax.Array,
-                         seq_log_ratio_N: jax.Array) -> dict[str, jax.Array]:
+def advantage_extra_args(lengths_N: jax.Array, seq_log_ratio_N: jax.Array,
+                         tokens_NxT: jax.Array,
+                         completion_mask_NxT: jax.Array) -> dict[str, jax.Array]:
   """The per-row extra arguments every advantage chain receives, besides
   ``group_size``, ``mask_N`` and ``reward_weights_R``: the completion
-  lengths ``lengths_N`` and the sequence log-ratio
+  lengths ``lengths_N``, the sequence log-ratio
   ``seq_log_ratio_N = log pi_old(y) / mu(y)`` (0 without the sampler's policy
-  logprobs). Transforms that do not read them ignore them."""
-  return {"lengths_N": lengths_N, "seq_log_ratio_N": seq_log_ratio_N}
+  logprobs) and the completions ``tokens_NxT`` / ``completion_mask_NxT``
+  (KTAE, whose advantages are ``[N, T]``). Transforms that do not read them
+  ignore them."""
+  return {"lengths_N": lengths_N, "seq_log_ratio_N": seq_log_ratio_N,
+          "tokens_NxT": tokens_NxT, "completion_mask_NxT": completion_mask_NxT}
 
 
 def _get(section: Mapping[str, Any], name: str, default: Any = None) -> Any:
@@ -318,6 +326,7 @@ def advantage_chain(rl: Mapping[str, Any], group_size: int,
         "opo": lambda: [head, adv_lib.opo()],
         "reinforce_pp_token": lambda: [head, adv_lib.reinforce_pp_token()],
         "vcpo": lambda: [head, adv_lib.vcpo()],
+        "ktae": lambda: [head, adv_lib.ktae_advantages()],
         "gae": lambda: [head],
     }[name]()
   clip = rl.get("advantage_clip")

@@ -14,7 +14,8 @@ failed is outside ``mask_N``: no group statistic sees it and its advantage
 is 0 (TRL's semantics; ``Algorithm.failed_rewards="zero"`` scores it 0 and
 keeps it in); ``reward/all_failed`` counts such rows. The chain also
 receives ``advantage_extra_args``: completion lengths and sequence
-log-ratios.
+log-ratios, and the completions (KTAE's advantages are per completion
+token: ``RLBatch.advantages_N`` is then ``[N, P + T]``, 0 on the prompt).
 """
 
 from __future__ import annotations
@@ -81,9 +82,15 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
   advantages_N, adv_state = algorithm.advantage.update(
       rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
       reward_weights_R=weights_R,
-      **advantage_extra_args(rollout.lengths, seq_log_ratio_N))
+      **advantage_extra_args(rollout.lengths, seq_log_ratio_N,
+                             rollout.completion_tokens,
+                             rollout.completion_mask))
   total_N = _weighted_total(rewards_NxR, weights_R)
-  metrics = advantage_metrics(total_N, advantages_N, group_size=sampled,
+  per_token = advantages_N.ndim == 2  # KTAE: [N, T] on the completion.
+  row_advantages_N = advantages_N if not per_token else jnp.sum(
+      advantages_N * rollout.completion_mask, -1) / jnp.maximum(
+          rollout.lengths, 1)
+  metrics = advantage_metrics(total_N, row_advantages_N, group_size=sampled,
                               mask_N=valid_N)
   tokens, input_mask = rollout.sequences()
   zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
@@ -91,7 +98,8 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
       "tokens_NxL": tokens, "input_mask_NxL": input_mask,
       "loss_mask_NxL": jnp.concatenate(
           [jnp.zeros_like(rollout.prompt_mask), rollout.completion_mask], 1),
-      "advantages_N": advantages_N.astype(jnp.float32),
+      "advantages_N": (jnp.concatenate([zeros, advantages_N], 1) if per_token
+                       else advantages_N).astype(jnp.float32),
       "sampler_logprobs_NxL": jnp.concatenate(
           [zeros, rollout.sampler_logprobs], 1),
   }

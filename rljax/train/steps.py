@@ -80,7 +80,8 @@ class RLBatch(NamedTuple):
     tokens_NxL: int32, prompt then completion.
     input_mask_NxL: bool, real tokens.
     loss_mask_NxL: bool, completion tokens that are trained on.
-    advantages_N: fp32.
+    advantages_N: fp32 ``[N]``, or ``[N, L]`` per token (KTAE; 0 on the
+      prompt columns).
     sampler_logprobs_NxL: fp32, ``log mu`` of the sampled tokens (0 elsewhere).
     old_logprobs_NxL: fp32 ``log pi_old`` from the sampler (its
       ``policy_logprobs``) with ``old_logprobs="sampler"``; None otherwise.
@@ -434,7 +435,9 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     data = {
         "tokens": batch.tokens_NxL, "input_mask": batch.input_mask_NxL,
         "loss_mask": scored(batch.loss_mask_NxL),
-        "advantages": batch.advantages_N,
+        # [N], or [N, L] per token (KTAE).
+        "advantages": (batch.advantages_N if batch.advantages_N.ndim == 1
+                       else scored(batch.advantages_N)),
         "sampler_logprobs": scored(batch.sampler_logprobs_NxL),
     }
     chunks = cfg.num_minibatches * cfg.num_microbatches
