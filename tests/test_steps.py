@@ -101,8 +101,11 @@ def _reference_loss(params, aggregation, temperature=1.0):
     return per_seq.sum() / num_seqs
   if aggregation == "sequence_mean_token_sum":
     return loss_tok.sum() / num_seqs
-  if aggregation == "sequence_mean_token_sum_norm":
+  if aggregation in ("sequence_mean_token_sum_norm",
+                     "sequence_mean_token_scale"):  # Dr.GRPO's = Tunix's
     return loss_tok.sum() / (num_seqs * MAX_LENGTH)
+  if aggregation == "token_sum":
+    return loss_tok.sum()
   raise AssertionError(aggregation)
 
 
@@ -130,8 +133,11 @@ def assert_sgd_update(params, new_params, grads, rtol=1e-4):
 def test_reference_aggregations_differ(reference_grads):
   """The four references are far apart, so a wrong normaliser cannot pass."""
   flat = {a: _flat(g) for a, g in reference_grads.items()}
+  same = {("sequence_mean_token_sum_norm", "sequence_mean_token_scale")}
   for i, a in enumerate(AGGREGATIONS):
     for b in AGGREGATIONS[i + 1:]:
+      if (a, b) in same:  # one formula under two peers' names
+        continue
       rel = np.abs(flat[a] - flat[b]).max() / np.abs(flat[a]).max()
       assert rel > 0.05, (a, b, rel)
   # Dr.GRPO normalised by the row length L would be off by L / MAX_LENGTH.
@@ -209,3 +215,60 @@ def test_mismatch_statistics_match_numpy():
   for k in want:
     np.testing.assert_allclose(float(got[k]), want[k], rtol=1e-5, err_msg=k)
   assert want["max_abs"] == pytest.approx(3.0, abs=1e-6)
+
+
+# --- issue 10: rejection and row counting in the step ------------------------
+
+
+def _current_logprobs(params):
+  lp = jax.jit(lambda p: models.sequence_logprobs(
+      p, MC, BATCH.tokens_NxL, BATCH.input_mask_NxL)[0])(params)
+  return jnp.where(BATCH.loss_mask_NxL, lp, 0.0)
+
+
+def _masked_reference_grads(params, keep, num_sequences=None):
+  """token_mean (or sequence_mean_token_mean over `num_sequences` rows)
+  of -A * logp over the tokens `keep`, from the definitions."""
+  keep = jnp.asarray(keep, jnp.float32)
+
+  def loss(p):
+    lp = models.sequence_logprobs(p, MC, BATCH.tokens_NxL,
+                                  BATCH.input_mask_NxL)[0]
+    tok = -BATCH.advantages_N[:, None] * lp * keep
+    if num_sequences is None:
+      return tok.sum() / keep.sum()
+    n = keep.sum(-1)
+    return jnp.where(n > 0, tok.sum(-1) / jnp.maximum(n, 1), 0).sum() \
+        / num_sequences
+
+  return jax.device_get(jax.jit(jax.grad(loss))(params))
+
+
+def test_rejected_tokens_leave_the_step_normaliser(params):
+  """verl's rollout rejection (token_k1 in [log 0.8, log 1.25] of mu /
+  pi_old): rejected tokens get no gradient and leave the token count."""
+  old = _current_logprobs(params)
+  m = np.asarray(BATCH.loss_mask_NxL)
+  delta = np.where(m, np.random.RandomState(5).uniform(-0.4, 0.4, m.shape), 0)
+  sampler = old + jnp.asarray(delta, jnp.float32)
+  keep = m & (delta >= np.log(0.8)) & (delta <= np.log(1.25))  # k1 = -d
+  assert 0 < keep.sum() < m.sum()
+  cfg = train.RLStepConfig(
+      max_length=MAX_LENGTH, old_logprobs="sampler",
+      rejection=obj_lib.parse_rejection("token_k1:0.8:1.25"))
+  new_state, metrics = _run_step(params, cfg, batch=BATCH._replace(
+      old_logprobs_NxL=old, sampler_logprobs_NxL=sampler))
+  assert_sgd_update(params, new_state.params,
+                    _masked_reference_grads(params, keep))
+  np.testing.assert_allclose(float(metrics["rejection/frac_tokens"]),
+                             1 - keep.sum() / m.sum(), rtol=1e-6)
+
+
+def test_count_empty_sequences_divides_by_every_row(params):
+  """TRL's grpo loss: the mean over all N rows (row 2 has no token)."""
+  cfg = train.RLStepConfig(max_length=MAX_LENGTH,
+                           aggregation="sequence_mean_token_mean",
+                           count_empty_sequences=True)
+  new_state, _ = _run_step(params, cfg)
+  assert_sgd_update(params, new_state.params, _masked_reference_grads(
+      params, np.asarray(BATCH.loss_mask_NxL), num_sequences=float(N)))
