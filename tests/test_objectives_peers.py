@@ -748,3 +748,15 @@ HARNESS_CASES = [
 @pytest.mark.parametrize("case", HARNESS_CASES, ids=str)
 def test_harness(case, check):
   check(case)
+
+
+def test_log_ratio_clamp_conventions():
+  """verl's PPO losses: exp(clamp(d, -20, 20)); TRL: exp(d), no clamp."""
+  d = np.array([[25.0, -25.0, 1.0]])
+  old = jnp.zeros((1, 3))
+  lp = jnp.asarray(d, jnp.float32)
+  verl = np.exp(np.clip(d, -20, 20))
+  trl = np.exp(d)
+  np.testing.assert_allclose(obj.importance_ratio(lp, old), verl, rtol=1e-5)
+  np.testing.assert_allclose(obj.importance_ratio(lp, old, max_log_ratio=30.0),
+                             trl, rtol=1e-5)
