@@ -216,10 +216,20 @@ def test_cache_dtype_defaults_to_the_model_compute_dtype(params, prompts):
 
 
 def test_bf16_cache_runs_and_stays_close(params, prompts, base_rollout):
+  """A bfloat16 cache's logprobs stay within bf16 rounding of a float32
+  full forward over the same tokens (teacher-forced, so no near-tie in the
+  greedy path can change which tokens are compared)."""
   r = run(params, prompts, BASE.replace(cache_dtype="bfloat16",
                                         method=sampling.SamplingMethod(greedy=True)))
   assert r.completion_tokens.shape == base_rollout.completion_tokens.shape
   assert np.isfinite(r.policy_logprobs).all()
+  seq, seq_mask = r.sequences()
+  lp, _ = models.sequence_logprobs(params, MC, seq, seq_mask)
+  ref = np.asarray(lp, np.float64)[:, r.prompt_tokens.shape[1]:]
+  diff = np.abs(r.policy_logprobs - ref)[r.completion_mask]
+  print(f"bf16 cache: |logprob - fp32| max {diff.max():.2e} mean {diff.mean():.2e}")
+  assert diff.max() < 2e-2 and diff.mean() < 5e-3
+  assert diff.max() > 1e-6  # the cache really is bfloat16
 
 
 # --- sampling distributions -------------------------------------------------
