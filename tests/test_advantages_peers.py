@@ -24,7 +24,9 @@ import pytest
 
 from tests import transform_harness as harness
 from rljax import advantages as adv
+from rljax import sampling
 from rljax.train import algorithm as alg_lib
+from rljax.train import rollout as rollout_lib
 
 G = 4
 # Three groups of four: mixed binary, constant, mixed; lengths per sample.
@@ -298,8 +300,81 @@ def test_ktae_matches_the_authors_code():
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_remax_is_verls_greedy_baseline():
+  # verl: advantages = returns - reward_baselines (the greedy completion's
+  # reward), no scaling. Groups of G + 1 = 3: two samples, then the greedy.
+  r = np.array([1.0, 0.0, 0.5, 2.0, 2.0, 2.0, 0.0, 3.0, 1.0], np.float32)
+  mask = np.ones(9, bool)
+  expected = np.array([0.5, -0.5, 0, 0, 0, 0, -1, 2, 0])
+  np.testing.assert_allclose(_run(adv.center_by_greedy_baseline(), r, 3),
+                             expected, atol=1e-7)
+  mask[8] = False  # No greedy reward: no baseline, advantage 0.
+  got = _run(adv.center_by_greedy_baseline(), r, 3, mask_N=jnp.asarray(mask))
+  np.testing.assert_array_equal(got[6:], 0.0)
+
+
+def test_greedy_every_decodes_the_last_row_of_each_group_greedily():
+  logits = jax.random.normal(jax.random.key(0), (6, 11))
+  key = jax.random.key(1)
+  plain = sampling.SamplingMethod(temperature=0.7)
+  remax = sampling.SamplingMethod(temperature=0.7, greedy_every=3)
+  tokens, logp = plain.get_next_tokens(logits, key)
+  got_tokens, got_logp = remax.get_next_tokens(logits, key)
+  greedy_rows = np.array([2, 5])
+  sampled_rows = np.array([0, 1, 3, 4])
+  np.testing.assert_array_equal(got_tokens[greedy_rows],
+                                np.argmax(logits, -1)[greedy_rows])
+  np.testing.assert_array_equal(got_logp[greedy_rows], 0.0)
+  np.testing.assert_array_equal(got_tokens[sampled_rows], tokens[sampled_rows])
+  np.testing.assert_array_equal(got_logp[sampled_rows], logp[sampled_rows])
+  with pytest.raises(ValueError, match="greedy_every=-1"):
+    sampling.SamplingMethod(greedy_every=-1)
+
+
+def _fake_rollout(n, p=2, t=3, seed=0):
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(1, t + 1, n).astype(np.int32)
+  mask = np.arange(t)[None] < lengths[:, None]
+  return sampling.Rollout(
+      prompt_tokens=jnp.asarray(rng.integers(1, 9, (n, p)), jnp.int32),
+      prompt_mask=jnp.ones((n, p), bool),
+      completion_tokens=jnp.asarray(rng.integers(1, 9, (n, t)), jnp.int32),
+      completion_mask=jnp.asarray(mask), lengths=jnp.asarray(lengths),
+      finished=jnp.ones((n,), bool), policy_logprobs=None,
+      sampler_logprobs=jnp.asarray(np.where(mask, -0.5, 0.0), jnp.float32))
+
+
+def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
+  opt = {"name": "sgd", "learning_rate": 0.1}
+  remax = alg_lib.from_config({"advantage": "remax", "group_size": 2,
+                               "num_steps": 1}, opt)
+  assert remax.extra_samples == 1 and remax.greedy_baseline
+  r = np.array([[1.0], [0.0], [0.5], [2.0], [0.0], [1.0]], np.float32)
+  rollout = _fake_rollout(6)
+  batch, _, _ = rollout_lib._postprocess(
+      rollout, jnp.asarray(r), jnp.ones(6, bool), jnp.ones(1),
+      remax.advantage.init(jnp.asarray(r)), algorithm=remax, group_size=2)
+  np.testing.assert_allclose(batch.advantages_N, [0.5, -0.5, 1.0, -1.0])
+  kept = np.array([0, 1, 3, 4])
+  np.testing.assert_array_equal(batch.tokens_NxL[:, 2:],
+                                rollout.completion_tokens[kept])
+  ktae = alg_lib.from_config({"advantage": "ktae", "group_size": 3,
+                              "num_steps": 1}, opt)
+  batch, _, metrics = rollout_lib._postprocess(
+      rollout, jnp.asarray(r), jnp.ones(6, bool), jnp.ones(1),
+      ktae.advantage.init(jnp.asarray(r)), algorithm=ktae, group_size=3)
+  assert batch.advantages_N.shape == (6, 5)
+  np.testing.assert_array_equal(batch.advantages_N[:, :2], 0.0)
+  direct = adv.ktae_advantages().update(
+      jnp.asarray(r[:, 0]), None, group_size=3,
+      tokens_NxT=rollout.completion_tokens,
+      completion_mask_NxT=rollout.completion_mask)[0]
+  np.testing.assert_allclose(batch.advantages_N[:, 2:], direct, rtol=1e-6)
+  assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
 @pytest.mark.parametrize("name", ["grpo_batch_std", "gpg", "pass_at_k", "opo",
-                                  "reinforce_pp_token", "vcpo"])
+                                  "reinforce_pp_token", "vcpo", "ktae"])
 def test_masked_rows_are_ignored_and_zero(name):
   mask = np.ones(12, bool)
   mask[[1, 6, 11]] = False
@@ -409,6 +484,7 @@ HARNESS_CASES = [
           static_args=("max_length", "buffer_length"), max_length=8,
           buffer_length=3, penalty_factor=0.5),
     _case("ktae", adv.ktae_advantages, static_args=("use_tf",), eps=1e-6),
+    _case("remax", adv.center_by_greedy_baseline),
     _case("vcpo_baseline", adv.center_by_min_variance_baseline,
           static_args=("norm_by_std",), norm_by_std=True),
 ]

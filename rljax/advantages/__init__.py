@@ -41,9 +41,9 @@ gradient (they are computed from rewards only).
 from __future__ import annotations
 
 from rljax.advantages.baselines import (
-    center_by_batch_mean, center_by_group_mean, center_by_group_median,
-    clip_advantages, group_median_pivot_mask, leave_one_out,
-    scale_by_batch_std, scale_by_group_mad, scale_by_group_std,
+    center_by_batch_mean, center_by_greedy_baseline, center_by_group_mean,
+    center_by_group_median, clip_advantages, group_median_pivot_mask,
+    leave_one_out, scale_by_batch_std, scale_by_group_mad, scale_by_group_std,
     scale_by_informative_fraction)
 from rljax.advantages.length_aware import (
     center_by_length_weighted_group_mean, overlong_penalty, whiten_by_tokens)
@@ -65,6 +65,7 @@ __all__ = [
     "advantage_metrics",
     "best_of_k_rank_weights",
     "center_by_batch_mean",
+    "center_by_greedy_baseline",
     "center_by_group_mean",
     "center_by_group_median",
     "center_by_length_weighted_group_mean",

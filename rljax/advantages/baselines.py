@@ -279,6 +279,41 @@ def scale_by_informative_fraction() -> _Tx:
   return _stateless(update_fn)
 
 
+def center_by_greedy_baseline() -> _Tx:
+  """ReMax: `A_i = r_i - r_greedy(g(i))`, the last sample of each group being
+  the prompt's greedy (argmax) completion.
+
+  Each group holds `group_size = G + 1` samples: `G` sampled completions and,
+  last, the greedy one (`SamplingMethod(greedy_every=G + 1)` draws it in the
+  same call). The greedy sample's own advantage is 0 and the training loop
+  drops it (`Algorithm.greedy_baseline`). A group whose greedy sample has no
+  reward (outside `mask_N`) gets advantage 0 (no baseline); a group whose
+  valid rewards are all equal gets exactly 0. No std scaling, as verl's
+  `compute_remax_outcome_advantage` (returns minus `reward_baselines`).
+
+  References:
+    Li et al., "ReMax: A Simple, Effective, and Efficient Reinforcement
+    Learning Method for Aligning Large Language Models",
+    https://arxiv.org/abs/2310.10505; verl `trainer/ppo/core_algos.py`,
+    `compute_remax_outcome_advantage`.
+  """
+  fn = "center_by_greedy_baseline"
+
+  def update_fn(rewards_N, state, params=None, *, group_size=None,
+                mask_N=None, **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, rewards_N, group_size, mask_N)
+    if x.shape[1] < 2:
+      raise ValueError(f"{fn}: group_size={x.shape[1]} must be at least 2 "
+                       "(samples, then the greedy baseline sample).")
+    baseline_ok = valid[:, -1:]
+    adv = jnp.where(baseline_ok & ~_is_constant(x, valid), x - x[:, -1:], 0.0)
+    adv = adv.at[:, -1].set(0.0)
+    return _out(adv, valid, rewards_N), state
+
+  return _stateless(update_fn)
+
+
 def clip_advantages(max_abs: float) -> _Tx:
   """Clips each advantage to `[-max_abs, max_abs]`; padding stays 0."""
   _check_nonneg("clip_advantages", "max_abs", max_abs)

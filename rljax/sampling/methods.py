@@ -79,6 +79,10 @@ class SamplingMethod:
     top_p: nucleus mass; None disables.
     min_p: minimum probability relative to the top token; None disables.
     greedy: take the argmax.
+    greedy_every: with ``k > 0``, row ``r`` of ``logits_BxV`` takes the
+      argmax (sampler logprob 0) when ``r % k == k - 1``: the last row of
+      each group of ``k`` group-contiguous rows. ReMax's greedy baseline
+      sample per prompt, drawn in the same call as the group's samples.
   """
 
   temperature: float = 1.0
@@ -86,6 +90,7 @@ class SamplingMethod:
   top_p: float | None = None
   min_p: float | None = None
   greedy: bool = False
+  greedy_every: int = 0
 
   def __post_init__(self):
     if not self.greedy and not self.temperature > 0:
@@ -96,6 +101,10 @@ class SamplingMethod:
                                    or self.top_k < 1):
       raise ValueError(
           f"sampler.top_k={self.top_k!r}: a positive integer or None.")
+    if isinstance(self.greedy_every, bool) or not isinstance(
+        self.greedy_every, int) or self.greedy_every < 0:
+      raise ValueError(f"SamplingMethod.greedy_every={self.greedy_every!r}: "
+                       "an integer >= 0 is required (0: off).")
     for name in ("top_p", "min_p"):
       value = getattr(self, name)
       if value is not None and not 0.0 < value <= 1.0:
@@ -121,7 +130,15 @@ class SamplingMethod:
     z = self.truncated_logits(logits_BxV)
     logp = jax.nn.log_softmax(z, axis=-1)
     tokens = inverse_cdf_sample(key, logp)
-    return tokens, jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+    logp_B = jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+    if self.greedy_every:
+      row = jnp.arange(logits_BxV.shape[0])
+      row = row.reshape((-1,) + (1,) * (tokens.ndim - 1))
+      argmax_row = row % self.greedy_every == self.greedy_every - 1
+      tokens = jnp.where(argmax_row, jnp.argmax(logits_BxV, axis=-1).astype(
+          jnp.int32), tokens)
+      logp_B = jnp.where(argmax_row, 0.0, logp_B)
+    return tokens, logp_B
 
 
 def sample_tokens(logits_BxV: jax.Array, key: jax.Array,

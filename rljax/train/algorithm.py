@@ -20,7 +20,9 @@ need:
   ESS as the extra argument ``ess`` (``rljax.optim.scale_by_ess``).
 * ``extra_samples``: samples per prompt beyond ``rl.group_size`` (MC-GRPO
   samples ``G + 1``); ``drop_pivot``: drop each group's median pivot row
-  after the advantages, so exactly ``G`` rows per prompt are trained.
+  after the advantages, so exactly ``G`` rows per prompt are trained;
+  ``greedy_baseline``: the extra sample of each prompt is its greedy
+  completion (ReMax), dropped after the advantages.
 
 Config names build one (``from_config``), and user code builds one from the
 transforms directly and passes it to ``rljax.train.run(config, workdir,
@@ -58,7 +60,7 @@ _Tx = optax.GradientTransformationExtraArgs
 ADVANTAGE_PRESETS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "mc_grpo",
                      "gdpo", "batch_std", "rank_weights", "gae",
                      "grpo_batch_std", "gpg", "pass_at_k", "opo",
-                     "reinforce_pp_token", "vcpo", "ktae")
+                     "reinforce_pp_token", "vcpo", "ktae", "remax")
 # Presets whose advantages come from a value model: the chain gives each
 # row's weighted reward, and rl_step turns it into token-level GAE
 # advantages with the critic's values (rljax.train.critic, critic.*).
@@ -110,6 +112,10 @@ class Algorithm:
     extra_samples: samples per prompt beyond the group size (MC-GRPO: 1).
     drop_pivot: drop each group's median-reward pivot row after the
       advantages (MC-GRPO), leaving ``group_size`` rows per prompt.
+    greedy_baseline: the last of each prompt's ``group_size + 1`` samples is
+      decoded greedily in the same sampler call
+      (``SamplingMethod.greedy_every``) and dropped after the advantages
+      (ReMax's baseline); needs ``extra_samples=1``.
     ess_kl_coef: weight of FeynRL's ``(1 - ESS)``-weighted pull toward the
       behaviour policy (``objectives.ess_kl_penalty``); 0 turns it off.
     ess_pooling: pool the token-level (FeynRL) ESS per ``"microbatch"`` (as
@@ -127,6 +133,7 @@ class Algorithm:
   optimizer: _Tx
   extra_samples: int = 0
   drop_pivot: bool = False
+  greedy_baseline: bool = False
   ess_kl_coef: float = 0.0
   ess_pooling: str = "microbatch"
   failed_rewards: str = "exclude"
@@ -145,6 +152,12 @@ class Algorithm:
       raise ValueError(
           f"Algorithm.drop_pivot=True with extra_samples={self.extra_samples}: "
           "dropping the pivot keeps group_size rows only with extra_samples=1.")
+    if self.greedy_baseline and (self.extra_samples != 1 or self.drop_pivot):
+      raise ValueError(
+          f"Algorithm.greedy_baseline=True with extra_samples="
+          f"{self.extra_samples}, drop_pivot={self.drop_pivot}: the greedy "
+          "baseline is the one extra sample (extra_samples=1, drop_pivot="
+          "False).")
     check_choice("Algorithm.ess_pooling", self.ess_pooling, ESS_POOLINGS)
     check_choice("Algorithm.failed_rewards", self.failed_rewards,
                  FAILED_REWARDS)
@@ -327,6 +340,7 @@ def advantage_chain(rl: Mapping[str, Any], group_size: int,
         "reinforce_pp_token": lambda: [head, adv_lib.reinforce_pp_token()],
         "vcpo": lambda: [head, adv_lib.vcpo()],
         "ktae": lambda: [head, adv_lib.ktae_advantages()],
+        "remax": lambda: [head, adv_lib.center_by_greedy_baseline()],
         "gae": lambda: [head],
     }[name]()
   clip = rl.get("advantage_clip")
@@ -447,7 +461,8 @@ def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any],
   ``seed``: for ``rl.objective="clip_cov"``)."""
   name = _get(rl, "advantage", "grpo")
   mc = name == "mc_grpo"
-  group_size = int(rl["group_size"]) + (1 if mc else 0)
+  remax = name == "remax"
+  group_size = int(rl["group_size"]) + (1 if mc or remax else 0)
   objective = _get(rl, "objective", "ppo_clip")
   num_updates = (int(rl["num_steps"]) * int(_get(rl, "num_epochs", 1))
                  * int(_get(rl, "num_minibatches", 1)))
@@ -456,8 +471,9 @@ def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any],
       advantage=advantage_chain(rl, group_size, max_new_tokens),
       coefficient=coefficient_chain(rl, seed),
       optimizer=optimizer(opt, num_updates),
-      extra_samples=1 if mc else 0,
+      extra_samples=1 if mc or remax else 0,
       drop_pivot=mc,
+      greedy_baseline=remax,
       ess_kl_coef=float(ess_kl),
       ess_pooling=_get(rl, "ess_pooling", "microbatch"),
       failed_rewards=_get(rl, "failed_rewards", "exclude"),

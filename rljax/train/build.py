@@ -151,6 +151,13 @@ def _validate_advantage_conventions(config: Any) -> None:
   if "pass_at_k" in links and rl.get("pass_k", 2) > rl.group_size:
     raise ValueError(f"rl.pass_k={rl.pass_k} with rl.advantage='pass_at_k': "
                      f"k must be at most rl.group_size={rl.group_size}.")
+  if "remax" in links and config.eval.num_samples == rl.group_size + 1:
+    raise ValueError(
+        f"eval.num_samples={config.eval.num_samples} with rl.advantage="
+        "'remax': the training sampler of rl.group_size + 1 samples per "
+        "prompt decodes its last row greedily (ReMax's baseline), and the "
+        "evaluation sampler must not share that count; accepted: any other "
+        "eval.num_samples.")
   budget = config.sampler.max_new_tokens
   buffer = rl.get("overlong_buffer")
   if "overlong_penalty" in links and buffer is not None and buffer > budget:
@@ -443,14 +450,16 @@ def eos_ids(tokenizer: Any) -> tuple[int, ...]:
 
 def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
                    greedy: bool = False,
-                   record_policy_logprobs: bool = False
-                   ) -> sampling.SamplerConfig:
-  """The ``SamplerConfig`` of ``sampler.*`` for ``num_samples`` per prompt."""
+                   record_policy_logprobs: bool = False,
+                   greedy_every: int = 0) -> sampling.SamplerConfig:
+  """The ``SamplerConfig`` of ``sampler.*`` for ``num_samples`` per prompt
+  (``greedy_every``: ReMax's greedy row, ``SamplingMethod.greedy_every``)."""
   s = config.sampler
   method = (sampling.SamplingMethod(greedy=True) if greedy else
             sampling.SamplingMethod(temperature=s.temperature,
                                     top_k=s.get("top_k"), top_p=s.get("top_p"),
-                                    min_p=s.get("min_p")))
+                                    min_p=s.get("min_p"),
+                                    greedy_every=greedy_every))
   return sampling.SamplerConfig(
       num_samples=num_samples, max_new_tokens=s.max_new_tokens, method=method,
       training_temperature=config.rl.training_temperature,
@@ -643,11 +652,22 @@ class Components:
 
   def sampler(self, num_samples: int, *, greedy: bool = False,
               record_policy_logprobs: bool = False):
-    """A jitted sampler with explicit shardings (``sampling.make_sampler``)."""
+    """A jitted sampler with explicit shardings (``sampling.make_sampler``).
+
+    With a ReMax algorithm (``greedy_baseline``), the sampler of the
+    training rows (``group_size + 1`` per prompt) decodes the last row of
+    each prompt greedily; ``validate`` keeps ``eval.num_samples`` off that
+    count.
+    """
+    alg = self.algorithm
+    greedy_every = num_samples if (
+        alg.greedy_baseline and not greedy
+        and num_samples == self.settings.group_size + alg.extra_samples) else 0
     return sampling.make_sampler(
         self.model_config,
         sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
-                       record_policy_logprobs=record_policy_logprobs),
+                       record_policy_logprobs=record_policy_logprobs,
+                       greedy_every=greedy_every),
         self.mesh, self.param_shardings)
 
 

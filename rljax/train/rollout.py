@@ -3,9 +3,9 @@
 ``Collector.collect`` is the sampling half of an RL step (DESIGN.md section
 3). The rollout stays on the devices; only the completion tokens cross to the
 host (to be decoded and scored), and only the rewards ``[N, R]`` cross back.
-The advantage chain, MC-GRPO's pivot drop and the trainer's ``[N, P + T]``
-layout run in one jitted function whose outputs are sharded as ``rl_step``
-takes them.
+The advantage chain, MC-GRPO's pivot drop (or ReMax's greedy-row drop) and
+the trainer's ``[N, P + T]`` layout run in one jitted function whose outputs
+are sharded as ``rl_step`` takes them.
 
 Rewards. Each reward function is a column of ``rewards_NxR`` (NaN where it
 gave no reward); the ``RewardSpec`` weights reach the advantage chain as
@@ -109,6 +109,10 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
   if algorithm.drop_pivot:
     rows = pivot_rows(total_N, valid_N, sampled)
     layout = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), layout)
+  elif algorithm.greedy_baseline:  # ReMax: the last row of a group is greedy.
+    rows = jnp.arange(total_N.shape[0]).reshape(-1, sampled)[:, :-1]
+    layout = jax.tree.map(lambda x: jnp.take(x, rows.reshape(-1), axis=0),
+                          layout)
   return RLBatch(**layout), adv_state, metrics
 
 
