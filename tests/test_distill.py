@@ -138,3 +138,23 @@ def test_bad_distillation_settings_fail_before_compile(overrides, match):
 def test_a_directory_that_is_no_teacher_is_named(tmp_path):
   with pytest.raises(ValueError, match="neither an rljax run directory"):
     distill.load_teacher(str(tmp_path), None, MC.vocab_size)
+
+
+def test_a_hugging_face_checkpoint_is_a_teacher(tmp_path):
+  config = models.model_config_from_hf({
+      "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+      "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+      "num_hidden_layers": 1, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "max_position_embeddings": 64,
+      "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+      "tie_word_embeddings": True, "torch_dtype": "float32"})
+  params = models.init_params(config, jax.random.key(3))
+  models.save_hf_checkpoint(tmp_path, config, params)
+  got_config, got = distill.load_teacher(str(tmp_path), None, 32)
+  assert got_config.vocab_size == 32 and got_config.num_layers == 1
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with pytest.raises(ValueError, match=r"vocab_size=32, the student 40"):
+    distill.load_teacher(str(tmp_path), None, 40)
+  with pytest.raises(ValueError, match=r"teacher.step=3"):
+    distill.load_teacher(str(tmp_path), None, 32, step=3)

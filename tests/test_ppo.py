@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 
+from rljax import checkpoint as ckpt_lib
 from rljax import models, train
 from rljax import objectives as obj
 from rljax.advantages import gae as gae_lib
@@ -271,20 +272,27 @@ def test_make_rl_step_needs_the_critic_optimizer():
 
 
 @pytest.mark.slow
-def test_ppo_with_a_critic_trains_in_the_loop_with_one_sample_per_prompt(
-    tmp_path):
-  config = loop_config(**{"rl.advantage": "gae", "rl.group_size": 1,
-                          "rl.prompts_per_step": 16,
-                          "critic.learning_rate": 1e-3})
-  train.run(config, str(tmp_path))
+def test_ppo_with_a_critic_trains_in_the_loop_and_resumes(tmp_path):
+  """One sample per prompt; the run stops after step 1 and resumes (the
+  critic's params and optimizer state are in the checkpoint)."""
+  overrides = {"rl.advantage": "gae", "rl.group_size": 1,
+               "rl.prompts_per_step": 16, "critic.learning_rate": 1e-3}
+  train.run(loop_config(**overrides, **{"rl.num_steps": 1}), str(tmp_path))
+  train.run(loop_config(**overrides), str(tmp_path))
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
   for r in rows:
     assert math.isfinite(r["critic/value_loss"]) and r["critic/grad_norm"] > 0
     assert r["grad_norm"] > 0
+  manager = ckpt_lib.CheckpointManager(tmp_path / "checkpoints",
+                                       async_save=False)
+  heads = [manager.restore(step, None)[0]["state"]["critic"]["params"]["head"]
+           for step in (1, 2)]
+  manager.close()
+  assert np.abs(heads[0]["kernel"]).max() > 0  # trained from zero
+  assert np.abs(heads[1]["kernel"] - heads[0]["kernel"]).max() > 0
   # The run directory still loads as a policy (the critic is extra state).
-  policy = train.load_policy(str(tmp_path), 2)
-  assert policy.step == 2
+  assert train.load_policy(str(tmp_path), 2).step == 2
 
 
 @pytest.mark.parametrize("field, value, match", [
