@@ -760,3 +760,39 @@ def test_log_ratio_clamp_conventions():
   np.testing.assert_allclose(obj.importance_ratio(lp, old), verl, rtol=1e-5)
   np.testing.assert_allclose(obj.importance_ratio(lp, old, max_log_ratio=30.0),
                              trl, rtol=1e-5)
+
+
+def test_functions_plain_jit_and_vmap_agree():
+  """The non-transform functions (KL estimators, rejection, KL-Cov's
+  penalty, the new aggregations) give the same values plain, under jit and
+  under vmap over a leading axis."""
+  batches = [make_batch(s, b=4) for s in (20, 21)]
+  stack = lambda i: jnp.stack([b[i] for b in batches])
+  lp, old, sampler, adv, mask = (stack(i) for i in range(5))
+  crit = obj.parse_rejection("token_k3:0.05,seq_mean_k1:0.8:1.25")
+  fns = {f"kl_{e}": functools.partial(
+      lambda lp, old, s, a, m, e: obj.kl_penalty(lp, s, e, old_logprobs_BxT=old),
+      e=e) for e in obj.KL_ESTIMATORS}
+  fns["rejection"] = lambda lp, old, s, a, m: obj.rejection_mask(old, s, m,
+                                                                 crit)
+  fns["kl_cov"] = lambda lp, old, s, a, m: obj.kl_cov_penalty(
+      lp, old, a, m, kl_ratio=0.2)
+  for mode in ("token_sum", "sequence_mean_token_scale"):
+    fns[mode] = functools.partial(
+        lambda lp, old, s, a, m, mode: obj.aggregate_loss(lp - old, m, mode),
+        mode=mode)
+
+  def all_fns(*args):
+    return {k: f(*args) for k, f in fns.items()}
+
+  batched = jax.jit(jax.vmap(all_fns))(lp, old, sampler, adv, mask)
+  for i in range(2):
+    args = (lp[i], old[i], sampler[i], adv[i], mask[i])
+    plain, jitted = all_fns(*args), jax.jit(all_fns)(*args)
+    for k in fns:
+      np.testing.assert_allclose(np.asarray(jitted[k], np.float64),
+                                 np.asarray(plain[k], np.float64), rtol=1e-6,
+                                 atol=1e-7, err_msg=k)
+      np.testing.assert_allclose(np.asarray(batched[k][i], np.float64),
+                                 np.asarray(plain[k], np.float64), rtol=1e-6,
+                                 atol=1e-7, err_msg=k)
