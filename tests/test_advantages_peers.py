@@ -14,18 +14,22 @@ formulas written out in NumPy (float64) from reading their code:
 
 import fractions
 import functools
+import importlib.util
+import itertools
 import math
+import os
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from tests import transform_harness as harness
 from rljax import advantages as adv
 from rljax import sampling
 from rljax.train import algorithm as alg_lib
+from rljax.train import build as build_lib
 from rljax.train import rollout as rollout_lib
 
 G = 4
@@ -131,7 +135,6 @@ def test_pass_at_k_matches_the_authors_code(k):
 
 def test_pass_at_k_by_enumerating_subsets():
   """Independent of both: the mean advantage over all k-subsets holding i."""
-  import itertools
   v = np.array([1, 0, 0, 1, 0, 0], np.float64)
   k = 3
   subsets = list(itertools.combinations(range(6), k))
@@ -448,6 +451,42 @@ def test_failed_rewards_zero_reproduces_trl_before_5902():
   with pytest.raises(ValueError, match="failed_rewards"):
     alg_lib.Algorithm(advantage=tx, coefficient=tx, optimizer=tx,
                       failed_rewards="nan")
+
+
+def _tiny_config(**rl):
+  path = os.path.join(os.path.dirname(__file__), "..", "configs",
+                      "arithmetic_grpo.py")
+  spec = importlib.util.spec_from_file_location("cfg", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("tiny")
+  for key, value in rl.items():
+    config.rl[key] = value
+  return config
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"singleton_groups": "one"}, "rl.singleton_groups='one'"),
+    ({"failed_rewards": "drop"}, "rl.failed_rewards='drop'"),
+    ({"advantage": "pass_at_k", "pass_k": 9}, "rl.pass_k=9"),
+    ({"advantage": "overlong_penalty+center_by_group_mean",
+      "overlong_buffer": 99}, "rl.overlong_buffer=99"),
+    ({"std_eps": -1.0}, "rl.std_eps=-1.0"),
+    ({"advantage": "grpo", "group_size": 1}, "singleton_groups='raw'"),
+])
+def test_config_checks_name_the_field(overrides, message):
+  config = _tiny_config(**overrides)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    build_lib.validate(config)
+
+
+def test_config_accepts_group_size_one_with_raw_singletons_and_rejects_remax_eval():
+  build_lib.validate(_tiny_config(group_size=1, singleton_groups="raw",
+                                  prompts_per_step=8))
+  config = _tiny_config(advantage="remax")
+  config.eval.num_samples = config.rl.group_size + 1
+  with pytest.raises(ValueError, match="eval.num_samples"):
+    build_lib.validate(config)
 
 
 # ----------------------------------------------------------------------------
