@@ -13,8 +13,8 @@ on-policy update (``c_t = 1``) the loss gradient is then
 whose expectation over ``y ~ pi`` is ``distill_coef * grad KL(pi || pi_T)``
 per position (the score-function gradient of the reverse KL with a
 discount of 0: each token is credited only with its own KL term). The
-reward's advantage, if any, is kept (``rl.distill_coef`` weighs the two),
-so distillation alone is ``rljax.advantages`` giving zeros (a constant
+reward's advantage, if any, is kept (``rl.distill_coef`` weighs the two);
+pure distillation is an advantage chain that gives 0 (e.g. a constant
 reward) plus this term.
 
 The teacher is an HF checkpoint directory or an rljax run directory
@@ -99,6 +99,8 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
     ValueError: naming ``teacher.path`` when it is neither, or when the
       vocabularies differ.
   """
+  # Imported here: policy imports build, which imports steps, which imports
+  # this module.
   from rljax.train import policy  # pylint: disable=import-outside-toplevel
   if os.path.isdir(os.path.join(path, "checkpoints")):
     loaded = policy.load_policy(path, step)

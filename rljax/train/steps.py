@@ -28,6 +28,15 @@ and weighting the ``(1 - ESS)`` pull toward ``mu`` (``ess_kl_coef``); and,
 per minibatch, VCPO's sequence-level ESS of ``pi_old(y) / mu(y)``, passed
 to the optimizer as ``ess=`` (``optim.scale_by_ess``). Both are
 ``objectives.EssStatistics`` sums, so pooling is addition.
+
+Two more models can join a step, each off unless configured, so the
+program without them is unchanged: a critic (``RLStepConfig.critic``, PPO
+with a value model; ``rljax.train.critic``), whose values at the start of
+the step give token-level GAE advantages and which is trained by its own
+optimizer in the same microbatch loop; and a teacher
+(``RLStepConfig.distill_coef``, on-policy distillation;
+``rljax.train.distill``), whose logprobs add a per-token reverse-KL term to
+the advantages, evaluated once per step like the reference's.
 """
 
 from __future__ import annotations
