@@ -58,6 +58,15 @@ def base() -> ml_collections.ConfigDict:
   c.sampler.prompt_buckets = (16, 32)
   c.sampler.cache_dtype = "bfloat16"
   c.sampler.share_prefix = True
+  # Decode-step count of the first length segment (each next one doubles;
+  # a segment's cache holds only the slots its steps can fill).
+  c.sampler.segment_slots = 64
+  # SPEC-RL (rljax.sampling.speculative): a prompt's previous rollout is the
+  # draft, verified in one pass; accept token w.p. min(1, e^lenience p/q).
+  # Drafts live in a bounded per-prompt store, rebuilt (not checkpointed).
+  c.sampler.speculative = False
+  c.sampler.spec_log_lenience = 0.5
+  c.sampler.spec_store_prompts = 4096
 
   c.sft = ml_collections.ConfigDict()
   c.sft.num_steps = 0

@@ -65,6 +65,7 @@ OTHER_AXES = {
                      "seq_sum_k1:0.5:2.0,seq_max_k2:0.5"),
     "rl.is_batch_normalize": (False, True),
     "rl.count_empty_sequences": (False, True),
+    "sampler.speculative": (False, True),
 }
 
 
@@ -125,6 +126,20 @@ def test_every_config_name_trains(case, tmp_path):
     assert not bad, bad
     assert r["nonfinite_skipped_total"] == 0
     assert r["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_spec_rl_drafts_from_the_previous_epoch_and_trains(tmp_path):
+  """One epoch per step: step 2 resamples step 1's prompts from their drafts."""
+  config = loop_config(**{"sampler.speculative": True})
+  config.task.num_train = config.rl.prompts_per_step
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  n = config.rl.prompts_per_step * config.rl.group_size
+  assert [r["spec/drafted_rows"] for r in rows] == [0, n]
+  assert 0 < rows[1]["spec/accept_rate"] <= 1
+  assert rows[1]["spec/accepted_tokens/mean"] > 0
+  assert all(r["grad_norm"] > 0 and math.isfinite(r["pg_loss"]) for r in rows)
 
 
 # --- a user-built algorithm --------------------------------------------------

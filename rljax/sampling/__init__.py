@@ -8,12 +8,12 @@ from rljax.sampling.sampler import (Rollout, SamplerConfig, make_sampler,
                                     pad_prompts, pick_bucket, sample,
                                     segment_ends)
 from rljax.sampling.speculative import Draft, make_speculative_sampler
-from rljax.sampling.drafts import DraftStore
+from rljax.sampling.drafts import DraftStore, Speculation
 
 __all__ = [
     "KVCache", "LayerKV", "init_cache", "SamplingMethod", "apply_temperature",
     "inverse_cdf_sample",
     "min_p", "sample_tokens", "top_k", "top_p", "Rollout", "SamplerConfig",
     "make_sampler", "pad_prompts", "pick_bucket", "sample", "segment_ends",
-    "Draft", "DraftStore", "make_speculative_sampler",
+    "Draft", "DraftStore", "Speculation", "make_speculative_sampler",
 ]

@@ -20,7 +20,8 @@ References:
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -94,3 +95,19 @@ class DraftStore:
       self._entries.move_to_end(key)
     while len(self._entries) > self.max_prompts:
       self._entries.popitem(last=False)
+
+
+class Speculation(NamedTuple):
+  """What a rollout collector needs for SPEC-RL drafts.
+
+  Attributes:
+    sampler: ``make_speculative_sampler``'s ``fn(params, tokens_BxP,
+      mask_BxP, draft, key) -> (Rollout, accepted_N)``, with the same
+      settings as the plain sampler it stands in for.
+    store: the prompts' latest rollouts.
+    max_new_tokens: ``T`` of the rollouts (the drafts' width).
+  """
+
+  sampler: Callable
+  store: DraftStore
+  max_new_tokens: int

@@ -250,7 +250,8 @@ def _token_logprobs(logits_xV, token_x, sc: SamplerConfig):
 def _fused_logprobs(sc: SamplerConfig) -> bool:
   """Whether the policy logprob is the sampler's (same distribution)."""
   m = sc.method
-  return (not m.greedy and m.top_k is None and m.min_p is None
+  return (not m.greedy and not getattr(m, "greedy_every", 0)
+          and m.top_k is None and m.min_p is None
           and (m.top_p is None or m.top_p >= 1.0)
           and m.temperature == sc.training_temperature)
 

@@ -29,7 +29,7 @@ and moves towards ``q`` as ``l`` grows; ``tests/test_spec_rl.py`` checks
 the sampler against this formula with a chi-square test and reports its
 distance to ``p``. It is exact in two cases: a draft from the current
 policy (every token is accepted, the output is the draft) and greedy
-decoding.
+decoding (and the greedy rows of ``SamplingMethod.greedy_every``).
 
 Logprobs. An accepted token's ``sampler_logprobs`` is ``lp_new`` (its
 logprob under the current sampling distribution: the distribution it
@@ -112,11 +112,18 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
   sampler_lp = jnp.concatenate(sampler_lp, 1)
   policy_lp = jnp.concatenate(policy_lp, 1)
   key_accept, key_decode = jax.random.split(key)
+  n = draft.tokens.shape[0]
+  is_argmax = draft.tokens == jnp.concatenate(argmax, 1)
   if sc.method.greedy:
-    accept = draft.tokens == jnp.concatenate(argmax, 1)
+    accept = is_argmax
   else:
-    log_u = jnp.log(jax.random.uniform(key_accept, (draft.tokens.shape[0], t)))
+    log_u = jnp.log(jax.random.uniform(key_accept, (n, t)))
     accept = log_u <= log_lenience + sampler_lp - draft.logprobs
+    every = getattr(sc.method, "greedy_every", 0)
+    if every:  # ReMax's greedy row of each group (SamplingMethod.greedy_every)
+      greedy_row = (jnp.arange(n) % every == every - 1)[:, None]
+      accept = jnp.where(greedy_row, is_argmax, accept)
+      sampler_lp = jnp.where(greedy_row, 0.0, sampler_lp)
   accept = accept & draft_mask_NxT
   accepted_N = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
   kept_NxT = cols_T[None] < accepted_N[:, None]

@@ -83,6 +83,9 @@ RANGES = {
                               "optimizer.max_consecutive_nonfinite",
                               "rewards.memory_limit_mb")},
     "rl.ess_kl_coef": ">=0?", "sampler.top_p": "(0,1]?", "sampler.min_p": "[0,1)?",
+    # Length segments and SPEC-RL drafts (issue 14).
+    "sampler.segment_slots": "int>=1", "sampler.spec_store_prompts": "int>=1",
+    "sampler.spec_log_lenience": ">=0",
   # Objectives, rollout corrections and KL of issue 10.
   **{f"rl.{f}": ">0" for f in ("sapo_tau_pos", "sapo_tau_neg", "gmpo_eps",
                                "max_log_ratio", "dcpo_clip_c", "band_delta",
@@ -465,7 +468,7 @@ def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
       training_temperature=config.rl.training_temperature,
       eos_ids=eos_ids(tokenizer), pad_id=tokenizer.pad_id,
       cache_dtype=s.cache_dtype, prompt_buckets=tuple(s.prompt_buckets),
-      share_prefix=s.share_prefix,
+      share_prefix=s.share_prefix, segment_slots=s.get("segment_slots", 64),
       record_policy_logprobs=record_policy_logprobs)
 
 
@@ -669,6 +672,26 @@ class Components:
                        record_policy_logprobs=record_policy_logprobs,
                        greedy_every=greedy_every),
         self.mesh, self.param_shardings)
+
+  def speculation(self, *, record_policy_logprobs: bool = False
+                  ) -> sampling.Speculation | None:
+    """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
+    the speculative twin of ``sampler(group_size + extra_samples)`` and a
+    draft store; None when off."""
+    s, alg = self.config.sampler, self.algorithm
+    if not s.get("speculative", False):
+      return None
+    num_samples = self.settings.group_size + alg.extra_samples
+    config = sampler_config(
+        self.config, self.tokenizer, num_samples,
+        record_policy_logprobs=record_policy_logprobs,
+        greedy_every=num_samples if alg.greedy_baseline else 0)
+    return sampling.Speculation(
+        sampler=sampling.make_speculative_sampler(
+            self.model_config, config, self.mesh, self.param_shardings,
+            log_lenience=float(s.spec_log_lenience)),
+        store=sampling.DraftStore(int(s.spec_store_prompts)),
+        max_new_tokens=config.max_new_tokens)
 
 
 def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None

@@ -257,7 +257,8 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
                         record_policy_logprobs=sampler_old),
       tokenizer=c.tokenizer, evaluator=c.evaluator, algorithm=alg,
       group_size=s.group_size, buckets=c.buckets, eos_ids=c.eos_ids,
-      correctness=c.correctness, mesh=c.mesh)
+      correctness=c.correctness, mesh=c.mesh,
+      speculation=c.speculation(record_policy_logprobs=sampler_old))
   manager = ckpt_lib.CheckpointManager(
       os.path.join(workdir, "checkpoints"),
       **build_lib.checkpoint_options(config))

@@ -153,12 +153,16 @@ class Collector:
     eos_ids: ids that end a completion (removed before decoding).
     correctness: the reward whose value >= 1 counts as correct (``accuracy``).
     mesh: the device mesh (outputs are sharded as ``rl_step`` takes them).
+    speculation: SPEC-RL drafts (``sampling.Speculation``): a batch whose
+      prompts have an earlier rollout in the store is sampled speculatively
+      (``spec/*`` metrics); every rollout is stored as the next draft.
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
                algorithm: Algorithm, group_size: int, buckets: Sequence[int],
                eos_ids: Sequence[int], correctness: str,
-               mesh: jax.sharding.Mesh | None = None):
+               mesh: jax.sharding.Mesh | None = None,
+               speculation: sampling.Speculation | None = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     self.algorithm, self.group_size = algorithm, group_size
     self.samples_per_prompt = group_size + algorithm.extra_samples
@@ -170,6 +174,7 @@ class Collector:
     self._correct_column = names.index(correctness)
     self._weights_R = np.asarray(evaluator.weights, np.float32)
     self.mesh = mesh
+    self.speculation = speculation
     self._jitted = {}
 
   def _postprocess_fn(self, has_old_logprobs: bool):
@@ -187,6 +192,32 @@ class Collector:
             replicated))
     return self._jitted[has_old_logprobs]
 
+  def _sample(self, params, prompts, tokens, mask, key):
+    """The rollout, speculative when the store has drafts (SPEC-RL)."""
+    spec = self.speculation
+    if spec is None:
+      return self.sampler(params, tokens, mask, key), {}
+    g = self.samples_per_prompt
+    draft = spec.store.lookup(prompts, g, spec.max_new_tokens)
+    metrics = {"spec/drafted_rows": 0.0}
+    if draft is None:
+      rollout = self.sampler(params, tokens, mask, key)
+    else:
+      rollout, accepted_N = spec.sampler(params, tokens, mask, draft, key)
+      accepted_N, drafted_N = np.asarray(accepted_N), draft.mask.sum(1)
+      has = drafted_N > 0
+      metrics = {
+          "spec/drafted_rows": float(has.sum()),
+          "spec/accepted_tokens/mean": float(accepted_N[has].mean()),
+          "spec/accept_rate": float(accepted_N.sum() / max(drafted_N.sum(), 1)),
+          "spec/full_accept_fraction": float(
+              (accepted_N[has] == drafted_N[has]).mean()),
+      }
+    spec.store.update(prompts, *jax.device_get(
+        (rollout.completion_tokens, rollout.completion_mask,
+         rollout.sampler_logprobs)))
+    return rollout, metrics
+
   def collect(self, params: Any, examples: Mapping[str, Sequence[Any]],
               key: jax.Array, adv_state: Any) -> Collected:
     """Samples ``examples["prompt"]``, scores them and builds the batch.
@@ -203,7 +234,7 @@ class Collector:
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
     tokens, mask = sampling.pad_prompts(prompts, self.buckets,
                                         self.tokenizer.pad_id)
-    rollout = self.sampler(params, tokens, mask, key)
+    rollout, spec_metrics = self._sample(params, prompts, tokens, mask, key)
     completion_tokens, completion_mask, lengths, finished = jax.device_get(
         (rollout.completion_tokens, rollout.completion_mask, rollout.lengths,
          rollout.finished))
@@ -240,7 +271,7 @@ class Collector:
         "num_train_tokens": float(np.sum(mask)) * self.group_size + float(
             np.sum(completion_mask)) * self.group_size / g,
         "time/sample": t_sample - t_start, "time/reward": t_reward - t_sample,
-        "time/advantage": t_advantage - t_reward,
+        "time/advantage": t_advantage - t_reward, **spec_metrics,
     })
     return Collected(batch, adv_state, metrics, completions, result.rewards_NxR)
 
