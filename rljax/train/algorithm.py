@@ -174,6 +174,9 @@ class Algorithm:
       ValueError: naming the shape the chain returned.
     """
     rewards = jax.ShapeDtypeStruct((num_rows, num_rewards), jnp.float32)
+    # A per-token chain (KTAE) returns [N, T]; a completion length unequal
+    # to R keeps a chain that returns its rewards [N, R] from passing.
+    t = num_rewards + 1
 
     def run(r):
       state = self.advantage.init(r)
@@ -182,8 +185,8 @@ class Algorithm:
           reward_weights_R=jnp.ones((num_rewards,), jnp.float32),
           **advantage_extra_args(jnp.ones((num_rows,), jnp.int32),
                                  jnp.zeros((num_rows,), jnp.float32),
-                                 jnp.zeros((num_rows, 1), jnp.int32),
-                                 jnp.ones((num_rows, 1), bool)))[0]
+                                 jnp.zeros((num_rows, t), jnp.int32),
+                                 jnp.ones((num_rows, t), bool)))[0]
 
     try:
       out = jax.eval_shape(run, rewards)
@@ -193,7 +196,7 @@ class Algorithm:
           f"{num_rewards}] with group_size={group_size}: {e} Start the chain "
           "with advantages.sum_rewards() or advantages.normalize_each_reward()."
       ) from e
-    if out.shape not in ((num_rows,), (num_rows, 1)):
+    if out.shape not in ((num_rows,), (num_rows, t)):
       raise ValueError(
           f"Algorithm.advantage maps rewards [{num_rows}, {num_rewards}] to "
           f"shape {out.shape}; advantages [{num_rows}] (or per completion "
