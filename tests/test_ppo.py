@@ -150,6 +150,15 @@ def test_clipped_value_loss_and_gradient_equal_hand_derivation():
   value, grad = jax.value_and_grad(loss)(jnp.asarray(v))
   np.testing.assert_allclose(value, want_loss, rtol=1e-5)
   np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-7)
+
+  def surrogate(v):
+    """verl's compute_value_loss, written independently (token mean)."""
+    v_clip = jnp.where(v > old + c, old + c, jnp.where(v < old - c, old - c, v))
+    per_token = 0.5 * jnp.maximum((v - ret) ** 2, (v_clip - ret) ** 2)
+    return jnp.sum(jnp.where(mask, per_token, 0.0)) / n
+
+  np.testing.assert_allclose(grad, jax.grad(surrogate)(jnp.asarray(v)),
+                             rtol=1e-5, atol=1e-7)
   _, clipped = critic_lib.clipped_value_loss(v, old, ret, c)
   np.testing.assert_array_equal(np.asarray(clipped) > 0, b > a)
 
