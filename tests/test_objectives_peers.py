@@ -167,12 +167,44 @@ def direct_dcpo(lp, old, sampler, adv, m, aggregation, eps=(0.2, 0.28),
                                    clip_c), m, aggregation)
 
 
+def _band_kl_numpy(p, delta, max_iter=50, tol=1e-6):
+  """OpenMOSS/BandPO `universal_bisection_solver` with f_kl, in numpy."""
+  f = lambda u: -np.log(u) + u - 1.0
+  def g(r):  # p = 1 gives nan here, as in torch; `band` overrides p ~ 1.
+    with np.errstate(divide="ignore", invalid="ignore"):
+      comp = (1.0 - r * p) / (1.0 - p)
+      return (p * f(np.maximum(r, 1e-12))
+              + (1.0 - p) * f(np.maximum(comp, 1e-12)))
+  up_sat, low_sat = g(1.0 / p) <= delta, g(np.zeros_like(p)) <= delta
+  lo, hi = np.ones_like(p), 1.0 / p
+  for _ in range(max_iter):
+    mid = 0.5 * (lo + hi)
+    right = g(mid) < delta
+    lo, hi = np.where(right, mid, lo), np.where(right, hi, mid)
+    if np.max(hi - lo) <= tol:
+      break
+  upper = np.where(up_sat, 1.0 / p, 0.5 * (lo + hi))
+  lo, hi = np.zeros_like(p), np.ones_like(p)
+  for _ in range(max_iter):
+    mid = 0.5 * (lo + hi)
+    left = g(mid) < delta
+    hi, lo = np.where(left, mid, hi), np.where(left, lo, mid)
+    if np.max(hi - lo) <= tol:
+      break
+  lower = np.where(low_sat, 0.0, 0.5 * (lo + hi))
+  return lower, upper
+
+
 def direct_band(lp, old, sampler, adv, m, aggregation, divergence="tv",
                 delta=0.05, eps=(0.2, 0.28), upper_max=100.0):
-  """OpenMOSS/BandPO `band` (closed forms) in max(-A r, -A clip(r))."""
+  """OpenMOSS/BandPO `band` (closed forms, or the bisection for KL) in
+  max(-A r, -A clip(r))."""
   del sampler
   p = jnp.exp(jnp.clip(old, -700.0, 0.0))
-  if divergence == "tv":
+  if divergence == "kl":
+    lo, up = _band_kl_numpy(np.asarray(p, np.float64), delta)
+    lo, up, r_star = jnp.asarray(lo), jnp.asarray(up), math.exp(-delta)
+  elif divergence == "tv":
     up, lo, r_star = 1 + delta / p, 1 - delta / p, max(1 - delta, 0.0)
   else:
     term = jnp.sqrt(delta * (1 - p) / p)
@@ -267,6 +299,10 @@ CASES = {
                     "token_mean", functools.partial(
                         direct_band, divergence="chi2", delta=0.02,
                         eps=(0.1, 0.1)), None),
+    "bandpo_kl": (lambda: obj.band_clip("kl", 0.02, None, None),
+                  "token_mean", functools.partial(
+                      direct_band, divergence="kl", delta=0.02,
+                      eps=(0.0, 0.0)), None),
     "bapo": (obj.bapo_clip, "token_mean", direct_bapo, None),
     "bapo_unreachable": (lambda: obj.bapo_clip(50.0), "token_mean",
                          functools.partial(direct_bapo, target=50.0), None),
@@ -306,7 +342,8 @@ def _zero_grad_fraction(name, seed=0):
 
 @pytest.mark.parametrize("name", ["gmpo", "pnpo", "dppo_tv", "dppo_kl",
                                   "dppo_tv_old", "clip_cov", "gspo_clamped",
-                                  "dcpo", "bandpo_tv", "bandpo_chi2", "bapo"])
+                                  "dcpo", "bandpo_tv", "bandpo_chi2",
+                                  "bandpo_kl", "bapo"])
 def test_the_limit_binds_on_some_tokens_not_all(name):
   """The test batches exercise both sides of each limit."""
   fracs = [_zero_grad_fraction(name, s) for s in range(2)]
@@ -719,6 +756,8 @@ HARNESS_CASES = [
                  dict(divergence="tv", delta=0.05, eps_low=0.1), _inputs),
     harness.Case("band_clip_chi2", obj.band_clip,
                  dict(divergence="chi2", delta=0.02, eps_high=None), _inputs),
+    harness.Case("band_clip_kl", obj.band_clip,
+                 dict(divergence="kl", delta=0.05), _inputs),
     harness.Case("bapo_clip", obj.bapo_clip, dict(target=1.0, step=0.05),
                  _inputs, static_args=("step",)),
     harness.Case("sapo", obj.sapo, dict(tau_pos=1.0, tau_neg=1.05), _inputs),

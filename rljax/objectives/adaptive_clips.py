@@ -7,13 +7,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from rljax.objectives._common import (
     _Tx, _advantages, _check_bxt, _check_positive, _logprobs, _mask, _out,
     _stateless)
 
-BAND_DIVERGENCES = ("tv", "chi2")
+BAND_DIVERGENCES = ("tv", "chi2", "kl")
 
 
 def _clip_coefficient(r, a, low, high):
@@ -62,6 +63,37 @@ def dcpo_clip(eps_low: float = 0.2, eps_high: float = 0.28,
   return _stateless(update_fn)
 
 
+def _band_kl_bounds(p, delta, iterations=50):
+  """BandPO's KL band by bisection (its `universal_bisection_solver`).
+
+  `g(r) = p f(r) + (1 - p) f((1 - r p) / (1 - p))`, `f(u) = u - 1 - log u`;
+  the upper bound solves `g = delta` on `[1, 1/p]`, the lower on `[0, 1]`;
+  `1/p` (resp. 0) where `g` stays below `delta` there (saturation).
+  """
+  f = lambda u: u - 1.0 - jnp.log(u)
+
+  def g(r):
+    comp = (1.0 - r * p) / (1.0 - p)
+    return (p * f(jnp.maximum(r, 1e-12))
+            + (1.0 - p) * f(jnp.maximum(comp, 1e-12)))
+
+  def bisect(lo, hi, rising):
+    def body(_, bounds):
+      lo, hi = bounds
+      mid = 0.5 * (lo + hi)
+      below = g(mid) < delta
+      go_up = below if rising else ~below
+      return jnp.where(go_up, mid, lo), jnp.where(go_up, hi, mid)
+    lo, hi = jax.lax.fori_loop(0, iterations, body, (lo, hi))
+    return 0.5 * (lo + hi)
+
+  upper = bisect(jnp.ones_like(p), 1.0 / p, rising=True)
+  upper = jnp.where(g(1.0 / p) <= delta, 1.0 / p, upper)
+  lower = bisect(jnp.zeros_like(p), jnp.ones_like(p), rising=False)
+  lower = jnp.where(g(jnp.zeros_like(p)) <= delta, 0.0, lower)
+  return lower, upper
+
+
 def band_clip(divergence: str = "tv", delta: float = 0.05,
               eps_low: float | None = 0.2, eps_high: float | None = 0.28,
               upper_max: float = 100.0) -> _Tx:
@@ -71,13 +103,16 @@ def band_clip(divergence: str = "tv", delta: float = 0.05,
 
       tv:    low = max(1 - delta / p, 0),            high = min(1 + delta / p, 1 / p)
       chi2:  low = max(1 - sqrt(delta (1-p) / p), 0), high = min(1 + sqrt(...), 1 / p)
+      kl:    the roots of p f(r) + (1-p) f((1 - r p) / (1 - p)) = delta,
+             f(u) = u - 1 - log u, by 50 bisection steps (no closed form)
 
   then the reference code's relaxation (skipped if `eps_low`/`eps_high`
   is None): `low = min(low, 1 - eps_low)`, `high = max(high, 1 + eps_high)`,
   and `low` in `[0, 1]`, `high` in `[1, upper_max]`; near `p = 1`
   (`p > 1 - 1e-6`) the limits `high = 1`, `low = 1 - delta` (tv) or 1
-  (chi2) before relaxation. `c = r * [not clipped]`, no dual clip. The KL
-  ball has no closed form (the reference code bisects) and is not here.
+  (chi2) or `exp(-delta)` (kl) before relaxation. `c = r * [not clipped]`,
+  no dual clip. The reference code stops bisecting once every interval is
+  below 1e-6 wide; here the 50 steps always run (a difference below 1e-6).
 
   References:
     Li et al., "BandPO: Bridging Trust Regions and Ratio Clipping via
@@ -100,14 +135,18 @@ def band_clip(divergence: str = "tv", delta: float = 0.05,
     p = jnp.exp(jnp.clip(_logprobs(fn, "old_logprobs_BxT", old_logprobs_BxT,
                                    ratio_BxT.shape), -700.0, 0.0))
     r = ratio_BxT.astype(jnp.float32)
-    width = (delta / p if divergence == "tv"
-             else jnp.sqrt(delta * (1 - p) / p))
-    low = jnp.maximum(1 - width, 0.0)
-    high = jnp.minimum(1 + width, 1 / p)
+    if divergence == "kl":
+      low, high = _band_kl_bounds(p, delta)
+      r_star = jnp.exp(-delta)
+    else:
+      width = (delta / p if divergence == "tv"
+               else jnp.sqrt(delta * (1 - p) / p))
+      low = jnp.maximum(1 - width, 0.0)
+      high = jnp.minimum(1 + width, 1 / p)
+      r_star = jnp.maximum(1 - delta, 0.0) if divergence == "tv" else 1.0
     near_one = p > 1 - 1e-6
     high = jnp.where(near_one, 1.0, high)
-    low = jnp.where(near_one, jnp.maximum(1 - delta, 0.0)
-                    if divergence == "tv" else 1.0, low)
+    low = jnp.where(near_one, r_star, low)
     near_zero = p < 1e-6
     high = jnp.where(near_zero, 1 / jnp.maximum(p, 1e-12), high)
     low = jnp.where(near_zero, 0.0, low)
