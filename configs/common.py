@@ -106,7 +106,7 @@ def base() -> ml_collections.ConfigDict:
   c.rl.failed_rewards = "exclude"
   # ppo_clip, dual_clip, gspo, cispo, ess (FeynRL), reinforce, sapo, gmpo,
   # pnpo, dppo_tv, dppo_kl (deltas: the clip_eps fields), clip_cov, kl_cov,
-  # dcpo, bandpo_tv, bandpo_chi2, bapo (rljax.objectives).
+  # dcpo, bandpo_tv, bandpo_chi2, bandpo_kl, bapo (rljax.objectives).
   c.rl.objective = "ppo_clip"
   c.rl.clip_eps_low = 0.2
   c.rl.clip_eps_high = 0.28

@@ -89,7 +89,8 @@ SINGLETON_GROUPS = ("zero", "raw")
 FAILED_REWARDS = ("exclude", "zero")
 OBJECTIVES = ("ppo_clip", "dual_clip", "gspo", "cispo", "ess", "reinforce",
               "sapo", "gmpo", "pnpo", "dppo_tv", "dppo_kl", "clip_cov",
-              "kl_cov", "dcpo", "bandpo_tv", "bandpo_chi2", "bapo")
+              "kl_cov", "dcpo", "bandpo_tv", "bandpo_chi2", "bandpo_kl",
+              "bapo")
 # "tis" takes rl.is_floor (a lower bound) and rl.is_batch_normalize.
 IS_CORRECTIONS = ("none", "tis", "mis")
 RANK_PRESETS = ("median", "trimmed_mean", "cvar", "best_of_k")
@@ -408,6 +409,8 @@ def coefficient_chain(rl: Mapping[str, Any], seed: int | None = None) -> _Tx:
           "tv", float(_get(rl, "band_delta", 0.05)), eps_low, eps_high)],
       "bandpo_chi2": lambda: [obj_lib.band_clip(
           "chi2", float(_get(rl, "band_delta", 0.05)), eps_low, eps_high)],
+      "bandpo_kl": lambda: [obj_lib.band_clip(
+          "kl", float(_get(rl, "band_delta", 0.05)), eps_low, eps_high)],
       "bapo": lambda: [obj_lib.bapo_clip(float(_get(rl, "bapo_target", 1.0)))],
   }[objective]()
   level = _get(rl, "is_level", "token")
