@@ -66,8 +66,11 @@ def _check(hidden_BxTxD, w_DxV, targets_BxT, chunk_size, vocab_chunk_size,
 
 
 def _scaled_logits(h_BxCxD, w_DxV, softcap, temperature):
-  z = jnp.einsum("bcd,dv->bcv", h_BxCxD, w_DxV.astype(h_BxCxD.dtype),
-                 preferred_element_type=jnp.float32)
+  # One 2-D matmul over the flattened rows (its weight gradient needs no
+  # transposing copy on XLA:CPU, unlike a 3-D einsum's).
+  b, c, d = h_BxCxD.shape
+  z = jnp.dot(h_BxCxD.reshape(b * c, d), w_DxV.astype(h_BxCxD.dtype),
+              preferred_element_type=jnp.float32).reshape(b, c, -1)
   if softcap is not None:
     z = softcap * jnp.tanh(z / softcap)
   return z / temperature

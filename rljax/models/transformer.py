@@ -193,6 +193,20 @@ def decode_attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
       v_BxSxKxH.dtype)
 
 
+def _project(x, w, in_dims: int = 1):
+  """``x[..., I] @ w[I, O]`` (``I``, ``O``: one or more axes) as one 2-D matmul.
+
+  The leading axes of ``x`` are flattened first (a free reshape). XLA:CPU
+  runs the weight gradient of a 3-D ``einsum`` (contracting batch and time)
+  through a transposing copy of the activations that costs as much as the
+  matmul; flattened, it is one plain matmul, as in PyTorch's ``nn.Linear``
+  (issue 12: the MLP's forward + backward 1.9x faster on the CPU).
+  """
+  lead, ins = x.shape[:x.ndim - in_dims], x.shape[x.ndim - in_dims:]
+  y = x.reshape(-1, math.prod(ins)) @ w.reshape(math.prod(ins), -1)
+  return y.reshape(*lead, *w.shape[in_dims:])
+
+
 def _param(module, name, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape,
                       dtype)
@@ -242,9 +256,9 @@ class Attention(nn.Module):
     wo = _param(self, "o_kernel", _dense_init((0, 1), 2), (n, h, d),
                 ("heads", "head_dim", "embed"), pd)
     x = x_BxTxD.astype(dt)
-    q = jnp.einsum("btd,dnh->btnh", x, wq.astype(dt))
-    kk = jnp.einsum("btd,dkh->btkh", x, wk.astype(dt))
-    vv = jnp.einsum("btd,dkh->btkh", x, wv.astype(dt))
+    q = _project(x, wq.astype(dt))
+    kk = _project(x, wk.astype(dt))
+    vv = _project(x, wv.astype(dt))
     if c.qkv_bias:
       zeros = nn.initializers.zeros
       q = q + _param(self, "q_bias", zeros, (n, h), ("heads", "head_dim"),
@@ -276,7 +290,7 @@ class Attention(nn.Module):
     attention = attend if layer_kv is None else decode_attend
     out = attention(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
                     scale=scale, softcap=c.attn_logit_softcap, prefix=prefix)
-    out = jnp.einsum("btnh,nhd->btd", out, wo.astype(dt))
+    out = _project(out, wo.astype(dt), in_dims=2)
     return sharding.constrain(out, ("batch", "length", "act_embed")), new_kv
 
 
@@ -296,12 +310,12 @@ class MLP(nn.Module):
     wd = _param(self, "down_kernel", _dense_init(0, 1), (c.mlp_dim, c.d_model),
                 ("mlp", "embed"), pd)
     x = x_BxTxD.astype(dt)
-    gate = x @ wg.astype(dt)
+    gate = _project(x, wg.astype(dt))
     act = (jax.nn.silu(gate) if c.activation == "silu"
            else jax.nn.gelu(gate, approximate=True))
-    hidden = sharding.constrain(act * (x @ wu.astype(dt)),
+    hidden = sharding.constrain(act * _project(x, wu.astype(dt)),
                                 ("batch", "length", "act_mlp"))
-    return hidden @ wd.astype(dt)
+    return _project(hidden, wd.astype(dt))
 
 
 class Block(nn.Module):
