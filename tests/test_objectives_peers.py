@@ -5,6 +5,7 @@ hand-built batch), and through the shared property harness."""
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -835,3 +836,31 @@ def test_functions_plain_jit_and_vmap_agree():
       np.testing.assert_allclose(np.asarray(batched[k][i], np.float64),
                                  np.asarray(plain[k], np.float64), rtol=1e-6,
                                  atol=1e-7, err_msg=k)
+
+
+# ----------------------------------------------------------------------------
+# Config errors: named, before any compile.
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("kl_estimator", "k4", "rl.kl_estimator='k4' is unknown"),
+    ("rejection", "token_k9:1", "rl.rejection='token_k9:1'"),
+    ("rejection", "token_k1:2.0", "lower:upper"),
+    ("is_floor", 3.0, "rl.is_floor=3.0 > rl.is_cap=2.0"),
+    ("objective", "sat", "rl.objective='sat' is unknown"),
+])
+def test_config_errors_name_the_field(field, value, message):
+  from configs import common
+  from rljax.train import build as build_lib
+  from tests.test_build import no_compiles
+  config = common.tiny(common.base())
+  config.rl[field] = value
+  with no_compiles(), pytest.raises(ValueError, match=re.escape(message)):
+    build_lib.validate(config)
+
+
+def test_clip_cov_needs_a_seed():
+  from rljax.train import algorithm as alg_lib
+  with pytest.raises(ValueError, match="clip_cov.*seed"):
+    alg_lib.coefficient_chain({"objective": "clip_cov"})
+  assert alg_lib.coefficient_chain({"objective": "clip_cov"}, seed=0)
