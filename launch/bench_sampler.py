@@ -10,11 +10,19 @@ and prints tokens/s, ratios, compile times, and the achieved FLOP/s next to
 the machine's matmul FLOP/s measured in the same run.
 
 Workloads (``--workloads=a,b``):
-  a: 8 prompts x G=8, 64-token prompts, exactly 128 new tokens;
-  b: the same with 512-token prompts and 32 new tokens.
+  a: 8 prompts x G=8, 64-token prompts, exactly 128 new tokens (this is also
+     issue 14's workload (c): its table's 8 x 64 x 8 x 128);
+  b: the same with 512-token prompts and 32 new tokens;
+  d: 8 prompts x G=8, 64-token prompts, 1024 new tokens;
+  w: 4 prompts x G=8 (32 rows), 64-token prompts, 512 new tokens;
+  e: SPEC-RL (``sampling.make_speculative_sampler``): workload a sampled
+     once (epoch 1), the policy moved by one Adam step of a GRPO-style loss
+     on random +-1 rewards (``--spec_lr``), then epoch 2 sampled plainly and
+     with epoch 1 as drafts: acceptance and speed-up against plain sampling.
 Model: vocab 2048, width 256, 4 layers, 8 query / 4 kv heads, MLP 1024, fp32.
 
   python -m launch.bench_sampler --workloads=a,b
+  python -m launch.bench_sampler --workloads=d --repeats=1 --no_cache_baseline=false
 """
 
 from __future__ import annotations
@@ -35,6 +43,12 @@ _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs per variant")
 _NO_CACHE = flags.DEFINE_bool("no_cache_baseline", True,
                               "run the (slow) no-cache baseline")
 _HF = flags.DEFINE_bool("hf", True, "compare with transformers generate if installed")
+_SPEC_LR = flags.DEFINE_float("spec_lr", 1e-5,
+                               "learning rate of the RL step of workload e")
+_SPEC_LENIENCE = flags.DEFINE_list(
+    "spec_log_lenience", ["0.0", "0.5"], "log lenience values of workload e")
+_SEGMENT = flags.DEFINE_integer("segment_slots", 64,
+                                "SamplerConfig.segment_slots of rljax")
 _RECORD_DIR = flags.DEFINE_string(
     "record_dir", "benchmarks/results",
     "where the JSON record of the figures goes ('' for none)")
@@ -52,7 +66,9 @@ class Workload:
   new_tokens: int
 
 
-WORKLOADS = {"a": Workload(8, 8, 64, 128), "b": Workload(8, 8, 512, 32)}
+WORKLOADS = {"a": Workload(8, 8, 64, 128), "b": Workload(8, 8, 512, 32),
+             "d": Workload(8, 8, 64, 1024), "w": Workload(4, 8, 64, 512),
+             "e": Workload(8, 8, 64, 128)}
 
 
 def decode_flops(c: models.ModelConfig, w: Workload) -> float:
@@ -158,6 +174,71 @@ def _hf_generate(params, mc, w, prompt_tokens, repeats):
   return best
 
 
+def _one_rl_step(params, rollout, lr: float, key):
+  """One Adam step on a GRPO-style loss with random +-1 rewards per row."""
+  import optax  # pylint: disable=import-outside-toplevel
+  tokens, mask = rollout.sequences()
+  p = rollout.prompt_tokens.shape[1]
+  g = rollout.completion_tokens.shape[0] // 8
+  rewards = jnp.where(jax.random.bernoulli(key, 0.5, (tokens.shape[0],)),
+                      1.0, -1.0).reshape(-1, g)
+  adv = (rewards - rewards.mean(1, keepdims=True)).reshape(-1, 1)
+  loss_mask = jnp.pad(rollout.completion_mask, ((0, 0), (p, 0)))
+
+  def loss(params):
+    lp, _ = models.sequence_logprobs(params, MODEL, tokens, mask,
+                                     with_entropy=False)
+    return -jnp.sum(adv * lp * loss_mask) / jnp.sum(loss_mask)
+
+  opt = optax.adam(lr)
+  updates, _ = opt.update(jax.grad(loss)(params), opt.init(params), params)
+  return optax.apply_updates(params, updates)
+
+
+def _spec_workload(params, w: Workload, method, prompt_tokens, prompt_mask,
+                   figures):
+  """Workload e: epoch 2 of the same prompts, plain vs SPEC-RL drafts."""
+  config = sampling.SamplerConfig(
+      num_samples=w.group, max_new_tokens=w.new_tokens, method=method,
+      cache_dtype="float32", prompt_buckets=(w.prompt_len,),
+      segment_slots=_SEGMENT.value)
+  plain = sampling.make_sampler(MODEL, config)
+  epoch1 = plain(params, prompt_tokens, prompt_mask, jax.random.key(1))
+  params2 = _one_rl_step(params, epoch1, _SPEC_LR.value, jax.random.key(2))
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+      jax.tree.leaves(params), jax.tree.leaves(params2)))
+  draft = sampling.Draft(epoch1.completion_tokens, epoch1.completion_mask,
+                         epoch1.sampler_logprobs)
+  key = jax.random.key(3)
+  n_tokens = w.prompts * w.group * w.new_tokens
+  compile_s, plain_s = _timed(plain, params2, prompt_tokens, prompt_mask, key,
+                              repeats=_REPEATS.value)
+  print(f"  one RL step (Adam, lr {_SPEC_LR.value:g}) moved weights by at "
+        f"most {moved:.2e}")
+  print(f"  {'variant':<34} {'tokens/s':>10} {'x plain':>8} {'accept':>7} "
+        f"{'min kept':>8} {'steps':>6}")
+  print(f"  {'plain sampling':<34} {n_tokens / plain_s:>10,.0f} {1.0:>8.2f}")
+  figures["e/plain"] = {"tokens_per_s": n_tokens / plain_s,
+                        "compile_s": compile_s, "max_weight_change": moved}
+  for lenience in _SPEC_LENIENCE.value:
+    spec = sampling.make_speculative_sampler(MODEL, config,
+                                             log_lenience=float(lenience))
+    compile_s, spec_s = _timed(spec, params2, prompt_tokens, prompt_mask,
+                               draft, key, repeats=_REPEATS.value)
+    rollout, accepted = jax.device_get(
+        spec(params2, prompt_tokens, prompt_mask, draft, key))
+    assert int(rollout.lengths.min()) == w.new_tokens
+    rate = float(accepted.mean() / w.new_tokens)
+    steps = int((rollout.lengths - accepted).max())
+    label = f"SPEC-RL, log lenience {lenience}"
+    print(f"  {label:<34} {n_tokens / spec_s:>10,.0f} {plain_s / spec_s:>8.2f} "
+          f"{rate:>7.3f} {int(accepted.min()):>8} {steps:>6}")
+    figures[f"e/{label}"] = {
+        "tokens_per_s": n_tokens / spec_s, "speedup_vs_plain": plain_s / spec_s,
+        "accept_rate": rate, "min_accepted": int(accepted.min()),
+        "decode_steps": steps, "compile_s": compile_s}
+
+
 def main(argv):
   del argv
   params = models.init_params(MODEL, jax.random.key(0))
@@ -177,13 +258,16 @@ def main(argv):
     n_tokens = w.prompts * w.group * w.new_tokens
     print(f"\nworkload {name}: {w.prompts} prompts x G={w.group}, prompt "
           f"{w.prompt_len}, {w.new_tokens} new tokens ({n_tokens} tokens)")
+    if name == "e":
+      _spec_workload(params, w, method, prompt_tokens, prompt_mask, figures)
+      continue
     results = {}
     for label, share in (("rljax (shared prefix)", True),
                          ("rljax (no prefix sharing)", False)):
       config = sampling.SamplerConfig(
           num_samples=w.group, max_new_tokens=w.new_tokens, method=method,
           cache_dtype="float32", share_prefix=share,
-          prompt_buckets=(w.prompt_len,))
+          prompt_buckets=(w.prompt_len,), segment_slots=_SEGMENT.value)
       fn = sampling.make_sampler(MODEL, config)
       results[label] = _timed(fn, params, prompt_tokens, prompt_mask, key,
                               repeats=_REPEATS.value)
@@ -210,9 +294,11 @@ def main(argv):
           "tokens_per_s": n_tokens / run_s, "speedup_of_ours": ours / run_s,
           "compile_s": compile_s, "fraction_of_matmul": flops / peak}
   if _RECORD_DIR.value:
-    print("record:", write_record("bench_sampler", figures, _RECORD_DIR.value,
-                                  {"workloads": list(_WORKLOADS.value),
-                                   "repeats": _REPEATS.value}))
+    print("record:", write_record(
+        "bench_sampler_" + "".join(_WORKLOADS.value), figures,
+        _RECORD_DIR.value,
+        {"workloads": list(_WORKLOADS.value), "repeats": _REPEATS.value,
+         "segment_slots": _SEGMENT.value, "spec_lr": _SPEC_LR.value}))
 
 
 if __name__ == "__main__":
