@@ -445,9 +445,16 @@ def test_failed_rewards_zero_reproduces_trl_before_5902():
   got = tx.update(jnp.asarray(r_nr), tx.init(jnp.asarray(r_nr)), group_size=4,
                   mask_N=jnp.ones(4, bool), reward_weights_R=jnp.ones(1))[0]
   np.testing.assert_allclose(got, expected, rtol=1e-6)
-  assert alg_lib.from_config(
+  algorithm = alg_lib.from_config(
       {"advantage": "grpo", "group_size": 4, "num_steps": 1,
-       "failed_rewards": "zero"}, {}).failed_rewards == "zero"
+       "failed_rewards": "zero"}, {})
+  assert algorithm.failed_rewards == "zero"
+  # The Collector's mask_N: the all-failed row stays in with "zero" only.
+  valid_NxR = np.isfinite(r_nr)
+  np.testing.assert_array_equal(
+      rollout_lib.scored_rows(valid_NxR, "zero"), [True] * 4)
+  np.testing.assert_array_equal(
+      rollout_lib.scored_rows(valid_NxR, "exclude"), [True, False, True, True])
   with pytest.raises(ValueError, match="failed_rewards"):
     alg_lib.Algorithm(advantage=tx, coefficient=tx, optimizer=tx,
                       failed_rewards="nan")

@@ -65,6 +65,16 @@ def pivot_rows(rewards_N: jax.Array, valid_N: jax.Array,
   return (groups + keep).reshape(-1).astype(jnp.int32)
 
 
+def scored_rows(valid_NxR: np.ndarray, failed_rewards: str) -> np.ndarray:
+  """``mask_N`` of the advantage chain: the rows with at least one reward
+  (``failed_rewards="exclude"``, TRL since PR #5902), or every row
+  (``"zero"``: a row whose every reward failed scores 0 in the statistics,
+  as TRL's earlier ``nansum``)."""
+  if failed_rewards == "zero":
+    return np.ones(valid_NxR.shape[0], bool)
+  return np.asarray(valid_NxR).any(axis=1)
+
+
 def _weighted_total(rewards_NxR, weights_R):
   return jnp.sum(jnp.where(jnp.isfinite(rewards_NxR), rewards_NxR, 0.0)
                  * weights_R, axis=-1)
@@ -244,9 +254,7 @@ class Collector:
     fields = data_lib.repeat_each(examples, g)
     result = self.evaluator.evaluate(fields["prompt"], completions, fields)
     t_reward = time.time()
-    valid_N = result.valid_NxR.any(axis=1)
-    if self.algorithm.failed_rewards == "zero":  # Scored 0, kept in the stats.
-      valid_N = np.ones_like(valid_N)
+    valid_N = scored_rows(result.valid_NxR, self.algorithm.failed_rewards)
     fn = self._postprocess_fn(rollout.policy_logprobs is not None)
     with (jax.set_mesh(self.mesh) if self.mesh is not None
           else contextlib.nullcontext()):
@@ -276,4 +284,4 @@ class Collector:
     return Collected(batch, adv_state, metrics, completions, result.rewards_NxR)
 
 
-__all__ = ["Collector", "Collected", "pivot_rows"]
+__all__ = ["Collector", "Collected", "pivot_rows", "scored_rows"]
