@@ -85,7 +85,7 @@ def base() -> ml_collections.ConfigDict:
   c.rl.num_microbatches = 1
   # A preset (grpo, dr_grpo, rloo, reinforce_pp, mc_grpo, gdpo, batch_std,
   # rank_weights, grpo_batch_std, gpg, pass_at_k, opo, reinforce_pp_token,
-  # vcpo) or transforms joined with "+", e.g.
+  # vcpo, ktae, remax) or transforms joined with "+", e.g.
   # "center_by_group_median+scale_by_group_mad" (rljax.train.algorithm).
   c.rl.advantage = "grpo"
   c.rl.advantage_clip = placeholder(float)
