@@ -51,19 +51,21 @@ def test_lock_file_names_the_holder(tmp_path):
 def test_check_resumable_names_every_differing_field():
   saved = {"seed": 0, "model": {"preset": "tiny", "overrides": {}},
            "rl": {"group_size": 4, "kl_coef": 0.0, "num_steps": 3},
-           "optimizer": {"name": "adamw"}}
+           "optimizer": {"name": "adamw"}, "critic": {"max_grad_norm": 1.0}}
   new = json.loads(json.dumps(saved))
+  new["critic"]["max_grad_norm"] = 0.5  # same presence: same optimizer state
   new["rl"]["num_steps"] = 10           # allowed: train longer
   new["rl"]["kl_coef"] = 0.0            # same presence
   rundir.check_resumable(saved, new, "/w")
   new["model"]["preset"] = "small"
   new["rl"]["group_size"] = 8
   new["rl"]["kl_coef"] = 0.1            # a reference model appears
+  new["critic"]["max_grad_norm"] = None  # the critic's clip state goes
   with pytest.raises(ValueError) as e:
     rundir.check_resumable(saved, new, "/w")
   message = str(e.value)
   for field in ("model: ", "rl.group_size: 4 -> 8", "rl.kl_coef: 0.0 -> 0.1",
-                "another --workdir"):
+                "critic.max_grad_norm: 1.0 -> None", "another --workdir"):
     assert field in message, message
 
 

@@ -34,12 +34,12 @@ RESUME_FIELDS = (
     "rl.group_size", "rl.advantage", "rl.rank_weights", "rl.objective",
     "rl.is_correction", "rl.kl_coef", "optimizer.name", "optimizer.ess_scaling",
     "optimizer.max_grad_norm", "optimizer.max_consecutive_nonfinite",
-    "rewards.names",
+    "rewards.names", "critic.max_grad_norm",
 )
 # Fields where only "zero or not" changes the state (a reference copy of the
 # params exists iff rl.kl_coef > 0).
 _ONLY_PRESENCE = ("rl.kl_coef", "optimizer.max_grad_norm",
-                  "optimizer.max_consecutive_nonfinite")
+                  "optimizer.max_consecutive_nonfinite", "critic.max_grad_norm")
 
 
 class WorkdirLock:
