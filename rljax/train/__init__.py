@@ -10,11 +10,14 @@ The parts a researcher recomposes (DESIGN.md section 2):
 * ``Collector`` (``rollout.py``): prompts -> Rollout -> rewards [N, R] ->
   advantages -> ``RLBatch``.
 * ``make_rl_step`` / ``jit_rl_step`` (``steps.py``), ``run_sft`` (``sft.py``).
+* ``critic`` (``critic.py``): PPO's value model, GAE's values and the
+  clipped value loss; ``distill`` (``distill.py``): on-policy distillation's
+  teacher and its per-token reverse-KL advantage.
 * ``run`` (``loop.py``): the synchronous loop with resume, evaluation,
   checkpoints and signals.
 """
 
-from rljax.train import build
+from rljax.train import build, critic, distill
 from rljax.train.algorithm import (ADVANTAGE_PRESETS, ADVANTAGE_TRANSFORMS,
                                    IS_CORRECTIONS, OBJECTIVES, Algorithm,
                                    advantage_chain, coefficient_chain,
@@ -31,7 +34,7 @@ from rljax.train.steps import (OLD_LOGPROBS, RLBatch, RLStepConfig, TrainState,
                                mismatch_statistics)
 
 __all__ = [
-    "build", "ADVANTAGE_PRESETS", "ADVANTAGE_TRANSFORMS", "IS_CORRECTIONS",
+    "build", "critic", "distill", "ADVANTAGE_PRESETS", "ADVANTAGE_TRANSFORMS", "IS_CORRECTIONS",
     "OBJECTIVES", "Algorithm", "advantage_chain", "coefficient_chain",
     "optimizer", "algorithm_from_config", "Components", "validate",
     "evaluate", "group_metrics", "init_state", "run", "Policy", "load_policy",
