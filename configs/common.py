@@ -110,7 +110,11 @@ def base() -> ml_collections.ConfigDict:
   c.rl.objective = "ppo_clip"
   c.rl.clip_eps_low = 0.2
   c.rl.clip_eps_high = 0.28
+  c.rl.dual_clip_c = 3.0         # dual_clip: no gradient where A < 0, r > c
+  c.rl.gspo_eps_low = 3e-4       # GSPO's clip range (paper values)
+  c.rl.gspo_eps_high = 4e-4
   c.rl.gspo_max_log_ratio = placeholder(float)  # verl clamps log s at 10
+  c.rl.cispo_cap = 5.0           # CISPO's absolute cap (TRL's epsilon_high)
   c.rl.sapo_tau_pos = 1.0        # SAPO's gate temperatures (verl, TRL)
   c.rl.sapo_tau_neg = 1.05
   c.rl.gmpo_eps = 0.4            # GMPO's clip range, in log space

@@ -848,6 +848,7 @@ def test_functions_plain_jit_and_vmap_agree():
     ("rejection", "token_k1:2.0", "lower:upper"),
     ("is_floor", 3.0, "rl.is_floor=3.0 > rl.is_cap=2.0"),
     ("objective", "sat", "rl.objective='sat' is unknown"),
+    ("dual_clip_c", 0.5, "rl.dual_clip_c=0.5: a number > 1"),
 ])
 def test_config_errors_name_the_field(field, value, message):
   from configs import common

@@ -89,7 +89,8 @@ RANGES = {
   # Objectives, rollout corrections and KL of issue 10.
   **{f"rl.{f}": ">0" for f in ("sapo_tau_pos", "sapo_tau_neg", "gmpo_eps",
                                "max_log_ratio", "dcpo_clip_c", "band_delta",
-                               "bapo_target")},
+                               "bapo_target", "dual_clip_c", "gspo_eps_low",
+                               "gspo_eps_high", "cispo_cap")},
   **{f"rl.{f}": ">0?" for f in ("is_floor", "gspo_max_log_ratio")},
   **{f"rl.{f}": "(0,1]" for f in ("clip_cov_ratio", "kl_cov_ratio")},
   "rl.kl_cov_coef": ">=0",
@@ -194,6 +195,9 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   alg_lib.check_choice("rl.kl_estimator", rl.get("kl_estimator", "k3"),
                        obj_lib.KL_ESTIMATORS)
   obj_lib.parse_rejection(rl.get("rejection", ""))
+  if rl.get("dual_clip_c", 3.0) <= 1:
+    raise ValueError(f"rl.dual_clip_c={rl.dual_clip_c!r}: a number > 1 is "
+                     "required (the dual clip bounds r from above).")
   if rl.get("is_floor") is not None and rl.is_floor > rl.is_cap:
     raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "
                      "the truncation interval is empty.")
