@@ -6,6 +6,51 @@ training tokens/s and the achieved fraction of the machine's matmul FLOP/s
 measured in the same run. It also checks that steps after the first compile
 nothing (the jit cache holds one entry).
 
+With ``--compare_torch`` it also runs, in the same process, the PyTorch +
+transformers step that TRL's GRPO trainer runs (``_get_per_token_logps`` with
+``logits_to_keep``, the PPO-clip token-mean loss, ``clip_grad_norm_``,
+``torch.optim.AdamW``) on the issue-12 workload: a Llama model (vocab 2048,
+width 256, 4 layers, 8/4 heads, MLP 1024, fp32) with the same weights as
+rljax's (written by ``save_hf_checkpoint``, read by ``from_pretrained``), 64
+sequences of 64 prompt + 128 completion tokens, both on 2 CPU threads. It
+prints both tokens/s, the ratio and the agreement of the loss, the gradient
+norm and the logprobs.
+
+With ``--remat_sweep`` it times the chunked logprobs' forward + backward with
+and without rematerialisation over vocabulary sizes (the crossover that
+``rljax.logprobs.REMAT_ABOVE_BYTES`` encodes).
+
+Findings of issue 12 (2-core CPU, XLA:CPU; ``jax.profiler`` traces and the
+optimised HLO of the decoder's forward + backward on the workload above;
+PyTorch measured the same way):
+
+* Work the loss does not need. The output projection and log-softmax ran on
+  all ``L - 1 = 191`` positions; only the 128 completion positions are
+  trained (``RLStepConfig.completion_length``). The entropy was computed and
+  carried through the backward pass when nothing but a metric read it
+  (``entropy_metric``). The logprob chunks were always rematerialised.
+* Transposing copies. The weight gradient of each 3-D projection einsum
+  (``btd,dnh->btnh``: contracting batch and time) ran through a
+  ``copy_bitcast_fusion`` that transposed the activations before the YNNPACK
+  matmul: 1.15 s of a 4.6 s decoder forward + backward (torch: 2.5 s).
+  Flattened to 2-D matmuls (``transformer._project``) they are gone: 3.2 s.
+* Training attention. Masked dense attention (softmax over all ``T x S``)
+  took 0.34 s per layer forward + backward, PyTorch's causal
+  ``scaled_dot_product_attention`` 0.085 s: it skips the blocks above the
+  diagonal. ``attend(causal=True)`` runs the queries in blocks against the
+  keys up to each block's end: 0.16 s per layer; decoder 2.74 s. XLA:CPU has
+  no fused flash kernel; on a GPU or TPU the ``attend`` seam is where a
+  cuDNN / splash kernel goes.
+* The logprobs' rematerialisation (``--remat_sweep``): on this CPU the
+  chunked, rematerialised pass is as fast as the one-block pass at 16 MiB of
+  logits and faster from 32 MiB on (the chunk stays in cache), at a quarter
+  of the memory; ``logprobs.REMAT_ABOVE_BYTES`` = 16 MiB.
+* What remains: the matmuls (``ynn_fusion``: 2.85 s of the 3.7 s of kernel
+  time in the profile) at ~100 GFLOP/s, where PyTorch's oneDNN matmuls reach
+  ~125; the attention's elementwise softmax work; the optimizer update
+  (clip + AdamW over all leaves, one fused program) is printed on its own
+  and is a few percent of the step.
+
 Part 2 runs a few steps of a config (the main job by default) twice, with
 ``rl.old_logprobs="recompute"`` and ``="sampler"``, and prints where an RL
 step's time goes (sample / reward / advantage / train) side by side: the
@@ -13,9 +58,11 @@ sampler's logprobs save the trainer's no-gradient forward pass.
 
   python -m launch.bench_train_step --batch=16 --length=256
   python -m launch.bench_train_step --config=configs/arithmetic_grpo.py --split_steps=8
+  python -m launch.bench_train_step --compare_torch --remat_sweep --notime_split
 """
 
 import copy
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -43,19 +90,29 @@ _LENGTH = flags.DEFINE_integer("length", 256, "tokens per row")
 _STEPS = flags.DEFINE_integer("steps", 5, "timed steps")
 _SPLIT = flags.DEFINE_bool("time_split", True, "run part 2 (main-job time split)")
 _SPLIT_STEPS = flags.DEFINE_integer("split_steps", 8, "RL steps for part 2")
+_TORCH = flags.DEFINE_bool("compare_torch", False,
+                            "also time the PyTorch + transformers step")
+_TORCH_STEPS = flags.DEFINE_integer("torch_steps", 3,
+                                    "timed steps of each side of the comparison")
+_SWEEP = flags.DEFINE_bool("remat_sweep", False,
+                           "time the logprobs with and without remat")
 _RECORD_DIR = flags.DEFINE_string(
     "record_dir", "benchmarks/results",
     "where the JSON record of the figures goes ('' for none)")
 
 
-def train_flops(config: models.ModelConfig, tokens: int, length: int) -> float:
-  """Matmul FLOPs of forward + backward (3x forward) for ``tokens`` tokens."""
+def train_flops(config: models.ModelConfig, tokens: int, length: int,
+                scored: int | None = None) -> float:
+  """Matmul FLOPs of forward + backward (3x forward) for ``tokens`` tokens,
+  of which ``scored`` (default all) go through the output projection: the
+  work the step needs, not the work a step that scores prompts would do."""
   dense = (2 * config.d_model * config.num_heads * config.head_dim
            + 2 * config.d_model * config.num_kv_heads * config.head_dim
            + 3 * config.d_model * config.mlp_dim) * config.num_layers
-  dense += config.d_model * config.vocab_size
   attn = 2 * config.num_layers * config.num_heads * config.head_dim * length
-  return 3 * tokens * (2 * dense + attn)
+  head = config.d_model * config.vocab_size * (tokens if scored is None
+                                                else scored)
+  return 3 * (tokens * (2 * dense + attn) + 2 * head)
 
 
 def part1():
@@ -64,8 +121,10 @@ def part1():
   params = models.init_params(mc, jax.random.key(0))
   optimizer = optax.adamw(1e-5)
   coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
-  step = jax.jit(train.make_rl_step(mc, train.RLStepConfig(), optimizer, coef_tx),
-                 donate_argnums=(0,))
+  completion = t - t // 4  # the loss mask below
+  step = jax.jit(train.make_rl_step(
+      mc, train.RLStepConfig(completion_length=completion), optimizer,
+      coef_tx), donate_argnums=(0,))
   rng = np.random.RandomState(0)
   loss_mask = np.zeros((b, t), bool)
   loss_mask[:, t // 4:] = True
@@ -88,7 +147,7 @@ def part1():
     times.append(time.perf_counter() - start)
   best = min(times)
   peak = matmul_flops_per_s()
-  flops = train_flops(mc, b * t, t) / best
+  flops = train_flops(mc, b * t, t, b * completion) / best
   print(f"rl_step, preset={_PRESET.value} ({models.count_params(params):,} params), "
         f"batch {b} x {t} tokens")
   print(f"  compile + first step: {first:.2f}s; steady step: {best * 1e3:.1f} ms "
@@ -101,6 +160,173 @@ def part1():
   return {"train_tokens_per_s": b * t / best, "fraction_of_matmul": flops / peak,
           "compiled_programs": step._cache_size(), "steady_step_s": best,
           "first_step_s": first}
+
+
+# The issue-12 workload (TRL's GRPO step measured side by side).
+TORCH_MODEL = dict(vocab_size=2048, d_model=256, num_layers=4, num_heads=8,
+                   num_kv_heads=4, head_dim=32, mlp_dim=1024)
+TORCH_ROWS, TORCH_PROMPT, TORCH_COMPLETION = 64, 64, 128
+LEARNING_RATE, WEIGHT_DECAY, MAX_GRAD_NORM, CLIP_EPS = 1e-5, 0.01, 1.0, 0.2
+
+
+def _workload(vocab_size):
+  """Tokens, loss mask (completions of random length) and advantages."""
+  rng = np.random.RandomState(0)
+  n, p, t = TORCH_ROWS, TORCH_PROMPT, TORCH_COMPLETION
+  tokens = rng.randint(0, vocab_size, (n, p + t)).astype(np.int32)
+  lengths = rng.randint(t // 2, t + 1, n)
+  loss_mask = np.zeros((n, p + t), bool)
+  for i, k in enumerate(lengths):
+    loss_mask[i, p:p + k] = True
+  return tokens, loss_mask, rng.randn(n).astype(np.float32)
+
+
+def _timed(fn, steps):
+  fn()  # compile / warm-up
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return min(times)
+
+
+def compare_torch():
+  """rljax's ``rl_step`` and the PyTorch + transformers step, same work."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(2)
+  mc = dataclasses.replace(models.get_preset("small"), **TORCH_MODEL)
+  params = models.init_params(mc, jax.random.key(0))
+  tokens, loss_mask, adv = _workload(mc.vocab_size)
+  n, length = tokens.shape
+  t = TORCH_COMPLETION
+  n_tokens = n * length
+
+  optimizer = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM),
+                          optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY))
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip",
+                                     "clip_eps_low": CLIP_EPS})
+  cfg = train.RLStepConfig(completion_length=t, entropy_metric=False)
+  step = jax.jit(train.make_rl_step(mc, cfg, optimizer, coef_tx))
+  batch = train.RLBatch(tokens, np.ones_like(loss_mask), loss_mask, adv,
+                        np.zeros(loss_mask.shape, np.float32))
+  state0 = train.TrainState(params, optimizer.init(params), optax.EmptyState(),
+                            coef_tx.init(jnp.zeros((1, 1))),
+                            jnp.zeros((), jnp.int32),
+                            jax.random.key_data(jax.random.key(0)))
+  jax_metrics = jax.device_get(step(state0, batch)[1])
+  jax_lp = np.asarray(jax.jit(lambda p: models.sequence_logprobs(
+      p, mc, tokens, np.ones_like(loss_mask), num_scored=t,
+      with_entropy=False)[0])(params))
+  holder = {"state": state0}
+
+  def jax_step():
+    holder["state"], m = step(holder["state"], batch)
+    jax.block_until_ready(m)
+
+  jax_time = _timed(jax_step, _TORCH_STEPS.value)
+  # The optimizer update alone (clip + AdamW over every leaf): its share.
+  update = jax.jit(lambda g, s, p: optimizer.update(g, s, p))
+  opt_state = optimizer.init(params)
+  opt_time = _timed(lambda: jax.block_until_ready(
+      update(params, opt_state, params)), _TORCH_STEPS.value)
+
+  with tempfile.TemporaryDirectory() as d:
+    models.save_hf_checkpoint(d, mc, jax.device_get(params))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, torch_dtype=torch.float32, attn_implementation="sdpa")
+  model.train()
+  torch_opt = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE,
+                                weight_decay=WEIGHT_DECAY)
+  ids = torch.from_numpy(tokens.astype(np.int64))
+  attention_mask = torch.ones_like(ids)
+  mask = torch.from_numpy(loss_mask[:, -t:]).float()
+  advantages = torch.from_numpy(adv)[:, None]
+
+  def torch_logps():
+    # TRL GRPOTrainer._get_per_token_logps: logits_to_keep = T + 1.
+    logits = model(input_ids=ids, attention_mask=attention_mask,
+                   logits_to_keep=t + 1).logits[:, :-1]
+    return torch.gather(logits.log_softmax(-1), 2, ids[:, -t:, None])[..., 0]
+
+  def torch_step():
+    logp = torch_logps()
+    ratio = torch.exp(logp - logp.detach())
+    per_token = -torch.min(ratio * advantages,
+                           torch.clamp(ratio, 1 - CLIP_EPS, 1 + CLIP_EPS)
+                           * advantages)
+    loss = (per_token * mask).sum() / mask.sum()
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    torch_opt.step()
+    torch_opt.zero_grad()
+    # rljax reports the coefficient form -sg(c) A logp (same gradient), with
+    # c = ratio where the PPO clip is inactive, 0 where it is active.
+    clipped = (((advantages > 0) & (ratio > 1 + CLIP_EPS))
+               | ((advantages < 0) & (ratio < 1 - CLIP_EPS)))
+    coef = torch.where(clipped, 0.0, ratio).detach()
+    pg = -(coef * advantages * logp * mask).sum() / mask.sum()
+    return float(pg), float(norm)
+
+  with torch.no_grad():
+    torch_lp = torch_logps().numpy()
+  torch_loss, torch_norm = torch_step()
+  torch_time = _timed(torch_step, _TORCH_STEPS.value)
+
+  lp_diff = np.abs(np.where(loss_mask[:, -t:], jax_lp - torch_lp, 0.0)).max()
+  loss_rel = abs(float(jax_metrics["pg_loss"]) - torch_loss) / abs(torch_loss)
+  norm_rel = abs(float(jax_metrics["grad_norm"]) - torch_norm) / torch_norm
+  ratio = torch_time / jax_time
+  print(f"\nrljax vs PyTorch {torch.__version__} + transformers "
+        f"{transformers.__version__} (2 threads), {n} x ({TORCH_PROMPT} + {t}) "
+        f"tokens, {models.count_params(params):,} params:")
+  print(f"  rljax rl_step: {n_tokens / jax_time:,.0f} tokens/s "
+        f"({jax_time * 1e3:.0f} ms)")
+  print(f"  PyTorch step:  {n_tokens / torch_time:,.0f} tokens/s "
+        f"({torch_time * 1e3:.0f} ms)")
+  print(f"  ratio rljax / PyTorch: {ratio:.2f}x (rljax's clip + AdamW update "
+        f"alone: {opt_time * 1e3:.0f} ms)")
+  print(f"  agreement: loss rel {loss_rel:.1e}, grad norm rel {norm_rel:.1e}, "
+        f"max |logp diff| {lp_diff:.1e}")
+  return {"rljax_tokens_per_s": n_tokens / jax_time,
+          "torch_tokens_per_s": n_tokens / torch_time, "ratio": ratio,
+          "optimizer_update_s": opt_time,
+          "loss_rel_diff": loss_rel, "grad_norm_rel_diff": norm_rel,
+          "max_abs_logp_diff": float(lp_diff), "torch": torch.__version__,
+          "transformers": transformers.__version__}
+
+
+def remat_sweep(batch=16, length=128, width=256,
+                vocab_sizes=(512, 2048, 4096, 8192, 32768)):
+  """Forward + backward of ``token_logprobs`` with and without remat."""
+  from rljax import logprobs  # pylint: disable=import-outside-toplevel
+  rng = np.random.RandomState(0)
+  h = jnp.asarray(rng.randn(batch, length, width).astype(np.float32))
+  rows = []
+  print(f"\nlogprobs forward + backward, {batch} x {length} positions, width "
+        f"{width} (REMAT_ABOVE_BYTES = {logprobs.REMAT_ABOVE_BYTES / 2**20:.0f}"
+        " MiB of logits):")
+  print(f"  {'vocab':>7} {'logits MiB':>10} {'remat ms':>9} {'no remat ms':>11}"
+        f" {'remat temp MiB':>14} {'no remat temp MiB':>17}  auto")
+  for v in vocab_sizes:
+    w = jnp.asarray(rng.randn(width, v).astype(np.float32) * 0.05)
+    y = jnp.asarray(rng.randint(0, v, (batch, length)).astype(np.int32))
+    row = {"vocab": v, "logits_mib": batch * length * v * 4 / 2**20}
+    for remat in (True, False):
+      loss = lambda h, w, remat=remat: jnp.sum(logprobs.token_logprobs(
+          h, w, y, chunk_size=32, with_entropy=False, remat=remat)[0])
+      fn = jax.jit(jax.grad(loss, argnums=(0, 1)))
+      temp = fn.lower(h, w).compile().memory_analysis().temp_size_in_bytes
+      key = "remat" if remat else "no_remat"
+      row[f"{key}_s"] = _timed(lambda: jax.block_until_ready(fn(h, w)), 3)
+      row[f"{key}_temp_mib"] = temp / 2**20
+    auto = logprobs.remat_by_size(batch, length, v)
+    print(f"  {v:>7} {row['logits_mib']:>10.0f} {row['remat_s'] * 1e3:>9.1f} "
+          f"{row['no_remat_s'] * 1e3:>11.1f} {row['remat_temp_mib']:>14.0f} "
+          f"{row['no_remat_temp_mib']:>17.0f}  {'remat' if auto else 'keep'}")
+    rows.append(row)
+  return rows
 
 
 STAGES = ("sample", "reward", "advantage", "train")
@@ -140,12 +366,20 @@ def part2():
 def main(argv):
   del argv
   figures = {"rl_step": part1()}
+  if _TORCH.value:
+    figures["vs_torch"] = compare_torch()
+  if _SWEEP.value:
+    figures["remat_sweep"] = remat_sweep()
   if _SPLIT.value:
     figures["main_job_split"] = part2()
   if _RECORD_DIR.value:
     print("record:", write_record(
         "bench_train_step", figures, _RECORD_DIR.value,
         {"preset": _PRESET.value, "batch": _BATCH.value, "length": _LENGTH.value,
+         "torch_workload": ({**TORCH_MODEL, "rows": TORCH_ROWS,
+                             "prompt": TORCH_PROMPT,
+                             "completion": TORCH_COMPLETION}
+                            if _TORCH.value else None),
          "split_config": _CONFIG.value.to_dict() if _SPLIT.value else None}))
 
 

@@ -75,8 +75,13 @@ def _softcap(x, cap):
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+CAUSAL_QUERY_BLOCK = 48  # query rows per block of a causal ``attend``
+CAUSAL_MAX_BLOCKS = 8  # at most this many blocks (unrolled in the program)
+
+
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
-           softcap: float | None = None, prefix: tuple | None = None):
+           softcap: float | None = None, prefix: tuple | None = None,
+           causal: bool = False):
   """Grouped-query attention over a cache, with an optional shared prefix.
 
   Args:
@@ -88,10 +93,30 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
     softcap: optional soft-cap of the logits.
     prefix: optional ``(k_PxSpxKxH, v_PxSpxKxH, mask_PxTxSp)`` with
       ``P = B // G`` rows: keys shared by each run of ``G`` consecutive rows.
+    causal: the keys are the queries' own slots (``S = T``) and the mask
+      hides every key after its query. Then the queries run in blocks of
+      about ``CAUSAL_QUERY_BLOCK`` rows, each against the keys up to its last
+      row: the blocks wholly above the diagonal, all masked, are skipped
+      (issue 12: a training layer's attention forward + backward 2x faster
+      on the CPU, as PyTorch's causal ``scaled_dot_product_attention``
+      skips them). A query whose every key is masked (padding) then averages
+      the values of its block's keys instead of all keys; nothing reads it.
 
   Returns:
     ``[B, T, N, H]`` attention outputs in the dtype of ``v``.
   """
+  t = q_BxTxNxH.shape[1]
+  num_blocks = min(CAUSAL_MAX_BLOCKS, -(-t // CAUSAL_QUERY_BLOCK))
+  if causal and prefix is None and num_blocks > 1:
+    if k_BxSxKxH.shape[1] != t:
+      raise ValueError(f"attend(causal=True): keys have {k_BxSxKxH.shape[1]} "
+                       f"slots, queries {t}; causal needs S = T.")
+    size = -(-t // num_blocks)
+    return jnp.concatenate([
+        attend(q_BxTxNxH[:, lo:lo + size], k_BxSxKxH[:, :lo + size],
+               v_BxSxKxH[:, :lo + size], mask_BxTxS[:, lo:lo + size, :lo + size],
+               scale=scale, softcap=softcap)
+        for lo in range(0, t, size)], axis=1)
   b, t, n, h = q_BxTxNxH.shape
   kh = k_BxSxKxH.shape[2]
   q = q_BxTxNxH.reshape(b, t, kh, n // kh, h)
@@ -287,7 +312,8 @@ class Attention(nn.Module):
     prefix = None if prefix_kv is None else (prefix_kv.k, prefix_kv.v,
                                              prefix_mask)
     scale = c.query_scale if c.query_scale is not None else h ** -0.5
-    attention = attend if layer_kv is None else decode_attend
+    attention = (functools.partial(attend, causal=True) if layer_kv is None
+                 else decode_attend)
     out = attention(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
                     scale=scale, softcap=c.attn_logit_softcap, prefix=prefix)
     out = _project(out, wo.astype(dt), in_dims=2)
