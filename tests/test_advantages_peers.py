@@ -23,11 +23,14 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from tests import transform_harness as harness
 from rljax import advantages as adv
+from rljax import models
 from rljax import sampling
+from rljax import train
 from rljax.train import algorithm as alg_lib
 from rljax.train import build as build_lib
 from rljax.train import rollout as rollout_lib
@@ -374,6 +377,49 @@ def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
       completion_mask_NxT=rollout.completion_mask)[0]
   np.testing.assert_allclose(batch.advantages_N[:, 2:], direct, rtol=1e-6)
   assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
+def test_rl_step_with_per_token_advantages_is_the_gradient_of_the_surrogate():
+  """RLBatch.advantages_N of [N, L] (KTAE): one SGD step of the reinforce
+  objective, token_mean, on the last T columns, equals jax.grad of
+  -sum_t A_t log pi_t m_t / sum_t m_t."""
+  mc = models.get_preset("tiny")
+  params = models.init_params(mc, jax.random.key(1))
+  n, p, t = 4, 3, 4
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(1, mc.vocab_size, (n, p + t)), jnp.int32)
+  input_mask = np.ones((n, p + t), bool)
+  loss_mask = np.zeros((n, p + t), bool)
+  for i, length in enumerate((4, 2, 3, 1)):
+    loss_mask[i, p:p + length] = True
+    input_mask[i, p + length:] = False
+  adv_NxL = jnp.asarray(np.where(loss_mask, rng.normal(size=(n, p + t)), 0.0),
+                        jnp.float32)
+  batch = train.RLBatch(tokens, jnp.asarray(input_mask),
+                        jnp.asarray(loss_mask), adv_NxL,
+                        jnp.zeros((n, p + t), jnp.float32))
+  coef = alg_lib.coefficient_chain({"objective": "reinforce"})
+  cfg = train.RLStepConfig(max_length=t, completion_length=t)
+  step = jax.jit(train.make_rl_step(mc, cfg, optax.sgd(1.0), coef))
+  state = train.TrainState(params, optax.sgd(1.0).init(params), None,
+                           coef.init(jnp.zeros((n, t), jnp.float32)),
+                           jnp.zeros((), jnp.int32),
+                           jax.random.key_data(jax.random.key(0)))
+  new_state, _ = step(state, batch, None)
+
+  def surrogate(params):
+    lp = models.sequence_logprobs(params, mc, tokens,
+                                  jnp.asarray(input_mask))[0]
+    m = jnp.asarray(loss_mask, jnp.float32)
+    return -jnp.sum(adv_NxL * lp * m) / jnp.sum(m)
+
+  grads = jax.jit(jax.grad(surrogate))(params)
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in
+                                      jax.tree.leaves(tree)])
+  delta = flat(new_state.params) - flat(params)
+  want = -flat(grads)
+  assert np.abs(want).max() > 0
+  np.testing.assert_allclose(delta, want, atol=1e-4 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("name", ["grpo_batch_std", "gpg", "pass_at_k", "opo",
