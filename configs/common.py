@@ -106,7 +106,7 @@ def base() -> ml_collections.ConfigDict:
   c.rl.failed_rewards = "exclude"
   # ppo_clip, dual_clip, gspo, cispo, ess (FeynRL), reinforce, sapo, gmpo,
   # pnpo, dppo_tv, dppo_kl (deltas: the clip_eps fields), clip_cov, kl_cov,
-  # dcpo, bandpo_tv, bandpo_chi2, bandpo_kl, bapo (rljax.objectives).
+  # dcpo, bandpo_tv, bandpo_chi2, bandpo_kl, bapo, sat (rljax.objectives).
   c.rl.objective = "ppo_clip"
   c.rl.clip_eps_low = 0.2
   c.rl.clip_eps_high = 0.28
@@ -126,6 +126,7 @@ def base() -> ml_collections.ConfigDict:
   c.rl.dcpo_clip_c = 10.0        # DCPO's dual clip and cap of its upper bound
   c.rl.band_delta = 0.05         # BandPO's divergence radius
   c.rl.bapo_target = 1.0         # BAPO: positive / negative contribution
+  c.rl.sat_quantile = 0.9        # SAT: |log pi - log mu| quantile of the gate
   c.rl.is_correction = "none"    # none, tis, mis
   c.rl.is_cap = 2.0
   c.rl.is_floor = placeholder(float)  # tis: lower bound of the weight

@@ -168,6 +168,27 @@ def direct_dcpo(lp, old, sampler, adv, m, aggregation, eps=(0.2, 0.28),
                                    clip_c), m, aggregation)
 
 
+def direct_sat(lp, old, sampler, adv, m, aggregation, eps=(0.2, 0.2),
+               level=0.9):
+  """SAT, Eqs. 3.1-3.6 of the authors' page: q straight from its definition
+  inf{x : F(x) >= level} (every candidate x against the empirical CDF F of
+  |d| over valid tokens), then -min(r A, clip(r, lo, hi) A)."""
+  d = sg(lp) - sampler
+  abs_d = jnp.abs(d)
+  valid = m.astype(jnp.float32)
+  cdf = jnp.sum(valid[None, None] * (abs_d[None, None] <= abs_d[..., None, None]),
+                axis=(-2, -1)) / jnp.sum(valid)
+  q = jnp.min(jnp.where(m & (cdf >= level - 1e-6), abs_d, jnp.inf))
+  gate = (q > 0) & (abs_d > q)
+  hill = lambda u: 1 / (1 + (u / q) ** 2)
+  c_plus = jnp.where(gate, hill(jnp.maximum(d, 0)), 1.0)
+  c_minus = jnp.where(gate, hill(jnp.maximum(-d, 0)), 1.0)
+  lo, hi = 1 - eps[0] * c_minus, 1 + eps[1] * c_plus
+  r = jnp.exp(lp - old)
+  a = adv[:, None]
+  return _agg(-jnp.minimum(r * a, jnp.clip(r, lo, hi) * a), m, aggregation)
+
+
 def _band_kl_numpy(p, delta, max_iter=50, tol=1e-6):
   """OpenMOSS/BandPO `universal_bisection_solver` with f_kl, in numpy."""
   f = lambda u: -np.log(u) + u - 1.0
@@ -305,6 +326,11 @@ CASES = {
                       direct_band, divergence="kl", delta=0.02,
                       eps=(0.0, 0.0)), None),
     "bapo": (obj.bapo_clip, "token_mean", direct_bapo, None),
+    "sat": (obj.sat_clip, "token_mean", direct_sat, None),
+    "sat_q75_seq_mean": (lambda: obj.sat_clip(0.2, 0.28, 0.75),
+                         "sequence_mean_token_mean",
+                         functools.partial(direct_sat, eps=(0.2, 0.28),
+                                           level=0.75), None),
     "bapo_unreachable": (lambda: obj.bapo_clip(50.0), "token_mean",
                          functools.partial(direct_bapo, target=50.0), None),
 }
@@ -344,7 +370,7 @@ def _zero_grad_fraction(name, seed=0):
 @pytest.mark.parametrize("name", ["gmpo", "pnpo", "dppo_tv", "dppo_kl",
                                   "dppo_tv_old", "clip_cov", "gspo_clamped",
                                   "dcpo", "bandpo_tv", "bandpo_chi2",
-                                  "bandpo_kl", "bapo"])
+                                  "bandpo_kl", "bapo", "sat"])
 def test_the_limit_binds_on_some_tokens_not_all(name):
   """The test batches exercise both sides of each limit."""
   fracs = [_zero_grad_fraction(name, s) for s in range(2)]
@@ -761,6 +787,8 @@ HARNESS_CASES = [
                  dict(divergence="kl", delta=0.05), _inputs),
     harness.Case("bapo_clip", obj.bapo_clip, dict(target=1.0, step=0.05),
                  _inputs, static_args=("step",)),
+    harness.Case("sat_clip", obj.sat_clip,
+                 dict(eps_low=0.2, eps_high=0.28, quantile=0.8), _inputs),
     harness.Case("sapo", obj.sapo, dict(tau_pos=1.0, tau_neg=1.05), _inputs),
     harness.Case("gmpo", obj.gmpo, dict(eps_low=0.1, eps_high=0.15), _inputs),
     harness.Case("prefix_ratio", obj.prefix_ratio,
@@ -847,7 +875,8 @@ def test_functions_plain_jit_and_vmap_agree():
     ("rejection", "token_k9:1", "rl.rejection='token_k9:1'"),
     ("rejection", "token_k1:2.0", "lower:upper"),
     ("is_floor", 3.0, "rl.is_floor=3.0 > rl.is_cap=2.0"),
-    ("objective", "sat", "rl.objective='sat' is unknown"),
+    ("objective", "ppo", "rl.objective='ppo' is unknown"),
+    ("sat_quantile", 1.5, "rl.sat_quantile=1.5"),
     ("dual_clip_c", 0.5, "rl.dual_clip_c=0.5: a number > 1"),
 ])
 def test_config_errors_name_the_field(field, value, message):
@@ -865,3 +894,32 @@ def test_clip_cov_needs_a_seed():
   with pytest.raises(ValueError, match="clip_cov.*seed"):
     alg_lib.coefficient_chain({"objective": "clip_cov"})
   assert alg_lib.coefficient_chain({"objective": "clip_cov"}, seed=0)
+
+
+def test_sat_contracts_only_the_stale_side_and_only_beyond_the_quantile():
+  """Hand case: ten tokens, |d| = 0.1 .. 1.0, so q (level 0.9) is 0.9 and
+  only the token with |d| = 1.0 is gated, with c = 1 / (1 + (1/0.9)^2)."""
+  d = np.array([0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.7, -0.8, 0.9, 1.0])
+  mu = np.zeros((1, 10))
+  old = np.zeros((1, 10))
+  c = 1 / (1 + (1.0 / 0.9) ** 2)
+  # A > 0: the gated token (d = +1) has upper bound 1 + 0.2 c; r = e^1 is
+  # clipped under both intervals; probe with r between the two bounds.
+  r = np.full((1, 10), 1 + 0.2 * c + 0.01)
+  lp = np.log(r) + old  # the ratio given to the transform
+  # d comes from log r + old - mu, so set mu to give the intended d.
+  mu = lp - d[None]
+  ones = np.ones(1, np.float32)
+  out = _apply(obj.sat_clip(0.2, 0.2), r, advantages_BxT=ones,
+               old_logprobs_BxT=jnp.asarray(old, jnp.float32),
+               sampler_logprobs_BxT=jnp.asarray(mu, jnp.float32))
+  expect = r.copy()
+  expect[0, 9] = 0.0  # only the gated token's upper endpoint moved below r
+  np.testing.assert_allclose(out, expect, rtol=1e-6)
+  # A < 0 and d > 0 on the gated token: the lower endpoint is untouched.
+  r_low = np.full((1, 10), 0.81)
+  mu_low = np.log(r_low) - d[None]
+  out = _apply(obj.sat_clip(0.2, 0.2), r_low, advantages_BxT=-ones,
+               old_logprobs_BxT=jnp.asarray(old, jnp.float32),
+               sampler_logprobs_BxT=jnp.asarray(mu_low, jnp.float32))
+  np.testing.assert_allclose(out, r_low, rtol=1e-6)

@@ -20,7 +20,7 @@ Order in a chain: `sequence_ratio` (if any) comes first, then one trust
 region that reads its input as the ratio (`ppo_clip`, optionally followed by
 `dual_clip`; or `cispo`, `ess_trust_region`, `sapo`, `gmpo`,
 `prefix_ratio` (PNPO), `dppo`, `clip_cov`, `kl_cov`, `dcpo_clip`,
-`band_clip`, `bapo_clip`), then behaviour-policy
+`band_clip`, `bapo_clip`, `sat_clip`), then behaviour-policy
 corrections that multiply by a weight computed from the extra arguments
 (`truncated_is`, `masked_is`). `rejection_mask` acts on the loss mask
 instead (a rejected token leaves the normaliser), and `kl_penalty` /
@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from rljax.objectives._common import LEVELS
 from rljax.objectives.adaptive_clips import (
-    BAND_DIVERGENCES, band_clip, bapo_clip, dcpo_clip)
+    BAND_DIVERGENCES, band_clip, bapo_clip, dcpo_clip, sat_clip)
 from rljax.objectives.corrections import masked_is, truncated_is
 from rljax.objectives.covariance import (
     ClipCovState, clip_cov, kl_cov, kl_cov_penalty)
@@ -110,6 +110,7 @@ __all__ = [
     "ppo_clip",
     "prefix_ratio",
     "ratio_metrics",
+    "sat_clip",
     "rejection_mask",
     "sapo",
     "sequence_importance_weights",

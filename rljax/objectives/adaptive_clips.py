@@ -1,6 +1,6 @@
 """PPO clips whose interval adapts: per token to `pi_old`'s probability
-(DCPO, BandPO), or per batch to balance positive and negative advantages
-(BAPO). Each gives `c = r * [not clipped]` for the interval `[low, high]`:
+(DCPO, BandPO), per batch to balance positive and negative advantages
+(BAPO), or per token to its staleness against the sampler (SAT). Each gives `c = r * [not clipped]` for the interval `[low, high]`:
 
     clipped = (A > 0 and r > high) or (A < 0 and r < low)
 """
@@ -230,6 +230,82 @@ def bapo_clip(target: float = 1.0, low: tuple[float, float] = (0.6, 0.9),
     k = jnp.where(jnp.any(ok), jnp.argmax(ok), len(pairs) - 1)
     c = _clip_coefficient(r, a, lows[k], highs[k])
     c = jnp.where((a < 0) & (r > clip_ratio_c), 0.0, c)
+    return _out(c, ratio_BxT), state
+
+  return _stateless(update_fn)
+
+
+def sat_clip(eps_low: float = 0.2, eps_high: float = 0.2,
+             quantile: float = 0.9, exponent: float = 2.0) -> _Tx:
+  """SAT's staleness-adaptive trust region: PPO's clip, contracted on the
+  side of the staleness for the batch's most stale tokens.
+
+  With ``d = sg(log pi_theta - log mu)`` (the sampled log-ratio to the
+  behaviour policy ``mu``, i.e. ``sampler_logprobs_BxT``) and ``q`` the
+  empirical ``quantile`` of ``|d|`` over the valid tokens of the batch the
+  transform sees (``inf{x : frac(|d| <= x) >= quantile}``):
+
+      psi(u) = 1 / (1 + (u / q)^exponent)                (Hill kernel)
+      c_+ = psi(max(d, 0)),  c_- = psi(max(-d, 0))   where q > 0 and |d| > q
+      c_+ = c_- = 1                                  elsewhere
+      low = 1 - eps_low * c_-,  high = 1 + eps_high * c_+
+      c = r * [not clipped]  (A > 0 and r > high, or A < 0 and r < low)
+
+  Only the endpoint on the sign of ``d`` shrinks, so the interval always
+  lies inside PPO's and ordinary tokens (``|d| <= q``) keep it. The clipped
+  ratio ``r`` is the input ratio (``pi_theta / pi_old``); with
+  ``rl.old_logprobs="sampler"`` that is the ratio to the sampler, as on the
+  authors' page. ``q`` is pooled over the tokens the transform sees (one
+  microbatch), as the page's per-micro-batch quantile; with no valid token
+  or ``q = 0`` it is plain PPO. Needs ``old_logprobs_BxT`` and
+  ``sampler_logprobs_BxT``. The page's GSPO variant (the sequence ratio for
+  both ``r`` and ``d``) is not built.
+
+  Args:
+    eps_low, eps_high: the nominal PPO interval (page defaults 0.2 / 0.2).
+    quantile: the level of the staleness gate (page: 0.9).
+    exponent: the Hill kernel's exponent (page: 2).
+
+  References:
+    Yang et al., "Stale but Stable: Staleness-Adaptive Trust Regions for
+    Stabilizing Asynchronous RL", https://arxiv.org/abs/2607.18722; Eqs.
+    3.1-3.6 of the authors' project page (jyyang26.github.io,
+    stable_async_analysis); their code (github.com/jyyang26/SAT) was not
+    available to read.
+  """
+  fn = "sat_clip"
+  _check_positive(fn, "eps_low", eps_low)
+  _check_positive(fn, "eps_high", eps_high)
+  _check_positive(fn, "exponent", exponent)
+  if isinstance(quantile, (int, float)) and not 0 < quantile <= 1:
+    raise ValueError(f"{fn}: quantile={quantile!r} must be in (0, 1].")
+
+  def update_fn(ratio_BxT, state, params=None, *, advantages_BxT=None,
+                mask_BxT=None, old_logprobs_BxT=None, sampler_logprobs_BxT=None,
+                **extra_args):
+    del params, extra_args
+    ratio_BxT = _check_bxt(fn, "ratio_BxT", ratio_BxT)
+    shape = ratio_BxT.shape
+    a = _advantages(fn, advantages_BxT, shape)
+    mask = _mask(fn, mask_BxT, shape)
+    old = _logprobs(fn, "old_logprobs_BxT", old_logprobs_BxT, shape)
+    mu = _logprobs(fn, "sampler_logprobs_BxT", sampler_logprobs_BxT, shape)
+    r = ratio_BxT.astype(jnp.float32)
+    d = jax.lax.stop_gradient(jnp.log(jnp.maximum(r, 1e-30)) + old - mu)
+    abs_d = jnp.where(mask, jnp.abs(d), jnp.inf).reshape(-1)
+    n = jnp.sum(mask)
+    # The smallest |d| with at least `quantile` of the valid tokens at or
+    # below it: the ceil(quantile * n)-th smallest (1-based).
+    k = jnp.clip(jnp.ceil(quantile * n - 1e-6).astype(jnp.int32) - 1, 0,
+                 abs_d.size - 1)
+    q = jnp.where(n > 0, jnp.sort(abs_d)[k], 0.0)
+    gate = (q > 0) & (jnp.abs(d) > q) & mask
+    safe_q = jnp.where(q > 0, q, 1.0)
+    psi = lambda u: 1.0 / (1.0 + (u / safe_q) ** exponent)
+    c_plus = jnp.where(gate, psi(jnp.maximum(d, 0.0)), 1.0)
+    c_minus = jnp.where(gate, psi(jnp.maximum(-d, 0.0)), 1.0)
+    c = _clip_coefficient(r, a, 1.0 - eps_low * c_minus,
+                          1.0 + eps_high * c_plus)
     return _out(c, ratio_BxT), state
 
   return _stateless(update_fn)

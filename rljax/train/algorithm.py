@@ -90,7 +90,7 @@ FAILED_REWARDS = ("exclude", "zero")
 OBJECTIVES = ("ppo_clip", "dual_clip", "gspo", "cispo", "ess", "reinforce",
               "sapo", "gmpo", "pnpo", "dppo_tv", "dppo_kl", "clip_cov",
               "kl_cov", "dcpo", "bandpo_tv", "bandpo_chi2", "bandpo_kl",
-              "bapo")
+              "bapo", "sat")
 # "tis" takes rl.is_floor (a lower bound) and rl.is_batch_normalize.
 IS_CORRECTIONS = ("none", "tis", "mis")
 RANK_PRESETS = ("median", "trimmed_mean", "cvar", "best_of_k")
@@ -412,6 +412,8 @@ def coefficient_chain(rl: Mapping[str, Any], seed: int | None = None) -> _Tx:
       "bandpo_kl": lambda: [obj_lib.band_clip(
           "kl", float(_get(rl, "band_delta", 0.05)), eps_low, eps_high)],
       "bapo": lambda: [obj_lib.bapo_clip(float(_get(rl, "bapo_target", 1.0)))],
+      "sat": lambda: [obj_lib.sat_clip(
+          eps_low, eps_high, float(_get(rl, "sat_quantile", 0.9)))],
   }[objective]()
   level = _get(rl, "is_level", "token")
   check_choice("rl.is_level", level, obj_lib.LEVELS)

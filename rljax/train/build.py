@@ -92,7 +92,8 @@ RANGES = {
                                "bapo_target", "dual_clip_c", "gspo_eps_low",
                                "gspo_eps_high", "cispo_cap")},
   **{f"rl.{f}": ">0?" for f in ("is_floor", "gspo_max_log_ratio")},
-  **{f"rl.{f}": "(0,1]" for f in ("clip_cov_ratio", "kl_cov_ratio")},
+  **{f"rl.{f}": "(0,1]" for f in ("clip_cov_ratio", "kl_cov_ratio",
+                                   "sat_quantile")},
   "rl.kl_cov_coef": ">=0",
     "sft.label_noise": "[0,1)", "rewards.max_failure_fraction": "[0,1]",
     # Advantage conventions and the length-aware advantages (issue 10).
