@@ -4,7 +4,8 @@ An ``Algorithm`` bundles three optax-protocol chains and what sampling they
 need:
 
 * ``advantage``: rewards ``[N, R]`` (one column per reward function, NaN
-  where a function gave no reward) -> advantages ``[N]``. Its head reduces the
+  where a function gave no reward) -> advantages ``[N]`` (KTAE: ``[N, T]``
+  per completion token). Its head reduces the
   reward columns (``advantages.sum_rewards()`` or GDPO's
   ``advantages.normalize_each_reward()``); both read the reward weights from
   the extra argument ``reward_weights_R``, so the weights of the
@@ -107,7 +108,8 @@ class Algorithm:
   """Advantage chain, coefficient chain, optimizer and their sampling needs.
 
   Attributes:
-    advantage: rewards ``[N, R]`` -> advantages ``[N]`` (see module doc).
+    advantage: rewards ``[N, R]`` -> advantages ``[N]``, or ``[N, T]`` per
+      completion token (KTAE) (see module doc).
     coefficient: ratio ``[B, T]`` -> coefficient ``[B, T]``.
     optimizer: gradients -> updates (receives ``ess=``).
     extra_samples: samples per prompt beyond the group size (MC-GRPO: 1).
