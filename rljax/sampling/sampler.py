@@ -212,6 +212,18 @@ def _round_up(slots: int) -> int:
   return -(-slots // DECODE_BLOCK) * DECODE_BLOCK
 
 
+def _cache_slots(needed: int, final: int) -> int:
+  """Slots of a cache that holds ``needed`` slots now and ``final`` at most.
+
+  Whole ``DECODE_BLOCK``s, so that ``decode_attend``'s block sums line up in
+  every segment; but a cache that never outgrows one block is sized
+  ``final`` at once: it never grows, so there is nothing to line up, and
+  short generations (6 new tokens after a 16-token prompt) attend over their
+  own slots, not a 64-slot block of mostly empty ones.
+  """
+  return final if final <= DECODE_BLOCK else _round_up(needed)
+
+
 def _ended(tokens_NxT, column_N, token_N, eos_V, stop_sequences):
   """Whether ``token_N``, just written at ``column_N``, ends its row."""
   hit = jnp.any(token_N[:, None] == eos_V[None], axis=1)
@@ -319,8 +331,8 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
         next_position=state.next_position + 1)
 
   for end in segment_ends(t, sc.segment_slots):
-    state = state._replace(cache=_grow(state.cache,
-                                       _round_up(base_slots + end)))
+    state = state._replace(cache=_grow(
+        state.cache, _cache_slots(base_slots + end, base_slots + t)))
     state = jax.lax.while_loop(
         lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, state)
   return state
@@ -347,7 +359,10 @@ def _prefill(params, prompt_tokens_BxP, prompt_mask_BxP, *, model,
             init_cache(mc, b * g, 0, cache_dtype, prefix=prefix))
   tokens_NxP = jnp.repeat(prompt_tokens_BxP, g, axis=0)
   mask_NxP = jnp.repeat(prompt_mask_BxP, g, axis=0)
-  cache = init_cache(mc, b * g, _round_up(p), cache_dtype)
+  # Exactly P slots where the whole cache fits one block (``_decode`` grows
+  # it to P + T once), else whole blocks.
+  slots = p if p + sc.max_new_tokens <= DECODE_BLOCK else _round_up(p)
+  cache = init_cache(mc, b * g, slots, cache_dtype)
   hidden, cache = model.apply(
       {"params": params}, tokens_NxP, positions_from_mask(mask_NxP), cache,
       input_mask_BxT=mask_NxP)
