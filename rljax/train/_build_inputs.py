@@ -1,0 +1,222 @@
+"""The inputs of a run, read from its config: rewards, data, tokenizer, model.
+
+Part of ``build`` (which re-exports every name here), split off for length:
+with ``build.py`` the only code that reads a ConfigDict. With ``model.path``
+the run starts from a Hugging Face checkpoint (its config, weights,
+tokenizer, EOS ids and chat template); otherwise a sentencepiece tokenizer
+is trained or read and ``model.preset`` is initialised from scratch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Any
+
+import jax
+
+from rljax import data as data_lib
+from rljax import models, sharding
+from rljax import rewards as rewards_lib
+from rljax import tokenizers as tok_lib
+from rljax.train import algorithm as alg_lib
+
+log = logging.getLogger("rljax")
+
+HF_DIR = "tokenizer"
+"""The subdirectory of a run that holds a Hugging Face checkpoint's files."""
+
+HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+            "chat_template.jinja", "generation_config.json", "tokenizer.model",
+            "config.json")
+"""The files ``save_hf_files`` copies (those that exist)."""
+
+HF_OVERRIDES = ("param_dtype", "dtype", "remat")
+"""The ``model.overrides`` accepted with ``model.path``: the checkpoint fixes
+every other field."""
+
+
+
+def reward_fn(name: str):
+  """``(label, fn)``: a built-in reward by name, or ``"package.module:function"``."""
+  if ":" in name:
+    module, _, attr = name.partition(":")
+    try:
+      fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+      raise ValueError(f"rewards.names contains {name!r}, which cannot be "
+                       f"imported ({e}); accepted: a built-in name or "
+                       "'package.module:function'.") from e
+    return attr, fn
+  if name not in rewards_lib.REWARD_FNS:
+    raise ValueError(f"rewards.names contains {name!r}; accepted: "
+                     f"{tuple(sorted(rewards_lib.REWARD_FNS))} or "
+                     "'package.module:function'.")
+  return name, rewards_lib.get_reward_fn(name)
+
+
+def reward_specs(config: Any) -> list[rewards_lib.RewardSpec]:
+  """One ``RewardSpec`` per ``rewards.names`` entry, weighted by ``rewards.weights``."""
+  return [rewards_lib.RewardSpec(*reward_fn(n), weight=float(w))
+          for n, w in zip(config.rewards.names, config.rewards.weights)]
+
+
+def make_evaluator(config: Any, num_workers: int | None = None
+                   ) -> rewards_lib.RewardEvaluator:
+  """The reward evaluator of ``rewards.*`` (``num_workers`` overrides)."""
+  return rewards_lib.RewardEvaluator(
+      reward_specs(config),
+      num_workers=(config.rewards.num_workers if num_workers is None
+                   else num_workers),
+      timeout_s=config.rewards.timeout_s,
+      clip=config.rewards.get("clip"),
+      memory_limit_mb=config.rewards.get("memory_limit_mb"))
+
+
+def correctness_reward(config: Any) -> str:
+  """The reward whose value >= 1 counts as correct (``eval.reward``, or the first)."""
+  return config.eval.get("reward") or reward_fn(config.rewards.names[0])[0]
+
+
+def load_task(config: Any):
+  """``(task or None, train examples, held-out examples)``.
+
+  A JSONL task (``task.path``) has no ``task`` object; its held-out split is
+  ``task.heldout_path`` or the head of the training file.
+  """
+  t = config.task
+  seed = config.seed
+  if t.get("path"):
+    required = tuple(t.get("required_fields", ("prompt", "answer")) or ())
+    train = list(data_lib.read_jsonl(t.path, required_fields=required))
+    heldout = (list(data_lib.read_jsonl(t.heldout_path,
+                                        required_fields=required))
+               if t.get("heldout_path") else train[:config.eval.num_examples])
+    return None, train, heldout[:config.eval.num_examples]
+  task = data_lib.get_task(t.name, **dict(t.get("kwargs", {}) or {}))
+  train = task.examples("train", t.num_train, seed)
+  heldout = task.examples("heldout", config.eval.num_examples, seed + 1)
+  return task, train, heldout
+
+
+DATA_CHECKS = ("error", "warn")
+
+
+def check_data(config: Any, train_examples: list[dict[str, Any]],
+               heldout: list[dict[str, Any]],
+               mesh: jax.sharding.Mesh | None = None) -> None:
+  """Checks the loaded examples before anything is compiled.
+
+  * a JSONL task (``task.path``) in which no example has a non-empty
+    ``answer``: the answer-checking verifiers would score 0 and training
+    would run on zero reward;
+  * fewer held-out examples than ``eval.num_examples`` (and, for a JSONL
+    task without ``task.heldout_path``, a held-out set taken from the
+    training file);
+  * a held-out count that does not split over the mesh's batch axes.
+
+  ``task.on_data_problem`` says whether the first two raise (``"error"``,
+  the default) or log a warning (``"warn"``); the last always raises.
+  """
+  mode = config.task.get("on_data_problem", "error")
+  alg_lib.check_choice("task.on_data_problem", mode, DATA_CHECKS)
+  where = config.task.get("path") or f"task.name={config.task.name!r}"
+  problems = []
+  if config.task.get("path") and not data_lib.check_answers(
+      train_examples, where):
+    problems.append(
+        f"no training example of {where} has a non-empty 'answer' field: the "
+        "built-in verifiers would score every completion 0")
+  want = config.eval.num_examples
+  if len(heldout) < want:
+    source = (config.task.get("heldout_path") or
+              (f"the head of {config.task.path} (training rows!)"
+               if config.task.get("path") else where))
+    problems.append(
+        f"eval.num_examples={want} but {source} holds only {len(heldout)} "
+        f"held-out examples; accepted: eval.num_examples <= {len(heldout)}")
+  for problem in problems:
+    if mode == "error":
+      raise ValueError(problem + " (task.on_data_problem='warn' only warns).")
+    log.warning("DATA PROBLEM: %s.", problem)
+  if mesh is not None and heldout:
+    sharding.check_batch_divisible(
+        len(heldout), mesh, f"the number of held-out examples loaded ({where})")
+
+
+def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]]):
+  """The sentencepiece tokenizer of ``tokenizer.path``, or one trained on the task."""
+  if config.tokenizer.get("path"):
+    return tok_lib.SentencePieceTokenizer(config.tokenizer.path)
+  if task is not None:
+    corpus = task.tokenizer_corpus(config.tokenizer.corpus_size, config.seed)
+  else:
+    corpus = [e["prompt"] for e in train_examples]
+  return tok_lib.train_sentencepiece(corpus, config.tokenizer.vocab_size)
+
+
+def hf_overrides(config: Any) -> dict[str, Any]:
+  """``model.overrides`` for a run with ``model.path``, checked.
+
+  Raises:
+    ValueError: naming a field the checkpoint fixes.
+  """
+  overrides = dict(config.model.get("overrides", {}) or {})
+  for name in overrides:
+    if name not in HF_OVERRIDES:
+      raise ValueError(
+          f"model.overrides.{name} is set with model.path="
+          f"{config.model.path!r}: the checkpoint's config.json fixes the "
+          f"model's shape; accepted overrides: {HF_OVERRIDES}.")
+  return overrides
+
+
+def hf_model_config(directory: str, config: Any) -> models.ModelConfig:
+  """The model config of a checkpoint's ``config.json`` with the run's overrides."""
+  overrides = hf_overrides(config)
+  model_config = models.load_hf_config(directory,
+                                       param_dtype=overrides.get("param_dtype"),
+                                       dtype=overrides.get("dtype"))
+  if overrides.get("remat"):
+    model_config = model_config.replace(remat=overrides["remat"])
+  return model_config
+
+
+def preset_model_config(config: Any, vocab_size: int) -> models.ModelConfig:
+  """``model.preset`` with ``model.overrides`` and the tokenizer's vocab size."""
+  overrides = dict(config.model.get("overrides", {}) or {})
+  overrides.setdefault("vocab_size", vocab_size)
+  return models.get_preset(config.model.preset, **overrides)
+
+
+def hf_tokenizer(directory: str, config: Any):
+  """A checkpoint's tokenizer, through its chat template if the config asks."""
+  tokenizer = tok_lib.load_hf_tokenizer(directory)
+  chat = bool(config.tokenizer.get("chat_template"))
+  if chat and getattr(tokenizer, "chat_template", None) is None:
+    log.warning("tokenizer.chat_template=True, but %s has no chat template: "
+                "prompts are encoded as plain text.", directory)
+  return tok_lib.prompt_tokenizer(tokenizer, chat)
+
+
+def save_hf_files(source: str, workdir: str) -> list[str]:
+  """Copies a checkpoint's tokenizer files and config.json to ``workdir/tokenizer``."""
+  return models.copy_files(source, os.path.join(workdir, HF_DIR), HF_FILES)
+
+
+def run_model_and_tokenizer(config: Any, workdir: str):
+  """``(model_config, tokenizer, description)`` of a finished run's directory."""
+  hf_dir = os.path.join(workdir, HF_DIR)
+  if os.path.isdir(hf_dir):
+    return (hf_model_config(hf_dir, config), hf_tokenizer(hf_dir, config),
+            f"{config.model.path} (config.json in {hf_dir})")
+  tokenizer = tok_lib.SentencePieceTokenizer(
+      os.path.join(workdir, "tokenizer.model"))
+  return (preset_model_config(config, tokenizer.vocab_size), tokenizer,
+          config.model.preset)
+
+
+def eos_ids(tokenizer: Any) -> tuple[int, ...]:
+  """Every id that ends a completion: ``tokenizer.eos_ids`` if it has them."""
+  return tuple(getattr(tokenizer, "eos_ids", None) or (tokenizer.eos_id,))
