@@ -90,8 +90,8 @@ def kl_straight_through(value_BxT: jax.Array, logprobs_BxT: jax.Array,
   As a loss its expected gradient is that of KL(pi || pi_ref) (k2's),
   while the logged value is the unbiased estimate. verl's
   `core_algos.kl_penalty` documents this trick for a `"+"` suffix (at
-  commit b178a3c its forward call receives the suffixed name and raises
-  NotImplementedError; this is the documented intent).
+  commit b178a3c its forward call receives the suffixed name and fails on
+  it; what is built here is the documented intent).
   """
   k2 = kl_k2(logprobs_BxT, ref_logprobs_BxT)
   return k2 - _sg(k2) + _sg(jnp.asarray(value_BxT, jnp.float32))
