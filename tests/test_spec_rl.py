@@ -187,3 +187,30 @@ def test_draft_store_is_bounded_and_keyed_by_prompt():
     sampling.DraftStore(max_prompts=0)
   with pytest.raises(ValueError, match="spec_log_lenience=-1"):
     sampling.make_speculative_sampler(MC, BASE, log_lenience=-1)
+
+
+def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(
+    params, prompts, samplers):
+  """3 prompts (and their drafts) on 8 batch shards: the speculative call
+  pads rows and drafts alike and returns the rows of an unsharded call."""
+  import ml_collections
+  from rljax import sharding
+  plain_fn, spec_fn = samplers
+  mesh = sharding.mesh_from_config(
+      ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1}))
+  assert mesh.shape["fsdp"] == 8
+  params8 = models.init_params(MC, jax.random.key(0), mesh)
+  config = BASE.replace(eos_ids=(17,))
+  spec8 = sampling.make_speculative_sampler(
+      MC, config, mesh, models.param_shardings(MC, mesh))
+  tokens, mask = (x[:3] for x in prompts)
+  plain = jax.device_get(plain_fn(params, tokens, mask, jax.random.key(1)))
+  draft = _draft(plain)
+  want, want_acc = jax.device_get(
+      spec_fn(params, tokens, mask, draft, jax.random.key(2)))
+  got, got_acc = jax.device_get(
+      spec8(params8, tokens, mask, draft, jax.random.key(2)))
+  assert got.completion_tokens.shape == (3 * config.num_samples, 12)
+  np.testing.assert_array_equal(got_acc, want_acc)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, atol=1e-5)

@@ -438,6 +438,38 @@ Returns:
 """
 
 
+class MeshShardings(NamedTuple):
+  """The shardings of a sampler call on a mesh (``mesh_shardings``)."""
+
+  batch2: Any
+  batch1: Any
+  replicated: Any
+  rollout: Rollout
+  ways: int  # how many ways the batch axes split the rows
+
+
+def mesh_shardings(mesh: jax.sharding.Mesh, rules: Any,
+                   config: SamplerConfig) -> MeshShardings:
+  """Rows split over the mesh's batch axes; one ``Rollout`` of shardings."""
+  batch2 = sharding.batch_sharding(mesh, 2, rules)
+  batch1 = sharding.batch_sharding(mesh, 1, rules)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  out = Rollout(batch2, batch2, batch2, batch2, batch1, batch1,
+                batch2 if config.record_policy_logprobs else None, batch2)
+  axes = batch1.spec[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+  ways = int(np.prod([mesh.shape[a] for a in axes]))
+  return MeshShardings(batch2, batch1, replicated, out, ways)
+
+
+def pad_rows(extra: int, *xs_BxP: jax.Array, block: int = 1):
+  """Each array with its last ``block`` rows repeated ``extra`` times."""
+  if not extra:
+    return xs_BxP
+  return tuple(jnp.concatenate([x, jnp.tile(x[-block:], (extra, 1))])
+               for x in xs_BxP)
+
+
 def make_sampler(model_config: ModelConfig, config: SamplerConfig,
                  mesh: jax.sharding.Mesh | None = None,
                  param_shardings: Any = None,
@@ -455,25 +487,16 @@ def make_sampler(model_config: ModelConfig, config: SamplerConfig,
   fn = functools.partial(_sample_impl, model_config=model_config, config=config)
   if mesh is None:
     return jax.jit(fn)
-  batch2 = sharding.batch_sharding(mesh, 2, rules)
-  batch1 = sharding.batch_sharding(mesh, 1, rules)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  out = Rollout(batch2, batch2, batch2, batch2, batch1, batch1,
-                batch2 if config.record_policy_logprobs else None, batch2)
-  jitted = jax.jit(fn, in_shardings=(param_shardings, batch2, batch2, replicated),
-                   out_shardings=out)
-
-  axes = batch1.spec[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-  ways = int(np.prod([mesh.shape[a] for a in axes]))
+  s = mesh_shardings(mesh, rules, config)
+  jitted = jax.jit(fn, in_shardings=(param_shardings, s.batch2, s.batch2,
+                                     s.replicated),
+                   out_shardings=s.rollout)
 
   def call(params, prompt_tokens_BxP, prompt_mask_BxP, key):
     b = prompt_tokens_BxP.shape[0]
-    extra = -b % ways
-    if extra:
-      prompt_tokens_BxP, prompt_mask_BxP = (
-          jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
-          for x in (prompt_tokens_BxP, prompt_mask_BxP))
+    extra = -b % s.ways
+    prompt_tokens_BxP, prompt_mask_BxP = pad_rows(
+        extra, prompt_tokens_BxP, prompt_mask_BxP)
     with jax.set_mesh(mesh):
       rollout = jitted(params, prompt_tokens_BxP, prompt_mask_BxP, key)
     if extra:

@@ -54,11 +54,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _decode, _ended,
+                                    mesh_shardings, pad_rows,
                                     _LoopState, _grow, _prefill,
                                     _round_up, _setup, _to_rollout,
                                     _token_logprobs)
@@ -182,28 +182,19 @@ def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
                          config=config, log_lenience=float(log_lenience))
   if mesh is None:
     return jax.jit(fn)
-  batch2 = sharding.batch_sharding(mesh, 2, rules)
-  batch1 = sharding.batch_sharding(mesh, 1, rules)
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  out = Rollout(batch2, batch2, batch2, batch2, batch1, batch1,
-                batch2 if config.record_policy_logprobs else None, batch2)
-  jitted = jax.jit(fn, in_shardings=(param_shardings, batch2, batch2,
-                                     Draft(batch2, batch2, batch2), replicated),
-                   out_shardings=(out, batch1))
-  axes = batch1.spec[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
-  ways = int(np.prod([mesh.shape[a] for a in axes]))
+  s = mesh_shardings(mesh, rules, config)
+  b2 = s.batch2
+  jitted = jax.jit(fn, in_shardings=(param_shardings, b2, b2,
+                                     Draft(b2, b2, b2), s.replicated),
+                   out_shardings=(s.rollout, s.batch1))
   g = config.num_samples
 
   def call(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft, key):
     b = prompt_tokens_BxP.shape[0]
-    extra = -b % ways
-    if extra:
-      prompt_tokens_BxP, prompt_mask_BxP = (
-          jnp.concatenate([x, jnp.repeat(x[-1:], extra, axis=0)])
-          for x in (prompt_tokens_BxP, prompt_mask_BxP))
-      draft = Draft(*(jnp.concatenate([x, jnp.tile(x[-g:], (extra, 1))])
-                      for x in draft))
+    extra = -b % s.ways
+    prompt_tokens_BxP, prompt_mask_BxP = pad_rows(
+        extra, prompt_tokens_BxP, prompt_mask_BxP)
+    draft = Draft(*pad_rows(extra, *draft, block=g))
     with jax.set_mesh(mesh):
       rollout, accepted_N = jitted(params, prompt_tokens_BxP, prompt_mask_BxP,
                                    draft, key)
