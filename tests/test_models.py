@@ -206,6 +206,47 @@ def test_shared_prefix_cache_equals_repeated_prompts(name):
   assert cache.prefix.layers[0].k.shape[0] == groups
 
 
+def _numpy_attention(q, k, v, mask, scale, softcap):
+  """Softmax attention in float64 numpy; ``k``/``v`` are ``[B, S, N, H]``."""
+  s = np.einsum("btnh,bsnh->bnts", q, k) * scale
+  if softcap is not None:
+    s = softcap * np.tanh(s / softcap)
+  s = np.where(mask[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  return np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("t", [1, 5])  # the no-dot path, and the dot path
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_decode_attend_equals_numpy_softmax_attention(t, with_prefix):
+  """``decode_attend`` on a ``[B, K, S, H]`` cache (with 3 blocks of 4 slots,
+  masked slots, GQA and a soft-cap) against dense float64 attention."""
+  b, n, kh, h, s, sp, groups = 4, 4, 2, 8, 12, 5, 2
+  rng = np.random.RandomState(t)
+  q = rng.randn(b, t, n, h).astype(np.float32)
+  k, v = (rng.randn(b, kh, s, h).astype(np.float32) for _ in range(2))
+  mask = rng.rand(b, t, s) < 0.6
+  mask[:, :, 0] = True
+  keys = np.repeat(np.transpose(k, (0, 2, 1, 3)), n // kh, axis=2)
+  values = np.repeat(np.transpose(v, (0, 2, 1, 3)), n // kh, axis=2)
+  full_mask, prefix = mask, None
+  if with_prefix:
+    pk, pv = (rng.randn(groups, kh, sp, h).astype(np.float32) for _ in range(2))
+    pmask = rng.rand(groups, t, sp) < 0.7
+    prefix = (jnp.asarray(pk), jnp.asarray(pv), jnp.asarray(pmask))
+    rows = np.arange(b) // (b // groups)
+    expand = lambda x: np.repeat(np.transpose(x, (0, 2, 1, 3)), n // kh, 2)[rows]
+    keys = np.concatenate([expand(pk), keys], 1)
+    values = np.concatenate([expand(pv), values], 1)
+    full_mask = np.concatenate([pmask[rows], mask], 2)
+  got = models.transformer.decode_attend(
+      jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask),
+      scale=0.3, softcap=4.0, prefix=prefix, block=4)
+  want = _numpy_attention(q.astype(np.float64), keys, values, full_mask, 0.3,
+                          4.0)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_sharded_forward_equals_single_device_and_params_follow_rules():
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   config = TINY.replace(qkv_bias=True, tie_embeddings=False)

@@ -71,7 +71,7 @@ def _while_bodies(hlo: str) -> dict[str, str]:
 
 
 def test_the_cache_update_in_the_loop_is_in_place(params, prompts):
-  """Inside every decode while-loop body, each layer's [N, S, K, H] cache
+  """Inside every decode while-loop body, each layer's [N, K, S, H] cache
   is written by a dynamic-update-slice fusion and never copied."""
   tokens, mask = prompts
   fn = sampling.make_sampler(MC, BASE)
@@ -81,7 +81,7 @@ def test_the_cache_update_in_the_loop_is_in_place(params, prompts):
   seen = set()
   for body in bodies.values():
     for s in (64, 128, 192):
-      shape = f"f32[{n},{s},{k},{h}]"
+      shape = f"f32[{n},{k},{s},{h}]"
       writes = [l for l in body.splitlines() if f"= {shape}" in l]
       if not writes:
         continue

@@ -21,8 +21,10 @@ class LayerKV(NamedTuple):
   """Keys and values of one layer.
 
   Attributes:
-    k: ``[B, S, K, H]`` keys (already rotated by RoPE), cache dtype.
-    v: ``[B, S, K, H]`` values, cache dtype.
+    k: ``[B, K, S, H]`` keys (already rotated by RoPE), cache dtype: each
+      KV head's slots are contiguous, the layout of decode attention's
+      per-head products (``transformer.decode_attend``).
+    v: ``[B, K, S, H]`` values, cache dtype.
   """
 
   k: jax.Array
@@ -33,7 +35,7 @@ class KVCache(NamedTuple):
   """The decoding cache: a plain pytree, written with ``dynamic_update_slice``.
 
   Attributes:
-    layers: one ``LayerKV`` per layer, each ``[B, S, K, H]``.
+    layers: one ``LayerKV`` per layer, each ``[B, K, S, H]``.
     mask: ``[B, S]`` bool, whether a slot holds a real token.
     index: ``[]`` int32, the next slot to write (shared by all rows).
     prefix: optional read-only cache of ``B // G`` rows holding each group's
@@ -59,10 +61,10 @@ def init_cache(config: ModelConfig, batch_size: int, num_slots: int,
     prefix: an optional read-only prefix cache (see ``KVCache``).
 
   Returns:
-    A ``KVCache`` with zero ``[B, S, K, H]`` keys and values, an all-false
+    A ``KVCache`` with zero ``[B, K, S, H]`` keys and values, an all-false
     ``[B, S]`` mask and ``index`` 0.
   """
-  shape = (batch_size, num_slots, config.num_kv_heads, config.head_dim)
+  shape = (batch_size, config.num_kv_heads, num_slots, config.head_dim)
   layers = tuple(LayerKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
                  for _ in range(config.num_layers))
   return KVCache(layers, jnp.zeros((batch_size, num_slots), jnp.bool_),

@@ -80,9 +80,8 @@ CAUSAL_MAX_BLOCKS = 8  # at most this many blocks (unrolled in the program)
 
 
 def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
-           softcap: float | None = None, prefix: tuple | None = None,
-           causal: bool = False):
-  """Grouped-query attention over a cache, with an optional shared prefix.
+           softcap: float | None = None, causal: bool = False):
+  """Grouped-query attention of a forward without a cache (training, scoring).
 
   Args:
     q_BxTxNxH: queries.
@@ -91,8 +90,6 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
     mask_BxTxS: bool, which keys each query may see.
     scale: multiplier of ``q . k``.
     softcap: optional soft-cap of the logits.
-    prefix: optional ``(k_PxSpxKxH, v_PxSpxKxH, mask_PxTxSp)`` with
-      ``P = B // G`` rows: keys shared by each run of ``G`` consecutive rows.
     causal: the keys are the queries' own slots (``S = T``) and the mask
       hides every key after its query. Then the queries run in blocks of
       about ``CAUSAL_QUERY_BLOCK`` rows, each against the keys up to its last
@@ -107,7 +104,7 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
   """
   t = q_BxTxNxH.shape[1]
   num_blocks = min(CAUSAL_MAX_BLOCKS, -(-t // CAUSAL_QUERY_BLOCK))
-  if causal and prefix is None and num_blocks > 1:
+  if causal and num_blocks > 1:
     if k_BxSxKxH.shape[1] != t:
       raise ValueError(f"attend(causal=True): keys have {k_BxSxKxH.shape[1]} "
                        f"slots, queries {t}; causal needs S = T.")
@@ -124,102 +121,130 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
                       preferred_element_type=jnp.float32) * scale
   logits = _softcap(logits, softcap)
   logits = jnp.where(mask_BxTxS[:, None, None], logits, _NEG_INF)
-  if prefix is None:
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxH.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-    return out.reshape(b, t, n, h)
-  pk, pv, pmask = prefix
-  p = pk.shape[0]
-  g = b // p
-  qg = q.reshape(p, g, t, kh, n // kh, h)
-  plogits = jnp.einsum("pxtkgh,pskh->pxkgts", qg, pk.astype(q.dtype),
-                       preferred_element_type=jnp.float32) * scale
-  plogits = _softcap(plogits, softcap)
-  plogits = jnp.where(pmask[:, None, None, None], plogits, _NEG_INF)
-  plogits = plogits.reshape(b, kh, n // kh, t, -1)
-  sp = plogits.shape[-1]
-  probs = jax.nn.softmax(jnp.concatenate([plogits, logits], -1), axis=-1)
-  probs = probs.astype(v_BxSxKxH.dtype)
-  pprobs = probs[..., :sp].reshape(p, g, kh, n // kh, t, sp)
-  out = jnp.einsum("pxkgts,pskh->pxtkgh", pprobs, pv.astype(v_BxSxKxH.dtype))
-  out = out.reshape(b, t, kh, n // kh, h)
-  out = out + jnp.einsum("bkgts,bskh->btkgh", probs[..., sp:], v_BxSxKxH)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxH.dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
   return out.reshape(b, t, n, h)
 
 
+def _halving_sum(x):
+  """The sum over the last axis as halving adds of slices (one loop fusion:
+  XLA:CPU runs it 1.4x faster than a reduce over 64-slot rows here)."""
+  while x.shape[-1] > 1:
+    half = x.shape[-1] // 2
+    y = x[..., :half] + x[..., half:2 * half]
+    if x.shape[-1] % 2:
+      y = jnp.concatenate([y[..., :-1], y[..., -1:] + x[..., -1:]], -1)
+    x = y
+  return x[..., 0]
+
+
 DECODE_BLOCK = 64  # cache slots per block of ``decode_attend``
+DECODE_VECTOR_ROWS = 8  # ``T * N / K`` query rows up to which it skips dots
 
 
-def decode_attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
+def decode_attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS, *, scale: float,
                   softcap: float | None = None, prefix: tuple | None = None,
                   block: int = DECODE_BLOCK):
-  """``attend`` over a KV cache, in blocks of ``block`` slots: the decode seam.
+  """``attend`` over a KV cache laid out ``[B, K, S, H]``: the decode seam.
 
-  The one attention function of the cached (decode and draft-verify) path,
-  and the seam where a fused decode kernel goes: on a GPU or TPU a Pallas
-  (``jax.experimental.pallas``) paged/ragged decode-attention kernel can
-  replace this body with the same arguments. None is wired: Pallas kernels
-  run on CPU only with ``interpret=True``, an emulator far slower than this
-  XLA code, so a CPU test could check equality but not speed; the seam is
-  left for a device task.
+  The one attention function of the cached path (prefill, decode steps and
+  draft verification), and the seam where a fused decode kernel goes: on a
+  GPU or TPU a Pallas (``jax.experimental.pallas``) paged/ragged
+  decode-attention kernel can replace this body with the same arguments.
+  None is wired: Pallas kernels run on CPU only with ``interpret=True``, an
+  emulator far slower than this XLA code, so a CPU test could check equality
+  but not speed; the seam is left for a device task.
 
-  Why blocks: the sampler's decode cache grows between length segments, so
-  one step may see ``S`` or ``2 S`` slots. Scores are per-slot dot products;
-  the softmax sums and the value sum are taken within fixed ``block``-slot
-  blocks and then across blocks, and a wholly empty block adds exact zeros,
-  so the result does not depend on how many empty blocks follow: segmented
-  and unsegmented decode give bitwise-equal logits with shared prefixes
-  (with repeated prompts XLA:CPU's sum over blocks has been seen to differ in
-  the last bit). 64-slot blocks: the per-block dots are few enough to be
-  fast (16-slot blocks were 16% slower at 512 new tokens). When ``S`` is not a
-  multiple of ``block`` the block is ``gcd(S, block)``, or ``S`` when ``S <=
-  block``; the sampler sizes its caches in multiples of ``DECODE_BLOCK``,
-  except caches that never outgrow one block.
+  Two bodies, chosen by the static query rows per KV head (``T * N / K``):
+    * Few rows (a decode step, ``<= DECODE_VECTOR_ROWS``): no dots. Scores
+      and the weighted value sum are broadcast products reduced in one
+      fusion each, which stream the cache once. A batched ``dot_general``
+      here runs ``B * K`` matrix-vector products of ``[G, H] x [H, S]``,
+      each too small for the matmul kernel: at 64 rows x 1,088 slots it took
+      38.8 ms per layer on the 2-core CPU, the fusions 7.6 ms (issue 14).
+      The value sum is taken within fixed ``block``-slot blocks and then
+      block by block in a fixed order, and an empty slot adds an exact zero,
+      so in exact arithmetic empty trailing blocks change nothing. In
+      floating point the sampler's length segments (caches that grow between
+      segments) give the same logits as one full-size cache to the last bit
+      or close to it: XLA:CPU picks its reduction kernels (YNNPACK fusions)
+      and their tiling by shape, and a 6-row cache of 64 slots has been seen
+      to round differently from the same rows in 192 slots (logprobs within
+      2e-6; the 64-row benchmark shapes agree bitwise). When ``S`` is not a
+      multiple of ``block`` the block is ``gcd(S, block)``, or ``S`` when
+      ``S <= block``.
+    * More rows (prefill, verification): batched dots over ``(B, K)``; the
+      ``[B, K, S, H]`` layout is already the dot's, so no cache transpose.
 
-  Args: as ``attend`` (``mask_BxTxS``: which cache slots each query sees).
+  Args: as ``attend``, with ``k_BxKxSxH``/``v_BxKxSxH`` (and a prefix's
+    ``k_PxKxSpxH``/``v_PxKxSpxH``) in the cache layout.
   Returns: ``[B, T, N, H]`` in the dtype of ``v``.
 
   References: Dao et al., "FlashAttention" (blockwise softmax),
   https://arxiv.org/abs/2205.14135; gemma's sampler (cache layout).
   """
   b, t, n, h = q_BxTxNxH.shape
-  s, kh = k_BxSxKxH.shape[1], k_BxSxKxH.shape[2]
-  block = s if s <= block else math.gcd(s, block)
-  nb = s // block
-  q = q_BxTxNxH.reshape(b, t, kh, n // kh, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * scale
-  logits = _softcap(logits, softcap)
-  logits = jnp.where(mask_BxTxS[:, None, None], logits, _NEG_INF)
+  kh, s = k_BxKxSxH.shape[1], k_BxKxSxH.shape[2]
+  g = n // kh
+  dt = v_BxKxSxH.dtype
+  # [B, K, G*T, H]: the rows that share one KV head.
+  q = jnp.transpose(q_BxTxNxH.reshape(b, t, kh, g, h), (0, 2, 3, 1, 4))
+  q = q.reshape(b, kh, g * t, h)
+  mask = jnp.broadcast_to(mask_BxTxS[:, None, None], (b, 1, g, t, s))
+  mask = mask.reshape(b, 1, g * t, s)
+  vector = g * t <= DECODE_VECTOR_ROWS
+
+  def scores(q_xKxMxH, k_xKxSxH):
+    if vector:
+      out = jnp.sum(q_xKxMxH[..., None, :].astype(jnp.float32)
+                    * k_xKxSxH[..., None, :, :].astype(jnp.float32), -1)
+    else:
+      out = jnp.einsum("...kmh,...ksh->...kms", q_xKxMxH,
+                       k_xKxSxH.astype(q_xKxMxH.dtype),
+                       preferred_element_type=jnp.float32)
+    return _softcap(out * scale, softcap)
+
+  logits = jnp.where(mask, scores(q, k_BxKxSxH), _NEG_INF)
   m = jnp.max(logits, axis=-1, keepdims=True)
   plogits = None
   if prefix is not None:
     pk, pv, pmask = prefix
     p = pk.shape[0]
-    qg = q.reshape(p, b // p, t, kh, n // kh, h)
-    plogits = jnp.einsum("pxtkgh,pskh->pxkgts", qg, pk.astype(q.dtype),
-                         preferred_element_type=jnp.float32) * scale
-    plogits = _softcap(plogits, softcap)
-    plogits = jnp.where(pmask[:, None, None, None], plogits, _NEG_INF)
-    plogits = plogits.reshape(b, kh, n // kh, t, -1)
+    qp = q.reshape(p, b // p, kh, g * t, h)
+    plogits = scores(qp, pk[:, None])
+    sp = pk.shape[2]
+    pm = jnp.broadcast_to(pmask[:, None, None], (p, 1, g, t, sp))
+    plogits = jnp.where(pm.reshape(p, 1, 1, g * t, sp), plogits, _NEG_INF)
+    plogits = plogits.reshape(b, kh, g * t, sp)
     m = jnp.maximum(m, jnp.max(plogits, axis=-1, keepdims=True))
-  e = jnp.exp(logits - m).reshape(b, kh, n // kh, t, nb, block)
-  ones = jnp.ones(v_BxSxKxH.shape[:-1] + (1,), v_BxSxKxH.dtype)
-  v1 = jnp.concatenate([v_BxSxKxH, ones], -1).reshape(b, nb, block, kh, h + 1)
-  # Per block [..., h + 1]: the weighted values and (last) the weight sum.
-  part = jnp.einsum("bkgtnc,bnckh->bkgtnh", e.astype(v1.dtype), v1,
-                    preferred_element_type=jnp.float32)
-  acc = jnp.sum(part, axis=4)
+  e = jnp.exp(logits - m)
+  if vector:
+    block = s if s <= block else math.gcd(s, block)
+    nb = s // block
+    e_blocks = e.reshape(b, kh, g * t, nb, block)
+    v_blocks = v_BxKxSxH.reshape(b, kh, nb, block, h).astype(jnp.float32)
+    num = jnp.sum(e_blocks[..., None] * v_blocks[:, :, None], axis=-2)
+    den = _halving_sum(e_blocks)
+    acc, total = num[:, :, :, 0], den[..., 0]
+    for j in range(1, nb):  # a fixed order: empty trailing blocks add 0
+      acc, total = acc + num[:, :, :, j], total + den[..., j]
+  else:
+    acc = jnp.einsum("bkms,bksh->bkmh", e.astype(dt), v_BxKxSxH,
+                     preferred_element_type=jnp.float32)
+    total = jnp.sum(e, axis=-1)
   if prefix is not None:
-    pe = jnp.exp(plogits - m).reshape(p, b // p, kh, n // kh, t, -1)
-    pones = jnp.ones(pv.shape[:-1] + (1,), pv.dtype)
-    pv1 = jnp.concatenate([pv, pones], -1).astype(v1.dtype)
-    pacc = jnp.einsum("pxkgts,pskh->pxkgth", pe.astype(v1.dtype), pv1,
-                      preferred_element_type=jnp.float32)
+    pe = jnp.exp(plogits - m)
+    total = total + jnp.sum(pe, axis=-1)
+    pe = pe.reshape(p, b // p, kh, g * t, sp)
+    if vector:
+      pacc = jnp.sum(pe[..., None] * pv[:, None, :, None].astype(jnp.float32),
+                     axis=-2)
+    else:
+      pacc = jnp.einsum("pxkms,pksh->pxkmh", pe.astype(dt), pv.astype(dt),
+                        preferred_element_type=jnp.float32)
     acc = acc + pacc.reshape(acc.shape)
-  out = acc[..., :h] / acc[..., h:]
-  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(
-      v_BxSxKxH.dtype)
+  out = (acc / total[..., None]).reshape(b, kh, g, t, h)
+  return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(dt)
 
 
 def _project(x, w, in_dims: int = 1):
@@ -307,19 +332,22 @@ class Attention(nn.Module):
     if layer_kv is None:
       keys, values, new_kv = kk, vv, None
     else:
-      start = (0, index, 0, 0)
-      keys = jax.lax.dynamic_update_slice(
-          layer_kv.k, kk.astype(layer_kv.k.dtype), start)
-      values = jax.lax.dynamic_update_slice(
-          layer_kv.v, vv.astype(layer_kv.v.dtype), start)
+      start = (0, 0, index, 0)  # the cache is [B, K, S, H]
+      keys = jax.lax.dynamic_update_slice(layer_kv.k, jnp.transpose(
+          kk, (0, 2, 1, 3)).astype(layer_kv.k.dtype), start)
+      values = jax.lax.dynamic_update_slice(layer_kv.v, jnp.transpose(
+          vv, (0, 2, 1, 3)).astype(layer_kv.v.dtype), start)
       new_kv = LayerKV(keys, values)
     prefix = None if prefix_kv is None else (prefix_kv.k, prefix_kv.v,
                                              prefix_mask)
     scale = c.query_scale if c.query_scale is not None else h ** -0.5
-    attention = (functools.partial(attend, causal=True) if layer_kv is None
-                 else decode_attend)
-    out = attention(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
-                    scale=scale, softcap=c.attn_logit_softcap, prefix=prefix)
+    if layer_kv is None:
+      out = attend(q, keys, values, mask_BxTxS, scale=scale,
+                   softcap=c.attn_logit_softcap, causal=True)
+    else:
+      out = decode_attend(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
+                          scale=scale, softcap=c.attn_logit_softcap,
+                          prefix=prefix)
     out = _project(out, wo.astype(dt), in_dims=2)
     return sharding.constrain(out, ("batch", "length", "act_embed")), new_kv
 

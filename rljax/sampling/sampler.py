@@ -5,7 +5,7 @@ Layout. ``B`` prompts are left-padded to a bucket length ``P`` and each gets
 ``i % G`` of prompt ``i // G``), ``N = B * G``.
 
 Shared group prefixes. The prompts are prefilled once, on ``B`` rows, into a
-prefix cache ``[B, P, K, H]`` per layer. The decode cache holds only the
+prefix cache ``[B, K, P, H]`` per layer. The decode cache holds only the
 generated tokens, ``[N, T, K, H]``, and every decode step attends to the
 prefix of its group through ``models.attend``'s prefix path, so a prompt is
 neither recomputed nor copied ``G`` times. ``share_prefix=False`` repeats the
@@ -271,7 +271,7 @@ def _fused_logprobs(sc: SamplerConfig) -> bool:
 def _grow(cache: KVCache, num_slots: int) -> KVCache:
   """The cache with empty slots appended up to ``num_slots`` (one copy)."""
   extra = num_slots - cache.mask.shape[1]
-  pad4 = ((0, 0), (0, extra), (0, 0), (0, 0))
+  pad4 = ((0, 0), (0, 0), (0, extra), (0, 0))  # [B, K, S, H]
   layers = tuple(LayerKV(jnp.pad(l.k, pad4), jnp.pad(l.v, pad4))
                  for l in cache.layers)
   return cache._replace(layers=layers,
