@@ -261,6 +261,26 @@ def _project(x, w, in_dims: int = 1):
   return y.reshape(*lead, *w.shape[in_dims:])
 
 
+def _project_fused(x, *ws):
+  """``[_project(x, w) for w in ws]`` as one matmul over the joined outputs.
+
+  The cached path (prefill, decode) uses it for q/k/v and gate/up: a decode
+  step's matmuls have few rows, and on XLA:CPU one wide matmul is cheaper
+  than two or three narrow ones (issue 14: a 64-row step 5% faster). The
+  training path keeps separate matmuls: there the join and the split of its
+  gradient cost what the wider matmul saves.
+  """
+  d = x.shape[-1]
+  joined = jnp.concatenate([w.reshape(d, -1) for w in ws], axis=1)
+  y = _project(x, joined)
+  outs, start = [], 0
+  for w in ws:
+    size = math.prod(w.shape[1:])
+    outs.append(y[..., start:start + size].reshape(*x.shape[:-1], *w.shape[1:]))
+    start += size
+  return tuple(outs)
+
+
 def _param(module, name, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape,
                       dtype)
@@ -310,9 +330,11 @@ class Attention(nn.Module):
     wo = _param(self, "o_kernel", _dense_init((0, 1), 2), (n, h, d),
                 ("heads", "head_dim", "embed"), pd)
     x = x_BxTxD.astype(dt)
-    q = _project(x, wq.astype(dt))
-    kk = _project(x, wk.astype(dt))
-    vv = _project(x, wv.astype(dt))
+    if layer_kv is None:
+      q, kk, vv = (_project(x, w.astype(dt)) for w in (wq, wk, wv))
+    else:
+      q, kk, vv = _project_fused(x, wq.astype(dt), wk.astype(dt),
+                                 wv.astype(dt))
     if c.qkv_bias:
       zeros = nn.initializers.zeros
       q = q + _param(self, "q_bias", zeros, (n, h), ("heads", "head_dim"),
@@ -353,9 +375,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-  """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU or GeGLU)."""
+  """Gated MLP: ``down(act(gate(x)) * up(x))`` (SwiGLU or GeGLU).
+
+  ``fused``: gate and up as one matmul (``_project_fused``; the cached path).
+  """
 
   config: ModelConfig
+  fused: bool = False
 
   @nn.compact
   def __call__(self, x_BxTxD):
@@ -368,10 +394,13 @@ class MLP(nn.Module):
     wd = _param(self, "down_kernel", _dense_init(0, 1), (c.mlp_dim, c.d_model),
                 ("mlp", "embed"), pd)
     x = x_BxTxD.astype(dt)
-    gate = _project(x, wg.astype(dt))
+    if self.fused:
+      gate, up = _project_fused(x, wg.astype(dt), wu.astype(dt))
+    else:
+      gate, up = _project(x, wg.astype(dt)), _project(x, wu.astype(dt))
     act = (jax.nn.silu(gate) if c.activation == "silu"
            else jax.nn.gelu(gate, approximate=True))
-    hidden = sharding.constrain(act * _project(x, wu.astype(dt)),
+    hidden = sharding.constrain(act * up,
                                 ("batch", "length", "act_mlp"))
     return _project(hidden, wd.astype(dt))
 
@@ -394,7 +423,8 @@ class Block(nn.Module):
     if c.post_norms:
       h = norm(name="post_attn_norm")(h)
     x = x_BxTxD + h.astype(x_BxTxD.dtype)
-    h = MLP(c, name="mlp")(norm(name="pre_mlp_norm")(x))
+    h = MLP(c, fused=layer_kv is not None, name="mlp")(
+        norm(name="pre_mlp_norm")(x))
     if c.post_norms:
       h = norm(name="post_mlp_norm")(h)
     x = x + h.astype(x.dtype)
