@@ -36,6 +36,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rl.num_steps = 400
   c.rl.num_minibatches = 2
   c.rl.training_temperature = 1.5
+  # pi_old from the sampler's fp32 logprobs (verl's bypass mode): with two
+  # minibatches, "recompute" runs one more forward pass per step for the
+  # same numbers (to ~1e-6). The RL phase is 1.5x faster; gains as before.
+  c.rl.old_logprobs = "sampler"
 
   c.optimizer.learning_rate = 1.5e-4
   c.optimizer.warmup_steps = 5
