@@ -27,6 +27,14 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "call jax.distributed.initialize() first")
 
 
+def _record_stem() -> str:
+  """``train`` for the main job's config, else the config file's stem (so
+  records of different configs at one commit do not overwrite each other)."""
+  path = config_flags.get_config_filename(flags.FLAGS["config"])
+  stem = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
+  return "train" if stem == "arithmetic_grpo" else stem
+
+
 def main(argv):
   del argv
   cli.setup_logging()
@@ -44,7 +52,7 @@ def main(argv):
     figures = {k: summary.get(k) for k in (
         "before", "after", "seconds", "seconds_by_phase", "tokens_per_s")}
     print("record:", write_record(
-        f"train_seed{_CONFIG.value.seed}", figures,
+        f"{_record_stem()}_seed{_CONFIG.value.seed}", figures,
         _RECORD_DIR.value or _WORKDIR.value, _CONFIG.value.to_dict()))
 
 

@@ -34,6 +34,18 @@ def workdir(tmp_path_factory):
   return path
 
 
+def test_train_writes_its_record_named_after_the_config_and_seed(workdir):
+  """The main job's config records as ``train_seed<N>-<commit>.json`` (other
+  configs as ``<config stem>_seed<N>``), with the before/after figures."""
+  names = [n for n in os.listdir(workdir) if n.endswith(".json")
+           and n != "config.json"]
+  assert len(names) == 1 and names[0].startswith("train_seed0-"), names
+  with open(os.path.join(workdir, names[0])) as f:
+    record = json.load(f)
+  assert set(record["figures"]["before"]) == set(record["figures"]["after"])
+  assert record["config"]["seed"] == 0
+
+
 @pytest.mark.slow
 def test_evaluate_prints_a_table_and_writes_the_json(workdir, tmp_path):
   output = str(tmp_path / "eval.json")
