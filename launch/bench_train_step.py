@@ -50,6 +50,12 @@ PyTorch measured the same way):
   ~125; the attention's elementwise softmax work; the optimizer update
   (clip + AdamW over all leaves, one fused program) is printed on its own
   and is a few percent of the step.
+* XLA:CPU's kernel choices, tried through ``XLA_FLAGS`` on part 1 (one run
+  each): none ``5,039`` tok/s; ``--xla_cpu_use_onednn=true`` 4,936;
+  ``--xla_cpu_experimental_onednn_custom_call=true`` 4,687;
+  ``--xla_cpu_use_xnnpack=true`` 4,620; ``--xla_cpu_experimental_ynn_fusion_type=``
+  (no YNNPACK fusions) 4,907. None is faster, so no launcher sets one; the
+  remaining gap to PyTorch is the matmul kernels' speed.
 
 Part 2 runs a few steps of a config (the main job by default) twice, with
 ``rl.old_logprobs="recompute"`` and ``="sampler"``, and prints where an RL
