@@ -63,7 +63,7 @@ def base() -> ml_collections.ConfigDict:
   c.sampler.segment_slots = 64
   # SPEC-RL (rljax.sampling.speculative): a prompt's previous rollout is the
   # draft, verified in one pass; accept token w.p. min(1, e^lenience p/q).
-  # Drafts live in a bounded per-prompt store, rebuilt (not checkpointed).
+  # Drafts live in a bounded per-prompt store, saved with each checkpoint.
   c.sampler.speculative = False
   c.sampler.spec_log_lenience = 0.5
   c.sampler.spec_store_prompts = 4096

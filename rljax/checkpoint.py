@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
@@ -57,15 +58,27 @@ class CheckpointManager:
         self._scores = json.load(f)
 
   def save(self, step: int, tree: Any, metadata: dict | None = None,
-           *, metrics: dict | None = None, force: bool = True) -> bool:
+           *, metrics: dict | None = None, force: bool = True,
+           host_arrays: dict[str, dict[str, np.ndarray]] | None = None
+           ) -> bool:
     """Starts saving ``tree`` and ``metadata`` for ``step`` (returns at once).
 
     ``metrics[best_metric]``, when given, ranks the checkpoint for
     ``best_step``; the best one is kept besides the last ``max_to_keep``.
+    ``host_arrays``: named extra items, each a dict of host (numpy) arrays
+    whose shapes vary between saves (e.g. the SPEC-RL draft store), read
+    back by ``restore_host_arrays`` without a target; None values are
+    skipped.
     """
+    extra = {name: ocp.args.StandardSave(value)
+             for name, value in (host_arrays or {}).items()
+             if value is not None}
+    if extra.keys() & {"state", "metadata"}:
+      raise ValueError(f"host_arrays names {sorted(extra)}: 'state' and "
+                       "'metadata' are taken.")
     args = ocp.args.Composite(
         state=ocp.args.StandardSave(tree),
-        metadata=ocp.args.JsonSave(metadata or {}))
+        metadata=ocp.args.JsonSave(metadata or {}), **extra)
     saved = self._manager.save(int(step), args=args, force=force)
     if self.best_metric and metrics and self.best_metric in metrics:
       self._scores[str(int(step))] = float(metrics[self.best_metric])
@@ -128,6 +141,16 @@ class CheckpointManager:
         state=ocp.args.StandardRestore(abstract),
         metadata=ocp.args.JsonRestore()))
     return restored["state"], dict(restored["metadata"] or {})
+
+  def restore_host_arrays(self, step: int, name: str
+                          ) -> dict[str, np.ndarray] | None:
+    """The ``host_arrays[name]`` saved with ``step``, as numpy arrays; None
+    when that checkpoint has no such item."""
+    if not os.path.isdir(os.path.join(self.directory, str(int(step)), name)):
+      return None
+    restored = self._manager.restore(int(step), args=ocp.args.Composite(
+        **{name: ocp.args.StandardRestore()}))
+    return {k: np.asarray(v) for k, v in restored[name].items()}
 
   def restore_latest_valid(self, target: Any) -> tuple[int, Any, dict]:
     """Restores the newest checkpoint that reads back whole.

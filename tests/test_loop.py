@@ -128,18 +128,38 @@ def test_every_config_name_trains(case, tmp_path):
     assert r["grad_norm"] > 0
 
 
+def _without_clock(row):
+  """A metrics row without wall-clock figures and held-out evaluations (a
+  run's last step evaluates, so a stop after step 1 adds them there)."""
+  return {k: v for k, v in row.items() if not k.startswith(
+      ("time/", "tokens_per_s/", "reward/eval_seconds", "eval/"))}
+
+
 @pytest.mark.slow
-def test_spec_rl_drafts_from_the_previous_epoch_and_trains(tmp_path):
-  """One epoch per step: step 2 resamples step 1's prompts from their drafts."""
+def test_spec_rl_drafts_from_the_previous_epoch_and_resumes_exactly(tmp_path):
+  """One epoch per step: steps 2 and 3 resample step 1's prompts from their
+  drafts. The draft store is checkpointed: a run stopped after step 1 and
+  resumed drafts, accepts and trains exactly as the uninterrupted one."""
   config = loop_config(**{"sampler.speculative": True})
   config.task.num_train = config.rl.prompts_per_step
-  train.run(config, str(tmp_path))
-  rows = rl_rows(tmp_path)
+  config.rl.num_steps = 3
+  config.checkpoint.every = 1
+  full = tmp_path / "full"
+  train.run(config, str(full))
+  rows = rl_rows(full)
   n = config.rl.prompts_per_step * config.rl.group_size
-  assert [r["spec/drafted_rows"] for r in rows] == [0, n]
+  assert [r["spec/drafted_rows"] for r in rows] == [0, n, n]
   assert 0 < rows[1]["spec/accept_rate"] <= 1
   assert rows[1]["spec/accepted_tokens/mean"] > 0
   assert all(r["grad_norm"] > 0 and math.isfinite(r["pg_loss"]) for r in rows)
+
+  split = tmp_path / "split"
+  config.rl.num_steps = 1
+  train.run(config, str(split))
+  config.rl.num_steps = 3
+  train.run(config, str(split))
+  assert ([_without_clock(r) for r in rl_rows(split)]
+          == [_without_clock(r) for r in rows])
 
 
 # --- a user-built algorithm --------------------------------------------------

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rljax import models, sampling
+from rljax import checkpoint, models, sampling
 
 MC = models.get_preset("tiny")
 BUCKETS = (8, 16)
@@ -187,6 +187,36 @@ def test_draft_store_is_bounded_and_keyed_by_prompt():
     sampling.DraftStore(max_prompts=0)
   with pytest.raises(ValueError, match="spec_log_lenience=-1"):
     sampling.make_speculative_sampler(MC, BASE, log_lenience=-1)
+
+
+def test_draft_store_round_trips_through_a_checkpoint(tmp_path):
+  """``arrays()`` saved as a checkpoint item and loaded into a new store:
+  same drafts for every prompt (of any length), same LRU order."""
+  rng = np.random.RandomState(0)
+  store = sampling.DraftStore(max_prompts=3)
+  prompts = [[5, 6, 7], [8], [9, 10, 11, 12], [0, 3]]  # the first is evicted
+  for p in prompts:
+    store.update([p], rng.randint(0, 50, (2, 4)), rng.rand(2, 4) < 0.5,
+                 rng.randn(2, 4).astype(np.float32))
+  store.lookup([[8]], 2, 4)  # [8] becomes the most recently used
+  manager = checkpoint.CheckpointManager(tmp_path / "ckpt", async_save=False)
+  manager.save(1, {"x": np.zeros(2)}, {}, host_arrays={
+      "drafts": store.arrays()})
+  manager.save(2, {"x": np.zeros(2)}, {}, host_arrays={"drafts": None})
+  assert manager.restore_host_arrays(2, "drafts") is None
+  again = sampling.DraftStore(max_prompts=3)
+  again.load_arrays(manager.restore_host_arrays(1, "drafts"))
+  manager.close()
+  assert len(again) == 3 and again.lookup([[5, 6, 7]], 2, 4) is None
+  for p in prompts[1:]:
+    want, got = store.lookup([p], 2, 4), again.lookup([p], 2, 4)
+    for a, b in zip(want, got):
+      np.testing.assert_array_equal(a, b)
+  # LRU order survives: [9..12] and [0, 3] were looked up last just now, so
+  # one more prompt evicts [8] from both.
+  for s in (store, again):
+    s.update([[1, 1]], np.zeros((2, 4)), np.ones((2, 4), bool), np.zeros((2, 4)))
+  assert store.lookup([[8]], 2, 4) is None and again.lookup([[8]], 2, 4) is None
 
 
 def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(

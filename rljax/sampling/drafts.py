@@ -5,11 +5,13 @@ dropped first; each entry is the ``[G, T]`` completion tokens, mask and
 sampler logprobs of the prompt's latest rollout (numpy, so a store of
 ``M`` prompts holds ``M * G * T * 9`` bytes).
 
-Rebuilt, not checkpointed: the store starts empty in every process (a fresh
-run or a resume) and fills as prompts are sampled, so the first visit of a
-prompt after a resume samples plainly. Samples stay on the current policy
-either way (the draft only proposes tokens), but a resumed run with
-speculation on draws different tokens than the uninterrupted run would.
+Checkpointed: the training loop saves ``arrays()`` with each checkpoint
+(an ``ocp`` item beside the train state) and a resume ``load_arrays()`` it,
+so a resumed run with speculation on drafts, accepts and draws the same
+tokens as the uninterrupted run. A checkpoint written without it (or by
+rljax before the store was saved) resumes with an empty store, which
+refills as prompts are sampled: the first visit of a prompt then samples
+plainly.
 
 References:
   Liu et al., "SPEC-RL: Accelerating On-Policy Reinforcement Learning via
@@ -93,6 +95,41 @@ class DraftStore:
                             np.asarray(mask_NxT[rows], bool),
                             np.asarray(logprobs_NxT[rows], np.float32))
       self._entries.move_to_end(key)
+    while len(self._entries) > self.max_prompts:
+      self._entries.popitem(last=False)
+
+
+  def arrays(self) -> dict[str, np.ndarray] | None:
+    """The store as arrays, least recently used first (None when empty).
+
+    ``prompts`` ``[M, P]`` int32 is each prompt padded with -1 to the
+    longest; ``tokens``/``mask``/``logprobs`` are ``[M, G, T]``. Entries of
+    another ``[G, T]`` shape than the newest one are left out (a loop uses
+    one shape; ``lookup`` would not return them for it).
+    """
+    if not self._entries:
+      return None
+    shape = next(reversed(self._entries.values()))[0].shape
+    items = [(np.frombuffer(k, np.int32), v) for k, v in self._entries.items()
+             if v[0].shape == shape]
+    width = max(len(p) for p, _ in items)
+    prompts = np.full((len(items), width), -1, np.int32)
+    for i, (p, _) in enumerate(items):
+      prompts[i, :len(p)] = p
+    return {"prompts": prompts,
+            **{name: np.stack([v[j] for _, v in items])
+               for j, name in enumerate(("tokens", "mask", "logprobs"))}}
+
+  def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+    """Replaces the entries with ``arrays()``'s (the newest kept if over
+    ``max_prompts``)."""
+    self._entries.clear()
+    prompts = np.asarray(arrays["prompts"], np.int32)
+    for i, row in enumerate(prompts):
+      self._entries[row[row >= 0].tobytes()] = (
+          np.asarray(arrays["tokens"][i], np.int32),
+          np.asarray(arrays["mask"][i], bool),
+          np.asarray(arrays["logprobs"][i], np.float32))
     while len(self._entries) > self.max_prompts:
       self._entries.popitem(last=False)
 

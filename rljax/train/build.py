@@ -467,15 +467,21 @@ class Components:
   critic_optimizer: Any = None
 
   def sampler(self, num_samples: int, *, greedy: bool = False,
-              record_policy_logprobs: bool = False):
+              record_policy_logprobs: bool | None = None):
     """A jitted sampler with explicit shardings (``sampling.make_sampler``).
 
+    ``record_policy_logprobs`` None (the default) records them when the step
+    takes ``pi_old`` from the sampler (``rl.old_logprobs="sampler"``), so a
+    Collector built from this sampler feeds ``rl_step`` what it needs.
     With a ReMax algorithm (``greedy_baseline``), the sampler of the
     training rows (``group_size + 1`` per prompt) decodes the last row of
     each prompt greedily; ``validate`` keeps ``eval.num_samples`` off that
     count.
     """
     alg = self.algorithm
+    if record_policy_logprobs is None:
+      record_policy_logprobs = (not greedy
+                                and self.step_config.old_logprobs == "sampler")
     greedy_every = num_samples if (
         alg.greedy_baseline and not greedy
         and num_samples == self.settings.group_size + alg.extra_samples) else 0
@@ -486,14 +492,16 @@ class Components:
                        greedy_every=greedy_every),
         self.mesh, self.param_shardings)
 
-  def speculation(self, *, record_policy_logprobs: bool = False
+  def speculation(self, *, record_policy_logprobs: bool | None = None
                   ) -> sampling.Speculation | None:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
     the speculative twin of ``sampler(group_size + extra_samples)`` and a
-    draft store; None when off."""
+    draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s."""
     s, alg = self.config.sampler, self.algorithm
     if not s.get("speculative", False):
       return None
+    if record_policy_logprobs is None:
+      record_policy_logprobs = self.step_config.old_logprobs == "sampler"
     num_samples = self.settings.group_size + alg.extra_samples
     config = sampler_config(
         self.config, self.tokenizer, num_samples,

@@ -166,8 +166,10 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
   naming the holder). A directory with checkpoints is resumed from its newest
   readable one, after checking that the config can continue it (the fields
   of ``rundir.RESUME_FIELDS``) and before anything is written; rows of
-  ``metrics.jsonl`` after the restored step are dropped. A full disk ends the
-  run with one error naming the path.
+  ``metrics.jsonl`` after the restored step are dropped. A checkpoint holds
+  the train state, the reference params (with a KL term), the data
+  iterator's position, the before-RL figures and, with SPEC-RL, the draft
+  store. A full disk ends the run with one error naming the path.
 
   Args:
     config: an ml_collections config (``configs/*.py``).
@@ -250,7 +252,8 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
            len(c.train_examples), len(c.heldout), s.num_steps,
            s.prompts_per_step, s.group_size, c.sft.num_steps)
   sampler_old = c.step_config.old_logprobs == "sampler"
-  samplers = {"eval": c.sampler(s.eval_num_samples),
+  samplers = {"eval": c.sampler(s.eval_num_samples,
+                                record_policy_logprobs=False),
               "greedy": c.sampler(1, greedy=True)}
   collector = Collector(
       sampler=c.sampler(s.group_size + alg.extra_samples,
@@ -295,6 +298,10 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
     state, ref_params = tree["state"], tree.get("ref_params")
     del target
     iterator.set_state(meta["data_iterator"])
+    if collector.speculation is not None:
+      drafts = manager.restore_host_arrays(resumed, "drafts")
+      if drafts is not None:
+        collector.speculation.store.load_arrays(drafts)
     summary["before"] = meta.get("before", {})
     dropped = rundir.trim_metrics(metrics_path, resumed)
     writer = metrics_lib.MetricWriter(workdir)
@@ -312,7 +319,9 @@ def _train(c: build_lib.Components, config: Any, config_json: dict[str, Any],
                               "before": summary["before"],
                               "config": config_json},
                  metrics=({best: metrics[best]} if best and metrics
-                          and best in metrics else None))
+                          and best in metrics else None),
+                 host_arrays={"drafts": (collector.speculation.store.arrays()
+                                         if collector.speculation else None)})
     seconds["checkpoint"] += time.time() - t
 
   rl_step = jit_rl_step(
