@@ -23,7 +23,19 @@ prompt `g`. Extra arguments are keyword-only:
   overlong penalty, VCPO's baseline); `seq_log_ratio_N` (`[N]`,
   `log pi_old(y) / mu(y)` of each completion): read by VCPO's baseline;
   `tokens_NxT` and `completion_mask_NxT` (the completions): read by KTAE,
-  the one transform whose advantages are per token (`[N, T]`).
+  whose advantages are per token (`[N, T]`), and by the token-level
+  estimators below.
+* `token_rewards_NxT` (optional float `[N, T]`, verl's
+  `token_level_rewards`): per-token rewards. `whiten_by_tokens` (verl's
+  REINFORCE++) and `center_by_greedy_baseline` (ReMax) then compute their
+  returns from it instead of the row reward.
+
+Token-level estimators. `whiten_by_tokens`, `reinforce_pp_token` and
+`center_by_greedy_baseline` take a discount `gamma`: with `gamma` None (the
+default) or 1 (a Python number) and no `token_rewards_NxT` their advantages
+are `[N]`, as before; otherwise they are per token, `[N, T]`, computed from the
+returns `G_t = r_t + gamma * G_t'` of verl's REINFORCE++ (the row reward on
+the last completion token), and need `completion_mask_NxT`.
 
 Several reward functions give rewards `[N, R]`; `sum_rewards` (weighted
 sum) or `normalize_each_reward` (GDPO) turn them into one value per sample
@@ -33,8 +45,9 @@ All statistics are computed in float32 and the advantages are returned in
 the rewards' dtype. Every transform is O(N log N) or better (sorting within
 groups), jit-able and vmap-able. With every baseline transform and preset, a
 group whose valid rewards are all equal, or that has fewer valid samples
-than the statistic needs, gets advantage exactly 0 (never NaN); the scale-only
-transforms (`scale_by_*`) expect centred inputs. Advantages carry no
+than the statistic needs, gets advantage exactly 0, never NaN (one
+exception: ReMax with `gamma < 1`, see `center_by_greedy_baseline`); the
+scale-only transforms (`scale_by_*`) expect centred inputs. Advantages carry no
 gradient (they are computed from rewards only).
 """
 
@@ -56,7 +69,7 @@ from rljax.advantages.multi_reward import normalize_each_reward, sum_rewards
 from rljax.advantages.order_statistics import (
     best_of_k_rank_weights, cvar_rank_weights, median_rank_weights,
     rank_weights, trimmed_mean_rank_weights)
-from rljax.advantages.pass_at_k import pass_at_k_advantages
+from rljax.advantages.pass_at_k import grpo_passk, pass_at_k_advantages
 from rljax.advantages.presets import (
     dr_grpo, gdpo, gpg, grpo, grpo_batch_std, mc_grpo, opo, reinforce_pp_baseline,
     reinforce_pp_token, rloo, vcpo)
@@ -79,6 +92,7 @@ __all__ = [
     "group_median_pivot_mask",
     "grpo",
     "grpo_batch_std",
+    "grpo_passk",
     "ktae_advantages",
     "leave_one_out",
     "mc_grpo",

@@ -150,3 +150,122 @@ def _lengths(fn: str, lengths_N: Any, n: int) -> jax.Array:
 
 def _stateless(update_fn) -> _Tx:
   return _Tx(lambda params: optax.EmptyState(), update_fn)
+
+
+# ---------------------------------------------------------------------------
+# Token-level returns: the discount `gamma` and per-token rewards.
+
+
+def _is_one(gamma: Any) -> bool:
+  """True for `gamma` None or a concrete scalar 1: the transforms' `[N]` path.
+
+  Any other value, and a jax array (a `gamma` passed to
+  `inject_hyperparams`), selects the per-token `[N, T]` path: the output
+  shape must not depend on a traced value. The factories' default is None,
+  which `inject_hyperparams` leaves static (it injects every numeric
+  argument, defaults included), so their injected results stay `[N]`.
+  """
+  if gamma is None:
+    return True
+  if isinstance(gamma, (bool, np.bool_)):
+    return False
+  return isinstance(gamma, (int, float, np.integer, np.floating)) and float(
+      gamma) == 1.0
+
+
+def _check_gamma(fn: str, gamma: Any) -> None:
+  if gamma is None:
+    return
+  if isinstance(gamma, (bool, np.bool_)):
+    raise TypeError(f"{fn}: gamma={gamma!r} must be a number in [0, 1].")
+  concrete = isinstance(gamma, (int, float, np.integer, np.floating,
+                                np.ndarray))
+  if concrete and not 0.0 <= float(np.asarray(gamma)) <= 1.0:
+    raise ValueError(f"{fn}: gamma={gamma!r} must be in [0, 1].")
+
+
+def _token_mask(fn: str, completion_mask_NxT: Any, valid_N: jax.Array,
+                why: str) -> jax.Array:
+  """`completion_mask_NxT` (bool) of the valid rows; a clear error without."""
+  n = valid_N.shape[0]
+  if completion_mask_NxT is None:
+    raise ValueError(
+        f"{fn}: {why} needs the keyword extra argument completion_mask_NxT "
+        f"(the completion tokens, bool [{n}, T]); the training loop's "
+        "Collector passes it.")
+  mask = jnp.asarray(completion_mask_NxT)
+  if mask.ndim != 2 or mask.shape[0] != n:
+    raise ValueError(f"{fn}: completion_mask_NxT must have shape ({n}, T); "
+                     f"got {mask.shape}.")
+  return mask.astype(bool) & valid_N[:, None]
+
+
+def _last_token_rewards(rewards_N: jax.Array, mask_NxT: jax.Array
+                        ) -> jax.Array:
+  """`[N, T]` float32: `rewards_N[i]` at row `i`'s last masked token, else 0."""
+  mask = mask_NxT.astype(bool)
+  # A masked token with no masked token after it is the row's last.
+  later = jnp.flip(jnp.cumsum(jnp.flip(mask, 1), 1), 1) - mask
+  return jnp.where(mask & (later == 0),
+                   rewards_N.astype(jnp.float32)[:, None], 0.0)
+
+
+def _token_rewards(fn: str, rewards_N: jax.Array, mask_NxT: jax.Array,
+                   token_rewards_NxT: Any) -> jax.Array:
+  """verl's `token_level_rewards` `[N, T]` (float32, 0 outside `mask_NxT`).
+
+  `token_rewards_NxT` when given (the row rewards are then not read), else
+  each row's reward on its last masked token.
+  """
+  if token_rewards_NxT is None:
+    return _last_token_rewards(rewards_N, mask_NxT)
+  token_rewards_NxT = jnp.asarray(token_rewards_NxT)
+  if token_rewards_NxT.shape != mask_NxT.shape:
+    raise ValueError(
+        f"{fn}: token_rewards_NxT must have the shape of completion_mask_NxT "
+        f"{mask_NxT.shape}; got {token_rewards_NxT.shape}.")
+  return jnp.where(mask_NxT, token_rewards_NxT.astype(jnp.float32), 0.0)
+
+
+def _discounted_returns(rewards_NxT: jax.Array, mask_NxT: jax.Array,
+                        gamma: Any) -> jax.Array:
+  """`G_t = r_t + gamma * G_t'` (`t'`: the next masked token), 0 unmasked.
+
+  verl 0.9's `compute_reinforce_plus_plus_outcome_advantage` recursion: an
+  unmasked token (padding, a multi-turn observation) neither reads its
+  reward nor resets the running return, which it carries on unchanged.
+  """
+  mask = mask_NxT.astype(bool)
+  rewards = jnp.where(mask, rewards_NxT.astype(jnp.float32), 0.0)
+  gamma = 1.0 if gamma is None else gamma
+
+  def step(running, x):
+    r, m = x
+    new = r + gamma * running
+    return jnp.where(m, new, running), jnp.where(m, new, 0.0)
+
+  zeros = jnp.zeros(rewards.shape[:1], jnp.float32)
+  _, returns_TxN = jax.lax.scan(step, zeros, (rewards.T, mask.T),
+                                reverse=True)
+  return returns_TxN.T
+
+
+def _whiten_tokens(values_NxT: jax.Array, mask_NxT: jax.Array,
+                   eps: Any) -> jax.Array:
+  """verl's `masked_whiten` over every masked token, 0 elsewhere.
+
+  `(v - m) / sqrt(var + eps)`, `m` the token mean and `var` the Bessel
+  variance; computed on `v` scaled by its largest magnitude (`_scale`). At
+  most one masked token, or equal masked values, give exactly 0.
+  """
+  v = values_NxT.astype(jnp.float32).reshape(-1)
+  m = mask_NxT.astype(bool).reshape(-1)
+  scale = _scale(v, m, 0)[0]
+  vs = jnp.where(m, v / scale, 0.0)
+  n = jnp.sum(m, dtype=jnp.float32)
+  mean = jnp.sum(vs) / jnp.maximum(n, 1.0)
+  dev = jnp.where(m, vs - mean, 0.0)
+  var = jnp.sum(dev * dev) / jnp.maximum(n - 1.0, 1.0)
+  adv = dev / jnp.sqrt(var + eps / (scale * scale))
+  keep = (n > 1) & ~_is_constant(v, m, 0)[0]
+  return jnp.where(keep & m, adv, 0.0).reshape(values_NxT.shape)

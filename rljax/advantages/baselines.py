@@ -8,8 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from rljax.advantages._common import (
-    _Tx, _check_nonneg, _check_rewards, _check_singleton, _count, _grouped,
-    _is_constant, _lower_median, _mean, _out, _stateless, _std, _valid)
+    _Tx, _check_gamma, _check_nonneg, _check_rewards, _check_singleton, _count,
+    _discounted_returns, _grouped, _is_constant, _is_one, _lower_median, _mean,
+    _out, _stateless, _std, _token_mask, _token_rewards, _valid)
 
 
 def center_by_group_mean(singleton: str = "zero") -> _Tx:
@@ -279,7 +280,7 @@ def scale_by_informative_fraction() -> _Tx:
   return _stateless(update_fn)
 
 
-def center_by_greedy_baseline() -> _Tx:
+def center_by_greedy_baseline(gamma: float | None = None) -> _Tx:
   """ReMax: `A_i = r_i - r_greedy(g(i))`, the last sample of each group being
   the prompt's greedy (argmax) completion.
 
@@ -291,22 +292,61 @@ def center_by_greedy_baseline() -> _Tx:
   valid rewards are all equal gets exactly 0. No std scaling, as verl's
   `compute_remax_outcome_advantage` (returns minus `reward_baselines`).
 
+  Per token. With `gamma` None (the default) or 1 (a Python number) and no
+  `token_rewards_NxT` the output is `[N]`, as above. Otherwise it is
+  `[N, T]` (and needs `completion_mask_NxT`): verl's formula
+
+      A_t = G_t - b        on every completion token (0 elsewhere)
+
+  with `G_t` the returns of verl's REINFORCE++ (`r_t + gamma * G_t'`, from
+  the row reward on its last completion token, or from `token_rewards_NxT`
+  when given) and `b` the greedy row's reward (with `token_rewards_NxT`: the
+  sum of its masked token rewards, as verl's `rm_scores.sum(-1)`). verl
+  v0.9's ReMax has no discount (its returns are an undiscounted reverse
+  cumsum, i.e. `gamma = 1`, where the `[N, T]` values equal the `[N]` ones
+  on every completion token); `gamma < 1` discounts the returns exactly as
+  verl's REINFORCE++ does and subtracts the undiscounted greedy reward as
+  verl's ReMax does. The baseline depends on the prompt only, so the
+  estimator stays unbiased, but a sample whose reward equals the greedy one
+  then gets `(gamma^(L-1-t) - 1) b` on its earlier tokens, not 0.
+
+  Args:
+    gamma: discount in `[0, 1]` of the returns; None is 1.
+
   References:
     Li et al., "ReMax: A Simple, Effective, and Efficient Reinforcement
     Learning Method for Aligning Large Language Models",
-    https://arxiv.org/abs/2310.10505; verl `trainer/ppo/core_algos.py`,
-    `compute_remax_outcome_advantage`.
+    https://arxiv.org/abs/2310.10505; verl v0.9.0 `trainer/ppo/core_algos.py`,
+    `compute_remax_outcome_advantage` and
+    `compute_reinforce_plus_plus_outcome_advantage` (the discounted returns).
   """
   fn = "center_by_greedy_baseline"
+  _check_gamma(fn, gamma)
 
   def update_fn(rewards_N, state, params=None, *, group_size=None,
-                mask_N=None, **extra_args):
+                mask_N=None, completion_mask_NxT=None, token_rewards_NxT=None,
+                **extra_args):
     del params, extra_args
     x, valid = _grouped(fn, rewards_N, group_size, mask_N)
-    if x.shape[1] < 2:
-      raise ValueError(f"{fn}: group_size={x.shape[1]} must be at least 2 "
+    k, g = x.shape
+    if g < 2:
+      raise ValueError(f"{fn}: group_size={g} must be at least 2 "
                        "(samples, then the greedy baseline sample).")
     baseline_ok = valid[:, -1:]
+    if token_rewards_NxT is not None or not _is_one(gamma):
+      mask = _token_mask(fn, completion_mask_NxT, valid.reshape(-1),
+                         "gamma != 1 or token_rewards_NxT")
+      rewards = _token_rewards(fn, rewards_N, mask, token_rewards_NxT)
+      returns = _discounted_returns(rewards, mask, gamma).reshape(k, g, -1)
+      if token_rewards_NxT is None:
+        baseline = x[:, -1:]
+      else:
+        baseline = jnp.sum(rewards.reshape(k, g, -1)[:, -1], -1,
+                           keepdims=True)
+      keep = (mask.reshape(k, g, -1) & baseline_ok[..., None]
+              & (jnp.arange(g) < g - 1)[None, :, None])
+      adv = jnp.where(keep, returns - baseline[..., None], 0.0)
+      return adv.reshape(rewards_N.shape[0], -1).astype(rewards_N.dtype), state
     adv = jnp.where(baseline_ok & ~_is_constant(x, valid), x - x[:, -1:], 0.0)
     adv = adv.at[:, -1].set(0.0)
     return _out(adv, valid, rewards_N), state

@@ -12,11 +12,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from rljax.advantages._common import _last_token_rewards
+
 
 def _check(rewards_N, values_NxT, mask_NxT):
-  if rewards_N.ndim != 1:
-    raise ValueError(f"gae_advantages: rewards_N must have rank 1 [N]; got "
-                     f"shape {rewards_N.shape}.")
+  if rewards_N.ndim not in (1, 2):
+    raise ValueError(f"gae_advantages: rewards_N must have shape [N] or "
+                     f"[N, T]; got shape {rewards_N.shape}.")
+  if rewards_N.ndim == 2 and rewards_N.shape != values_NxT.shape:
+    raise ValueError(f"gae_advantages: per-token rewards {rewards_N.shape} "
+                     f"must have values_NxT's shape {values_NxT.shape}.")
   if values_NxT.ndim != 2 or values_NxT.shape[0] != rewards_N.shape[0]:
     raise ValueError(f"gae_advantages: values_NxT must have shape [N="
                      f"{rewards_N.shape[0]}, T]; got {values_NxT.shape}.")
@@ -27,11 +32,7 @@ def _check(rewards_N, values_NxT, mask_NxT):
 
 def terminal_rewards(rewards_N: jax.Array, mask_NxT: jax.Array) -> jax.Array:
   """``[N, T]`` rewards: ``rewards_N[i]`` at row ``i``'s last masked token, 0 elsewhere."""
-  mask = mask_NxT.astype(jnp.bool_)
-  # A masked token with no masked token after it is the row's last.
-  later = jnp.flip(jnp.cumsum(jnp.flip(mask, 1), 1), 1) - mask
-  last = mask & (later == 0)
-  return jnp.where(last, rewards_N.astype(jnp.float32)[:, None], 0.0)
+  return _last_token_rewards(rewards_N, mask_NxT)
 
 
 def gae_advantages(rewards_N: jax.Array, values_NxT: jax.Array,
@@ -53,8 +54,13 @@ def gae_advantages(rewards_N: jax.Array, values_NxT: jax.Array,
   without its whitening (``masked_whiten``). No gradient flows (values are
   stopped).
 
+  Per-token rewards (verl's ``token_level_rewards``, e.g. process rewards or
+  a per-token KL penalty) may be passed instead of ``rewards_N``: an
+  ``[N, T]`` array is used as ``r_t`` directly (0 outside ``mask_NxT``).
+
   Args:
-    rewards_N: ``[N]`` scalar reward of each sequence.
+    rewards_N: ``[N]`` scalar reward of each sequence (on its last masked
+      token), or ``[N, T]`` per-token rewards.
     values_NxT: ``[N, T]`` fp32 ``V_t``: the value of the state before token
       ``t`` is emitted (``rljax.train.critic.values``).
     mask_NxT: ``[N, T]`` bool, the completion tokens.
@@ -75,7 +81,11 @@ def gae_advantages(rewards_N: jax.Array, values_NxT: jax.Array,
   _check(rewards_N, values_NxT, mask_NxT)
   mask = mask_NxT.astype(jnp.bool_)
   values = jax.lax.stop_gradient(values_NxT).astype(jnp.float32)
-  rewards = jax.lax.stop_gradient(terminal_rewards(rewards_N, mask))
+  if rewards_N.ndim == 1:
+    rewards = terminal_rewards(rewards_N, mask)
+  else:
+    rewards = jnp.where(mask, rewards_N.astype(jnp.float32), 0.0)
+  rewards = jax.lax.stop_gradient(rewards)
 
   def step(carry, x):
     next_value, next_adv = carry

@@ -7,11 +7,14 @@ ignores it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 
 from rljax.advantages._common import (
-    _Tx, _check_nonneg, _check_rewards, _grouped, _is_constant, _lengths,
-    _mean, _out, _scale, _stateless, _valid)
+    _Tx, _check_gamma, _check_nonneg, _check_rewards, _discounted_returns,
+    _grouped, _is_constant, _is_one, _lengths, _mean, _out, _scale,
+    _stateless, _token_mask, _token_rewards, _valid, _whiten_tokens)
 
 
 def center_by_length_weighted_group_mean() -> _Tx:
@@ -50,7 +53,7 @@ def center_by_length_weighted_group_mean() -> _Tx:
   return _stateless(update_fn)
 
 
-def whiten_by_tokens(eps: float = 1e-8) -> _Tx:
+def whiten_by_tokens(eps: float = 1e-8, gamma: float | None = None) -> _Tx:
   """Token-level whitening: `A_i = (u_i - m) / sqrt(v + eps)` over all tokens.
 
   A per-sample value `u_i` stands for the same value on each of the sample's
@@ -62,33 +65,72 @@ def whiten_by_tokens(eps: float = 1e-8) -> _Tx:
 
   so long completions weigh more than in `center_by_batch_mean` +
   `scale_by_batch_std` (per sample). verl's REINFORCE++ estimators use it:
-  `reinforce_plus_plus` (outcome reward, `gamma = 1`: every token's return is
-  the reward, so the chain is this transform alone) and
+  `reinforce_plus_plus` (this transform alone) and
   `reinforce_plus_plus_baseline` (group mean subtracted first;
   `reinforce_pp_token()`). A batch with at most one valid token, or whose
   values are all equal, gets exactly 0. verl's `masked_mean` adds 1e-8 to the
   token count; that relative change (~1e-8 / tokens) is not reproduced.
 
+  Discount and per-token rewards (verl's `reinforce_plus_plus`). With
+  `gamma` None (the default) or 1 (a Python number) and no
+  `token_rewards_NxT`, the output is `[N]` as above: every token's return is
+  the row's value. Otherwise the output is per token, `[N, T]`, exactly
+  verl's `compute_reinforce_plus_plus_outcome_advantage`:
+
+      r_t = u_i on row i's last completion token, 0 elsewhere
+            (or r_t = token_rewards_NxT[i, t] when that is given; u_i unread)
+      G_t = r_t + gamma * G_t'          (t': the next completion token)
+      A_t = masked_whiten(G)            over completion tokens of valid rows
+
+  `completion_mask_NxT` (the extra argument) is then required; unmasked
+  tokens (padding, multi-turn observation spans) are skipped by the
+  recursion, as verl 0.9 does, and get 0. A `gamma` given to
+  `inject_hyperparams` is traced and selects the `[N, T]` path (at
+  `gamma = 1` its values equal the `[N]` path's on every completion token,
+  with `lengths_N` the row sums of `completion_mask_NxT`); the default None
+  is left static.
+
   Args:
     eps: added to the variance inside the square root (verl: 1e-8).
+    gamma: discount in `[0, 1]` (verl's `algorithm.gamma`, default 1); None
+      is 1.
 
   References:
     Hu et al., "REINFORCE++: Stabilizing Critic-Free Policy Optimization with
     Global Advantage Normalization", https://arxiv.org/abs/2501.03262; verl
-    `trainer/ppo/core_algos.py` (`compute_reinforce_plus_plus_outcome_advantage`,
+    v0.9.0 `trainer/ppo/core_algos.py`
+    (`compute_reinforce_plus_plus_outcome_advantage`,
     `compute_reinforce_plus_plus_baseline_outcome_advantage`) and
     `utils/torch_functional.py` (`masked_whiten`).
   """
-  fn = "whiten_by_tokens"
+  return _token_whitening("whiten_by_tokens", eps, gamma, True)
+
+
+def _token_whitening(fn: str, eps: Any, gamma: Any,
+                     read_token_rewards: bool) -> _Tx:
+  """`whiten_by_tokens`; `read_token_rewards=False` ignores
+  `token_rewards_NxT` (the `reinforce_pp_token` preset, whose values are
+  group-centred row rewards)."""
   _check_nonneg(fn, "eps", eps)
+  _check_gamma(fn, gamma)
 
   def update_fn(updates_N, state, params=None, *, mask_N=None, lengths_N=None,
+                completion_mask_NxT=None, token_rewards_NxT=None,
                 **extra_args):
     del params, extra_args
     _check_rewards(fn, updates_N, 1)
     n = updates_N.shape[0]
-    x = updates_N.astype(jnp.float32)
     valid = _valid(fn, mask_N, n)
+    if not read_token_rewards:
+      token_rewards_NxT = None
+    if token_rewards_NxT is not None or not _is_one(gamma):
+      mask = _token_mask(fn, completion_mask_NxT, valid,
+                         "gamma != 1 or token_rewards_NxT")
+      rewards = _token_rewards(fn, updates_N, mask, token_rewards_NxT)
+      adv = _whiten_tokens(_discounted_returns(rewards, mask, gamma), mask,
+                           eps)
+      return adv.astype(updates_N.dtype), state
+    x = updates_N.astype(jnp.float32)
     w = jnp.where(valid, _lengths(fn, lengths_N, n), 0.0)
     total_w = jnp.sum(w)
     scale = _scale(x, valid, 0)[0]

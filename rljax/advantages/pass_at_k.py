@@ -1,10 +1,13 @@
-"""Pass@k Training's analytical group advantages (binary rewards)."""
+"""Pass@k advantages: Pass@k Training's analytical group advantages (binary
+rewards) and verl's `grpo_passk` (only each group's best sample)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
-from rljax.advantages._common import _Tx, _count, _grouped, _out, _stateless
+from rljax.advantages._common import (
+    _Tx, _check_nonneg, _count, _grouped, _out, _stateless, _std)
 
 
 def _ratio_of_binomials(top, bottom, k):
@@ -69,6 +72,62 @@ def pass_at_k_advantages(k: int, threshold: float = 1.0,
              ) / (sigma + eps)
     informative = (n >= k) & (c > 0) & (c < n)
     adv = jnp.where(informative, jnp.where(correct, a_pos, a_neg), 0.0)
+    return _out(adv, valid, rewards_N), state
+
+  return _stateless(update_fn)
+
+
+def grpo_passk(eps: float = 1e-6, norm_by_std: bool = True) -> _Tx:
+  """verl's `grpo_passk`: only each group's best sample gets an advantage.
+
+      A_best = (r_max - r_second) / (std_g r + eps)     (norm_by_std)
+      A_best = r_max - r_second                          (otherwise)
+
+  and every other sample gets 0. `r_max` and `r_second` are the two largest
+  valid rewards of the group counted with multiplicity (`torch.topk(r, 2)`),
+  so when two samples share the maximum the difference, hence every
+  advantage of the group, is 0; which of the tied samples verl's `topk`
+  picks then does not matter (here: the first). The std is Bessel-corrected
+  over the group's valid rewards (`torch.std`) and `eps` is added outside
+  the root (verl's `epsilon=1e-6`). `r_max - r_second` is how much the
+  group's maximum reward would drop without its best sample: the credit of
+  each sample for the group's best-of-`G` reward.
+
+  verl raises for a group with fewer than 2 samples; here `group_size` must
+  be at least 2, and a group with fewer than 2 valid samples (under
+  `mask_N`) gets 0. Padding rows (outside `mask_N`) are ignored and get 0.
+
+  Args:
+    eps: added to the group std (verl: 1e-6).
+    norm_by_std: divide by the group std (verl's
+      `algorithm.norm_adv_by_std_in_grpo`, default True).
+
+  References:
+    Walder and Karkhanis, "Pass@K Policy Optimization: Solving Harder
+    Reinforcement Learning Problems", https://arxiv.org/abs/2505.15201
+    (verl's docstring cites arXiv 2503.19595); verl v0.9.0
+    `trainer/ppo/core_algos.py`, `compute_grpo_passk_outcome_advantage`.
+  """
+  fn = "grpo_passk"
+  _check_nonneg(fn, "eps", eps)
+
+  def update_fn(rewards_N, state, params=None, *, group_size=None,
+                mask_N=None, **extra_args):
+    del params, extra_args
+    x, valid = _grouped(fn, rewards_N, group_size, mask_N)
+    g = x.shape[1]
+    if g < 2:
+      raise ValueError(f"{fn}: group_size={g} must be at least 2 (verl's "
+                       "Pass@k requires at least 2 samples per group).")
+    scores = jnp.where(valid, x, -jnp.inf)
+    top, top_idx = jax.lax.top_k(scores, 2)
+    enough = _count(valid) >= 2
+    gap = jnp.where(enough, top[:, :1] - top[:, 1:], 0.0)
+    if norm_by_std:  # gap > 0 implies std > 0: eps = 0 gives no NaN.
+      std = _std(x, valid, 1)
+      gap = jnp.where(gap > 0, gap / jnp.where(gap > 0, std + eps, 1.0), 0.0)
+    best = jnp.arange(g)[None, :] == top_idx[:, :1]
+    adv = jnp.where(best, gap, 0.0)
     return _out(adv, valid, rewards_N), state
 
   return _stateless(update_fn)

@@ -12,7 +12,7 @@ from rljax.advantages.baselines import (
     scale_by_batch_std, scale_by_group_mad, scale_by_group_std,
     scale_by_informative_fraction)
 from rljax.advantages.length_aware import (
-    center_by_length_weighted_group_mean, whiten_by_tokens)
+    _token_whitening, center_by_length_weighted_group_mean)
 from rljax.advantages.min_variance import center_by_min_variance_baseline
 from rljax.advantages.multi_reward import normalize_each_reward
 
@@ -71,14 +71,40 @@ def opo() -> _Tx:
   return optax.chain(center_by_length_weighted_group_mean())
 
 
-def reinforce_pp_token(eps: float = 1e-8) -> _Tx:
+def reinforce_pp_token(eps: float = 1e-8, singleton: str = "zero",
+                       gamma: float | None = None) -> _Tx:
   """verl's `reinforce_plus_plus_baseline`: group mean subtracted, then
   whitened over all valid tokens of the batch (`whiten_by_tokens`).
 
+  verl subtracts the group mean of the sequence rewards
+  (`token_level_rewards.sum(-1)`), gives every completion token that value
+  and applies `masked_whiten` over the batch's completion tokens. Its groups
+  of one keep their reward (`id2mean = 0`): `singleton="raw"`; `"zero"` (as
+  TRL) gives them 0 before the whitening.
+
+  verl's baseline estimator has no discount. With `gamma < 1` (rljax's
+  extension) the group-centred reward `r_i - mean_g r` is placed on the
+  last completion token and discounted as verl's `reinforce_plus_plus`
+  discounts a reward (`whiten_by_tokens(gamma)`), so before the whitening
+  token `t` of a row of `L` tokens holds `gamma^(L-1-t) (r_i - mean_g r)`;
+  the output is then `[N, T]` and needs `completion_mask_NxT`. Per-token
+  rewards (`token_rewards_NxT`) are not read: verl's estimator reads only
+  their row sums, which the caller passes as the rewards.
+
+  Args:
+    eps: added to the token variance inside the square root (verl: 1e-8).
+    singleton: what a group with one valid sample gets: `"zero"` or `"raw"`.
+    gamma: discount in `[0, 1]`; None (the default) or 1 (a Python number)
+      gives `[N]`, verl's estimator.
+
   References:
-    Hu et al., "REINFORCE++", https://arxiv.org/abs/2501.03262.
+    Hu et al., "REINFORCE++", https://arxiv.org/abs/2501.03262; verl v0.9.0
+    `trainer/ppo/core_algos.py`
+    (`compute_reinforce_plus_plus_baseline_outcome_advantage`).
   """
-  return optax.chain(center_by_group_mean(), whiten_by_tokens(eps=eps))
+  return optax.chain(
+      center_by_group_mean(singleton),
+      _token_whitening("reinforce_pp_token", eps, gamma, False))
 
 
 def vcpo() -> _Tx:

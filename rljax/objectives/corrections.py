@@ -1,14 +1,16 @@
 """Behaviour-policy corrections: multiply the coefficient by a weight from the
-old (trainer) and sampler logprobs."""
+old (trainer) and sampler logprobs; and OPSM, which masks an objective's
+coefficient by the current policy's distance from the sampler."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import optax
 
 from rljax import types
 from rljax.objectives._common import (
-    _Tx, _check_bxt, _check_level, _check_positive, _logprobs, _mask, _out,
-    _stateless)
+    _Tx, _advantages, _check_bxt, _check_level, _check_positive, _logprobs,
+    _mask, _out, _stateless)
 
 
 def _behaviour_weight(fn, level, shape, old, sampler, mask, max_log_ratio):
@@ -119,3 +121,71 @@ def masked_is(high: float = 2.0, low: float = 0.0,
 
   return _correction(fn, level, max_log_ratio,
                      lambda w: jnp.where((w >= low) & (w <= high), w, 0.0))
+
+
+def off_policy_sequence_mask(objective: optax.GradientTransformation,
+                             delta: float) -> _Tx:
+  """Off-policy sequence masking (OPSM): drop negative-advantage sequences
+  that the current policy has moved far from the sampler on.
+
+      kl_b  = sum_t mask * (sampler_logprobs - logp) / max(|y_b|, 1)
+      logp  = log ratio + old_logprobs   (ratio = this transform's input)
+      keep  = (A >= 0) or (kl_b <= delta)
+      c     = objective(ratio) * keep
+
+  `logp` is the current policy's (no gradient): the mask is recomputed at
+  every update. Without `sampler_logprobs_BxT` the old logprobs stand in
+  for the sampler's (TRL's fallback without vLLM), so `kl_b` is
+  `-mean_t log ratio`. A per-token advantage `[B, T]` masks the tokens
+  with `A < 0` of such a sequence. Masked tokens keep their place in the
+  loss normaliser (TRL multiplies the per-token loss by the mask).
+
+  The mask needs `log pi_theta`, which a link after the objective does not
+  see (it receives the coefficient), so OPSM wraps the objective: pass the
+  objective chain (trust region and any behaviour correction) and it
+  receives the ratio and every extra argument. Its state is the wrapped
+  chain's state.
+
+  Args:
+    objective: the coefficient transform (or chain) to mask.
+    delta: the KL threshold (> 0; TRL's `off_policy_mask_threshold`, no
+      default there, "e.g. 0.5").
+
+  References:
+    DeepSeek-AI, "DeepSeek-V3.2: Pushing the Frontier of Open Large
+    Language Models", https://arxiv.org/abs/2512.02556 (Eq. 9); TRL v1.9.0
+    `trl/trainer/grpo_trainer.py` (`GRPOTrainer.get_off_policy_mask`, and
+    `_compute_loss`, `off_policy_mask_threshold`).
+  """
+  fn = "off_policy_sequence_mask"
+  _check_positive(fn, "delta", delta)
+  objective = optax.with_extra_args_support(objective)
+
+  def init_fn(params):
+    return objective.init(params)
+
+  def update_fn(ratio_BxT, state, params=None, *, advantages_BxT=None,
+                mask_BxT=None, old_logprobs_BxT=None,
+                sampler_logprobs_BxT=None, **extra_args):
+    ratio_BxT = _check_bxt(fn, "ratio_BxT", ratio_BxT)
+    shape = ratio_BxT.shape
+    a = _advantages(fn, advantages_BxT, shape)
+    mask = _mask(fn, mask_BxT, shape)
+    log_r = jnp.log(ratio_BxT.astype(jnp.float32))
+    if sampler_logprobs_BxT is None:
+      kl = -log_r
+    else:
+      old = _logprobs(fn, "old_logprobs_BxT", old_logprobs_BxT, shape)
+      mu = _logprobs(fn, "sampler_logprobs_BxT", sampler_logprobs_BxT, shape)
+      kl = mu - (log_r + old)
+    length = jnp.maximum(jnp.sum(mask, -1, keepdims=True), 1)
+    mean_kl = jnp.sum(jnp.where(mask, kl, 0.0), -1, keepdims=True) / length
+    keep = (a >= 0) | (mean_kl <= delta)
+    coef_BxT, state = objective.update(
+        ratio_BxT, state, params, advantages_BxT=advantages_BxT,
+        mask_BxT=mask_BxT, old_logprobs_BxT=old_logprobs_BxT,
+        sampler_logprobs_BxT=sampler_logprobs_BxT, **extra_args)
+    c = jnp.where(keep, coef_BxT.astype(jnp.float32), 0.0)
+    return _out(c, coef_BxT), state
+
+  return _Tx(init_fn, update_fn)

@@ -19,7 +19,7 @@ AGGREGATIONS = typing.get_args(types.Aggregation)
 def aggregate_loss(loss_BxT: jax.Array, mask_BxT: jax.Array,
                    aggregation: types.Aggregation = "token_mean", *,
                    num_tokens: Any = None, num_sequences: Any = None,
-                   max_length: Any = None, dp_size: Any = 1) -> jax.Array:
+                   max_length: Any = None, dp_size: int = 1) -> jax.Array:
   """Reduces a per-token loss to a scalar over the global batch.
 
       token_mean:                   sum(mask * l) / num_tokens
@@ -34,30 +34,53 @@ def aggregate_loss(loss_BxT: jax.Array, mask_BxT: jax.Array,
   `num_sequences` = sequences with at least one valid token, `max_length` =
   `T`; a normaliser computed here from the mask is at least 1, so an
   all-padding batch gives 0. A passed normaliser is used as given (0 gives a
-  non-finite loss: guard it where it is computed), divided by `dp_size`:
-  verl's `agg_loss` multiplies a rank's loss by its data-parallel size and
-  TRL divides its global token count by `num_processes`, because their
-  data-parallel wrappers then average the ranks' gradients. rljax's jitted
-  step sums over the global batch and needs no such factor (`dp_size=1`);
-  pass the peer's value to reproduce one rank's loss value.
+  non-finite loss: guard it where it is computed).
+
+  `dp_size` (default 1: every result above, bitwise) reproduces one
+  data-parallel rank's loss of a peer whose wrapper then averages the ranks'
+  gradients: the loss is multiplied by `dp_size` (a passed normaliser is
+  divided by it; `token_sum` is multiplied by it), so the average over ranks
+  of the per-rank losses is the global loss. verl v0.9.0's `agg_loss` does
+  this in every mode (`token-sum` included), and TRL divides its global token
+  count by `num_processes`. rljax's jitted step computes the loss of the
+  global (sharded) batch in one program, so there is no average over ranks
+  to undo: its loss and gradient with `dp_size=1` equal verl's after verl's
+  all-reduce mean. Pass the peer's `dp_size` (a Python number) only to
+  compute one rank's value from that rank's rows with the global
+  normalisers; as in verl, a normaliser that would be computed here from the
+  (per-rank) mask is then rejected: `dp_size != 1` needs `num_tokens` for
+  `token_mean` and `num_sequences` for the sequence means.
 
   For gradient accumulation pass the whole batch's values: the sum of the
   minibatch losses is then the whole-batch loss. `sequence_mean_token_sum_norm`
   is Dr.GRPO's constant normaliser (pass the generation budget as
-  `max_length`); Tunix names the same formula `sequence-mean-token-scale`
+  `max_length`). verl v0.9.0's `seq-mean-token-sum-norm` is the same formula:
+  the token sum over rows with a valid token, divided by `global_batch_size`
+  (default: the number of such rows), multiplied by `dp_size`, divided by
+  `loss_scale_factor` (default: the padded width `T`); here
+  `num_sequences=global_batch_size`, `max_length=loss_scale_factor` (the
+  defaults agree). Tunix names the same formula `sequence-mean-token-scale`
   (sum of `sum_t l / width` over non-empty rows, divided by their count;
   Tunix's own `sequence-mean-token-sum-norm` is rljax's
-  `sequence_mean_token_sum`), and verl's `seq-mean-token-sum-norm` is
-  `token_sum / loss_scale_factor` (here: `sequence_mean_token_sum_norm`
-  with `num_sequences=1`, `max_length=loss_scale_factor`). Padding tokens
-  are excluded with `where`, so a non-finite value there does not leak into
-  the loss (its gradient stays finite if the ops producing `loss_BxT` have
-  finite derivatives at the padding, which `policy_gradient_loss` ensures
-  by masking its inputs).
+  `sequence_mean_token_sum`). Padding tokens are excluded with `where`, so a
+  non-finite value there does not leak into the loss (its gradient stays
+  finite if the ops producing `loss_BxT` have finite derivatives at the
+  padding, which `policy_gradient_loss` ensures by masking its inputs).
+
+  Args:
+    loss_BxT: per-token loss `[B, T]`.
+    mask_BxT: bool, the valid tokens.
+    aggregation: one of `AGGREGATIONS`.
+    num_tokens: `token_mean`'s normaliser (None: this batch's valid tokens).
+    num_sequences: the sequence means' row count (None: this batch's rows
+      with a valid token).
+    max_length: `sequence_mean_token_sum_norm`'s length (None: `T`).
+    dp_size: data-parallel size of the peer whose per-rank loss to
+      reproduce (> 0; 1: rljax's global loss).
 
   References:
     Liu et al., "Understanding R1-Zero-Like Training: A Critical
-    Perspective", https://arxiv.org/abs/2503.20783; verl
+    Perspective", https://arxiv.org/abs/2503.20783; verl v0.9.0
     `trainer/ppo/core_algos.py` (`agg_loss`); TRL `trainer/grpo_trainer.py`
     (`_compute_loss`); google/tunix `rl/common.py` (`aggregate_loss`).
   """
@@ -69,9 +92,20 @@ def aggregate_loss(loss_BxT: jax.Array, mask_BxT: jax.Array,
                      f"{AGGREGATIONS}.")
   if isinstance(dp_size, (int, float)) and dp_size <= 0:
     raise ValueError(f"{fn}: dp_size={dp_size!r} must be > 0.")
+  per_rank = not (isinstance(dp_size, (int, float)) and dp_size == 1)
+  if per_rank and isinstance(dp_size, (int, float)):
+    missing = ("num_tokens" if aggregation == "token_mean"
+               and num_tokens is None else
+               "num_sequences" if aggregation.startswith("sequence_mean")
+               and num_sequences is None else None)
+    if missing:
+      raise ValueError(
+          f"{fn}: dp_size={dp_size!r} with aggregation={aggregation!r} needs "
+          f"the global {missing} (as verl's agg_loss); one rank's own count "
+          "would not give the peer's loss.")
   loss = jnp.where(mask, loss_BxT.astype(jnp.float32), 0.0)
   if aggregation == "token_sum":
-    return jnp.sum(loss)
+    return jnp.sum(loss) * dp_size if per_rank else jnp.sum(loss)
   if aggregation == "token_mean":
     n = (jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0)
          if num_tokens is None else num_tokens / dp_size)
@@ -94,7 +128,7 @@ def policy_gradient_loss(coef_BxT: jax.Array, advantages_BxT: jax.Array,
                          logprobs_BxT: jax.Array, mask_BxT: jax.Array,
                          aggregation: types.Aggregation = "token_mean", *,
                          num_tokens: Any = None, num_sequences: Any = None,
-                         max_length: Any = None, dp_size: Any = 1
+                         max_length: Any = None, dp_size: int = 1
                          ) -> jax.Array:
   """The policy loss in coefficient form.
 

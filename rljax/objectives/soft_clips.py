@@ -1,13 +1,17 @@
 """Trust regions that reshape the coefficient instead of cutting it:
-SAPO's soft gate, GMPO's geometric mean, PNPO's prefix ratio."""
+SAPO's soft gate, GMPO's geometric mean, PNPO's prefix ratio, VESPO's
+Gamma kernel of the sequence ratio."""
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
 
 from rljax.objectives._common import (
-    _Tx, _advantages, _check_bxt, _check_positive, _mask, _out, _stateless)
+    _Tx, _advantages, _check_bxt, _check_positive, _logprobs, _mask, _out,
+    _stateless)
 
 
 def sapo(tau_pos: float = 1.0, tau_neg: float = 1.05) -> _Tx:
@@ -136,5 +140,108 @@ def prefix_ratio(eps_low: float = 0.2, eps_high: float | None = None) -> _Tx:
     g = jnp.where(mask & ~clipped, w / n, 0.0)
     c = jnp.flip(jnp.cumsum(jnp.flip(g, -1), -1), -1)
     return _out(c, ratio_BxT), state
+
+  return _stateless(update_fn)
+
+
+VESPO_IS_MODES = ("truncate", "mask")
+
+
+def vespo(k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0,
+          lambda_neg: float = 2.0, is_mode: str | None = "truncate",
+          is_max: float | None = 3.0, is_min: float | None = None) -> _Tx:
+  """VESPO: a Gamma-kernel weight of the sequence's full importance ratio.
+
+      log W_b = clip(sum_t mask * log r_bt + sum_t mask * log rho_bt,
+                     log 1e-8, 20)
+      (k, lam) = (k_pos, lambda_pos) if A >= 0 else (k_neg, lambda_neg)
+      phi_b = exp(lam + k * log W_b - lam * W_b)     (= W^k e^{lam (1 - W)},
+                                                        phi(1) = 1)
+      c_bt  = phi_b                                   (0 where not finite)
+
+  `r = pi_theta / pi_old` is the input ratio (its log clamped at +-20, as
+  TRL does here and `importance_ratio` does by default). `rho` is TRL's
+  token-level sampler correction `pi_old / mu` of the same token, with
+  `log rho = clip(log rho, log 1e-8, 20)` and
+
+      is_mode="truncate": rho = clip(exp(old - sampler), is_min, is_max)
+      is_mode="mask":     rho = exp(old - sampler), 0 outside
+                          [is_min, is_max] (a zero gives log 1e-8)
+      is_mode=None, or no sampler_logprobs_BxT: rho = 1 (W = pi_theta/pi_old)
+
+  so `W` is the paper's `pi_theta(y) / mu(y)` with TRL's truncation. The
+  surrogate is `-sg(phi) * A * logp` (no length normalisation; TRL
+  aggregates with `token_mean` over the global token count, its
+  `loss_type="vespo"` normaliser), and the sampler correction is inside
+  `W`: chain no `truncated_is` / `masked_is` after it (TRL does not
+  multiply VESPO's loss by its IS ratio). TRL only accepts the
+  `token_truncate` / `token_mask` modes with VESPO (defaults
+  `vllm_importance_sampling_clip_max=3.0`, `clip_min=None`). Padding
+  tokens contribute 0 to both sums here; TRL sums `log rho` over padding
+  too, where `rho = 1` unless `is_min > 1` or `is_max < 1`.
+
+  Args:
+    k_pos: power exponent for `A >= 0` (the paper's c1; TRL 2.0).
+    lambda_pos: decay rate for `A >= 0` (c2; TRL 3.0; floored at 1e-4).
+    k_neg: power exponent for `A < 0` (TRL 3.0).
+    lambda_neg: decay rate for `A < 0` (TRL 2.0; floored at 1e-4).
+    is_mode: "truncate", "mask" (`VESPO_IS_MODES`) or None.
+    is_max: upper bound of `rho` (None: none).
+    is_min: lower bound of `rho` (None: none).
+
+  References:
+    Shen, Zhao, Cheng, Huang, Yu, "VESPO: Variational Sequence-Level Soft
+    Policy Optimization for Stable Off-Policy LLM Training",
+    https://arxiv.org/abs/2602.10693 (code: FloyedShen/VESPO); TRL v1.9.0
+    `trl/trainer/grpo_trainer.py` (`GRPOTrainer.get_gamma_weights`,
+    `_compute_loss` with `loss_type="vespo"`; the IS ratio in
+    `_generate_and_score_completions`).
+  """
+  fn = "vespo"
+  if is_mode is not None and is_mode not in VESPO_IS_MODES:
+    raise ValueError(f"{fn}: is_mode={is_mode!r}; accepted: "
+                     f"{VESPO_IS_MODES} or None.")
+  for name, value in (("lambda_pos", lambda_pos), ("lambda_neg", lambda_neg),
+                      ("is_max", is_max), ("is_min", is_min)):
+    if value is not None:
+      _check_positive(fn, name, value)
+  if (isinstance(is_min, (int, float)) and isinstance(is_max, (int, float))
+      and is_min > is_max):
+    raise ValueError(f"{fn}: is_min={is_min!r} must be <= is_max={is_max!r}.")
+  log_floor = math.log(1e-8)
+
+  def update_fn(ratio_BxT, state, params=None, *, advantages_BxT=None,
+                mask_BxT=None, old_logprobs_BxT=None,
+                sampler_logprobs_BxT=None, **extra_args):
+    del params, extra_args
+    ratio_BxT = _check_bxt(fn, "ratio_BxT", ratio_BxT)
+    shape = ratio_BxT.shape
+    a = _advantages(fn, advantages_BxT, shape)
+    mask = _mask(fn, mask_BxT, shape)
+    log_r = jnp.clip(jnp.log(ratio_BxT.astype(jnp.float32)), -20.0, 20.0)
+    log_w = jnp.sum(jnp.where(mask, log_r, 0.0), -1, keepdims=True)
+    if is_mode is not None and sampler_logprobs_BxT is not None:
+      old = _logprobs(fn, "old_logprobs_BxT", old_logprobs_BxT, shape)
+      mu = _logprobs(fn, "sampler_logprobs_BxT", sampler_logprobs_BxT, shape)
+      rho = jnp.exp(jnp.where(mask, old - mu, 0.0))
+      if is_mode == "truncate":
+        if is_min is not None:
+          rho = jnp.maximum(rho, is_min)
+        if is_max is not None:
+          rho = jnp.minimum(rho, is_max)
+      else:
+        low = -jnp.inf if is_min is None else is_min
+        high = jnp.inf if is_max is None else is_max
+        rho = jnp.where((rho < low) | (rho > high), 0.0, rho)
+      log_rho = jnp.clip(jnp.log(rho), log_floor, 20.0)
+      log_w = log_w + jnp.sum(jnp.where(mask, log_rho, 0.0), -1,
+                              keepdims=True)
+    log_w = jnp.clip(log_w, log_floor, 20.0)
+    nonneg = a >= 0
+    k = jnp.where(nonneg, k_pos, k_neg)
+    lam = jnp.maximum(jnp.where(nonneg, lambda_pos, lambda_neg), 1e-4)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    phi = jnp.where(jnp.isfinite(phi), phi, 0.0)
+    return _out(phi, ratio_BxT), state
 
   return _stateless(update_fn)
