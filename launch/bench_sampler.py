@@ -21,7 +21,7 @@ Workloads (``--workloads=a,b``):
      with epoch 1 as drafts: acceptance and speed-up against plain sampling.
 Model: vocab 2048, width 256, 4 layers, 8 query / 4 kv heads, MLP 1024, fp32.
 
-Findings of issue 14 (2-core CPU, XLA:CPU; per-step timings of the decode
+Findings (2-core CPU, XLA:CPU; per-step timings of the decode
 loop and of its parts jitted alone):
 
 * Decode attention was the long-generation cost: a batched ``dot_general``

@@ -20,7 +20,7 @@ With ``--remat_sweep`` it times the chunked logprobs' forward + backward with
 and without rematerialisation over vocabulary sizes (the crossover that
 ``rljax.logprobs.REMAT_ABOVE_BYTES`` encodes).
 
-Findings of issue 12 (2-core CPU, XLA:CPU; ``jax.profiler`` traces and the
+Findings (2-core CPU, XLA:CPU; ``jax.profiler`` traces and the
 optimised HLO of the decoder's forward + backward on the workload above;
 PyTorch measured the same way):
 

@@ -1,6 +1,6 @@
 """Checkpoints on orbax: any pytree plus JSON metadata, per step.
 
-Generic by design (DESIGN.md): this module saves and restores a pytree of
+Generic by design (docs/architecture.md, layers): this module saves and restores a pytree of
 arrays and a JSON-able dict, and knows nothing of the train state. Saves are
 asynchronous (training goes on while the arrays are written) and atomic:
 orbax writes into a temporary directory and renames it when complete, so a

@@ -11,9 +11,27 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # pylint: disable=wrong-import-position
+import jax  # noqa: E402  pylint: disable=wrong-import-position
 
 jax.config.update("jax_compilation_cache_dir",
                   tempfile.mkdtemp(prefix="rljax-test-jax-cache-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+import logging  # noqa: E402  pylint: disable=wrong-import-position
+
+import pytest  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@pytest.fixture(autouse=True)
+def _restore_rljax_logger():
+  """A launcher run in-process (``launch.cli.setup_logging``) gives the
+  ``rljax`` logger its own handler and stops propagation; later tests that
+  read log records through ``caplog`` need them to propagate again."""
+  log = logging.getLogger("rljax")
+  saved = (log.propagate, log.level, list(log.handlers))
+  yield
+  log.propagate, level, handlers = saved
+  log.setLevel(level)
+  log.handlers[:] = handlers

@@ -360,7 +360,10 @@ def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
   batch, _, _ = rollout_lib._postprocess(
       rollout, jnp.asarray(r), jnp.ones(6, bool), jnp.ones(1),
       remax.advantage.init(jnp.asarray(r)), algorithm=remax, group_size=2)
-  np.testing.assert_allclose(batch.advantages_N, [0.5, -0.5, 1.0, -1.0])
+  # One advantage per row over its completion columns, 0 on the prompt's.
+  np.testing.assert_array_equal(batch.advantages_NxL[:, :2], 0.0)
+  np.testing.assert_allclose(batch.advantages_NxL[:, 2:], np.repeat(
+      np.array([[0.5], [-0.5], [1.0], [-1.0]]), 3, 1))
   kept = np.array([0, 1, 3, 4])
   np.testing.assert_array_equal(batch.tokens_NxL[:, 2:],
                                 rollout.completion_tokens[kept])
@@ -369,18 +372,18 @@ def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
   batch, _, metrics = rollout_lib._postprocess(
       rollout, jnp.asarray(r), jnp.ones(6, bool), jnp.ones(1),
       ktae.advantage.init(jnp.asarray(r)), algorithm=ktae, group_size=3)
-  assert batch.advantages_N.shape == (6, 5)
-  np.testing.assert_array_equal(batch.advantages_N[:, :2], 0.0)
+  assert batch.advantages_NxL.shape == (6, 5)
+  np.testing.assert_array_equal(batch.advantages_NxL[:, :2], 0.0)
   direct = adv.ktae_advantages().update(
       jnp.asarray(r[:, 0]), None, group_size=3,
       tokens_NxT=rollout.completion_tokens,
       completion_mask_NxT=rollout.completion_mask)[0]
-  np.testing.assert_allclose(batch.advantages_N[:, 2:], direct, rtol=1e-6)
+  np.testing.assert_allclose(batch.advantages_NxL[:, 2:], direct, rtol=1e-6)
   assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
 def test_rl_step_with_per_token_advantages_is_the_gradient_of_the_surrogate():
-  """RLBatch.advantages_N of [N, L] (KTAE): one SGD step of the reinforce
+  """RLBatch.advantages_NxL of [N, L] (KTAE): one SGD step of the reinforce
   objective, token_mean, on the last T columns, equals jax.grad of
   -sum_t A_t log pi_t m_t / sum_t m_t."""
   mc = models.get_preset("tiny")
@@ -399,7 +402,7 @@ def test_rl_step_with_per_token_advantages_is_the_gradient_of_the_surrogate():
                         jnp.asarray(loss_mask), adv_NxL,
                         jnp.zeros((n, p + t), jnp.float32))
   coef = alg_lib.coefficient_chain({"objective": "reinforce"})
-  cfg = train.RLStepConfig(max_length=t, completion_length=t)
+  cfg = train.RLStepConfig(completion_length=t)
   step = jax.jit(train.make_rl_step(mc, cfg, optax.sgd(1.0), coef))
   state = train.TrainState(params, optax.sgd(1.0).init(params), None,
                            coef.init(jnp.zeros((n, t), jnp.float32)),

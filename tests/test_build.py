@@ -16,6 +16,7 @@ import pytest
 from rljax import advantages, sharding
 from rljax.train import build as build_lib
 from rljax.train import algorithm as alg_lib
+from rljax.train import schema
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
@@ -489,11 +490,15 @@ def test_reward_isolation_settings_are_checked(config, field, value, expected):
     build_lib.validate(config)
 
 
-_BAD = {"int>=1": 0, "int>=0": -1, ">0": -1.0, ">=0": -0.5, "(0,1]": 1.5,
+_BAD = {"int>=1": 0, "int>=0": -1, ">0": -1.0, ">1": 1.0, ">=0": -0.5, "(0,1]": 1.5,
         "[0,1)": 1.0, "[0,1]": 1.5}
 
 
-@pytest.mark.parametrize("field, rule", sorted(build_lib.RANGES.items()))
+RANGES = sorted((name, field.rule) for name, field in schema.fields().items()
+                if field.rule is not None and "." in name)
+
+
+@pytest.mark.parametrize("field, rule", RANGES)
 def test_every_numeric_field_has_its_range_checked(config, field, rule):
   section, name = field.split(".")
   assert name in config[section], f"{field} is not a config field"

@@ -13,7 +13,7 @@ import pytest
 from rljax import models, train
 from rljax import objectives as obj
 from rljax.train import distill
-from tests.test_ppo import loop_config, rl_rows
+from tests.test_critic import loop_config, rl_rows
 
 
 def test_distill_advantages_equal_the_formula():
@@ -137,7 +137,7 @@ def test_bad_distillation_settings_fail_before_compile(overrides, match):
 
 def test_a_directory_that_is_no_teacher_is_named(tmp_path):
   with pytest.raises(ValueError, match="neither an rljax run directory"):
-    distill.load_teacher(str(tmp_path), None, MC.vocab_size)
+    train.load_teacher(str(tmp_path), None, MC.vocab_size)
 
 
 def test_a_hugging_face_checkpoint_is_a_teacher(tmp_path):
@@ -150,11 +150,11 @@ def test_a_hugging_face_checkpoint_is_a_teacher(tmp_path):
       "tie_word_embeddings": True, "torch_dtype": "float32"})
   params = models.init_params(config, jax.random.key(3))
   models.save_hf_checkpoint(tmp_path, config, params)
-  got_config, got = distill.load_teacher(str(tmp_path), None, 32)
+  got_config, got = train.load_teacher(str(tmp_path), None, 32)
   assert got_config.vocab_size == 32 and got_config.num_layers == 1
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   with pytest.raises(ValueError, match=r"vocab_size=32, the student 40"):
-    distill.load_teacher(str(tmp_path), None, 40)
+    train.load_teacher(str(tmp_path), None, 40)
   with pytest.raises(ValueError, match=r"teacher.step=3"):
-    distill.load_teacher(str(tmp_path), None, 32, step=3)
+    train.load_teacher(str(tmp_path), None, 32, step=3)

@@ -3,7 +3,6 @@
 The kill tests run ``launch.train`` in real subprocesses.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -13,7 +12,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from rljax import checkpoint, metrics, models, optim, train
@@ -126,9 +124,9 @@ def test_nonfinite_gradient_step_is_skipped_and_counted():
   step = jax.jit(train.make_rl_step(mc, train.RLStepConfig(), optimizer, coef_tx))
   state = _state(optimizer, coef_tx, params)
   good = _batch(seed=1)
-  bad = good._replace(advantages_N=np.where(
-      np.arange(len(good.advantages_N)) == 0, np.nan,
-      good.advantages_N).astype(np.float32))
+  bad = good._replace(advantages_NxL=np.where(
+      np.arange(len(good.advantages_NxL)) == 0, np.nan,
+      good.advantages_NxL).astype(np.float32))
   state, m = step(state, bad)
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -148,7 +146,7 @@ def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
   def poisoned(self, *args, **kwargs):
     out = original(self, *args, **kwargs)
     return out._replace(batch=out.batch._replace(
-        advantages_N=out.batch.advantages_N * jnp.nan))
+        advantages_NxL=out.batch.advantages_NxL * jnp.nan))
 
   monkeypatch.setattr(rollout.Collector, "collect", poisoned)
   config = tiny_config()

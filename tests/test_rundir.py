@@ -196,7 +196,7 @@ def test_non_finite_stop_names_a_complete_checkpoint(tmp_path, monkeypatch):
     if len(calls) == 1:
       return out
     return out._replace(batch=out.batch._replace(
-        advantages_N=out.batch.advantages_N * jnp.nan))
+        advantages_NxL=out.batch.advantages_NxL * jnp.nan))
 
   monkeypatch.setattr(rollout.Collector, "collect", poisoned)
   config = loop_config()

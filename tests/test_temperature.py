@@ -127,7 +127,7 @@ def _reference_grads(params, batch, temperature):
     logp = jax.nn.log_softmax(logits[:, :-1] / temperature, -1)
     lp = jnp.take_along_axis(logp, batch.tokens_NxL[:, 1:, None], -1)[..., 0]
     m = batch.loss_mask_NxL[:, 1:].astype(jnp.float32)
-    return jnp.sum(-batch.advantages_N[:, None] * lp * m) / jnp.sum(m)
+    return jnp.sum(-batch.advantages_NxL[:, None] * lp * m) / jnp.sum(m)
 
   return jax.device_get(jax.jit(jax.grad(loss))(params))
 
@@ -138,7 +138,7 @@ def _flat(tree):
 
 def _sgd_step(params, batch, temperature):
   cfg = train.RLStepConfig(training_temperature=temperature,
-                           max_length=MAX_NEW_TOKENS)
+                           completion_length=MAX_NEW_TOKENS)
   coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
   step = jax.jit(train.make_rl_step(MC, cfg, optax.sgd(LR), coef_tx))
   state = train.TrainState(

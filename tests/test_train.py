@@ -1,15 +1,11 @@
 import glob
 import importlib.util
-import json
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from rljax import metrics, models, train
+from rljax import metrics, train
 
 CONFIGS = sorted(p for p in glob.glob(os.path.join(
     os.path.dirname(__file__), "..", "configs", "*.py"))
@@ -137,67 +133,3 @@ def test_prompt_bucket_shorter_than_longest_prompt_fails(tmp_path):
   config.sampler.prompt_buckets = (2,)
   with pytest.raises(ValueError, match=r"sampler.prompt_buckets=\(2,\): the longest prompt"):
     train.run(config, str(tmp_path))
-
-
-# --- the jitted RL step ------------------------------------------------------
-
-MC = models.get_preset("tiny")
-
-
-def _batch(n=8, length=10, seed=0):
-  rng = np.random.RandomState(seed)
-  tokens = rng.randint(4, MC.vocab_size, (n, length)).astype(np.int32)
-  input_mask = np.ones((n, length), bool)
-  input_mask[:3, :2] = False
-  loss_mask = np.zeros((n, length), bool)
-  loss_mask[:, 5:] = True
-  loss_mask[1, 8:] = False
-  adv = rng.randn(n).astype(np.float32)
-  return train.RLBatch(tokens, input_mask, loss_mask, adv,
-                       np.zeros((n, length), np.float32))
-
-
-def _state(optimizer, coef_tx, params):
-  return train.TrainState(params, optimizer.init(params), optax.EmptyState(),
-                          coef_tx.init(jnp.zeros((1, 1))), jnp.zeros((), jnp.int32),
-                          jax.random.key_data(jax.random.key(0)))
-
-
-@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean_token_mean",
-                                         "sequence_mean_token_sum_norm"])
-def test_microbatch_accumulation_equals_whole_batch(aggregation):
-  params = models.init_params(MC, jax.random.key(1))
-  optimizer = optax.sgd(1.0)
-  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
-  batch = _batch()
-  out = []
-  for micro in (1, 4):
-    cfg = train.RLStepConfig(num_microbatches=micro, aggregation=aggregation,
-                             max_length=5)
-    step = jax.jit(train.make_rl_step(MC, cfg, optimizer, coef_tx))
-    state, m = step(_state(optimizer, coef_tx, params), batch)
-    out.append((state.params, m))
-  for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
-    np.testing.assert_allclose(a, b, atol=2e-6)
-  np.testing.assert_allclose(out[0][1]["pg_loss"], out[1][1]["pg_loss"], atol=1e-6)
-
-
-def test_on_policy_update_equals_reinforce_gradient():
-  """One SGD step of rl_step == params - lr * grad of -mean(A * logp)."""
-  params = models.init_params(MC, jax.random.key(2))
-  optimizer = optax.sgd(0.1)
-  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
-  batch = _batch(seed=3)
-  step = jax.jit(train.make_rl_step(MC, train.RLStepConfig(), optimizer, coef_tx))
-  state, _ = step(_state(optimizer, coef_tx, params), batch)
-
-  def reinforce(p):
-    lp, _ = models.sequence_logprobs(p, MC, batch.tokens_NxL, batch.input_mask_NxL)
-    m = batch.loss_mask_NxL
-    return -jnp.sum(jnp.where(m, batch.advantages_N[:, None] * lp, 0.0)) / m.sum()
-
-  grads = jax.grad(reinforce)(params)
-  expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected)):
-    np.testing.assert_allclose(a, b, atol=1e-6)
-  assert int(state.step) == 1

@@ -5,7 +5,7 @@ The only transform whose output is per token: rewards `[N]` in, advantages
 extra arguments `tokens_NxT` (int) and `completion_mask_NxT` (bool); the
 training loop's Collector passes `Rollout.completion_tokens` and
 `Rollout.completion_mask`, and places the result on the completion columns
-of `RLBatch.advantages_N` (then `[N, P + T]`).
+of `RLBatch.advantages_NxL`.
 """
 
 from __future__ import annotations

@@ -81,3 +81,24 @@ def sequence_logprobs(
   zero = jnp.zeros_like(logp[:, :1])
   return (jnp.concatenate([zero, logp], 1),
           None if ent is None else jnp.concatenate([zero, ent], 1))
+
+
+def map_row_chunks(fn: Any, chunks: int, *arrays_NxL: jax.Array) -> jax.Array:
+  """``fn(*arrays)`` over ``chunks`` row chunks, without gradient.
+
+  The no-gradient forward passes of a train step (``pi_old``, the reference
+  and the teacher logprobs, the critic's values) run one chunk at a time
+  (``lax.map``), so their activations take ``1 / chunks`` of the memory of
+  one pass over all ``N`` rows. ``N`` must divide by ``chunks``.
+
+  Returns:
+    ``fn``'s rows of every chunk, concatenated (``[N, ...]``), gradient
+    stopped.
+  """
+  n = arrays_NxL[0].shape[0]
+  if n % chunks:
+    raise ValueError(f"map_row_chunks: {n} rows do not split into {chunks} "
+                     "chunks.")
+  split = [a.reshape(chunks, n // chunks, *a.shape[1:]) for a in arrays_NxL]
+  out = jax.lax.map(lambda xs: fn(*xs), split)
+  return jax.lax.stop_gradient(out.reshape(n, *out.shape[2:]))

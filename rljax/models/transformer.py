@@ -94,9 +94,8 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
       hides every key after its query. Then the queries run in blocks of
       about ``CAUSAL_QUERY_BLOCK`` rows, each against the keys up to its last
       row: the blocks wholly above the diagonal, all masked, are skipped
-      (issue 12: a training layer's attention forward + backward 2x faster
-      on the CPU, as PyTorch's causal ``scaled_dot_product_attention``
-      skips them). A query whose every key is masked (padding) then averages
+      (as PyTorch's causal ``scaled_dot_product_attention`` skips them;
+      ``launch/bench_train_step.py`` measures it). A query whose every key is masked (padding) then averages
       the values of its block's keys instead of all keys; nothing reads it.
 
   Returns:
@@ -127,9 +126,9 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
 
 
 def _halving_sum(x):
-  """The sum over the last axis as halving adds of slices: one loop fusion.
-  With it for the softmax denominators, ``decode_attend`` at 64 rows x 1,088
-  slots took 5.4 ms per layer on the 2-core CPU, with a reduce 7.4 ms."""
+  """The sum over the last axis as halving adds of slices: one loop fusion
+  (XLA:CPU runs it faster than a reduce for the softmax denominators of
+  ``decode_attend``; ``launch/bench_sampler.py``)."""
   while x.shape[-1] > 1:
     half = x.shape[-1] // 2
     y = x[..., :half] + x[..., half:2 * half]
@@ -161,8 +160,8 @@ def decode_attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS, *, scale: float,
       and the weighted value sum are broadcast products reduced in one
       fusion each, which stream the cache once. A batched ``dot_general``
       here runs ``B * K`` matrix-vector products of ``[G, H] x [H, S]``,
-      each too small for the matmul kernel: at 64 rows x 1,088 slots it took
-      38.8 ms per layer on the 2-core CPU, the fusions 5.4-6.8 ms (issue 14).
+      each too small for the matmul kernel (``launch/bench_sampler.py``
+      compares the two).
       The value sum is taken within fixed ``block``-slot blocks and then
       block by block in a fixed order, and an empty slot adds an exact zero,
       so in exact arithmetic empty trailing blocks change nothing. In
@@ -254,8 +253,7 @@ def _project(x, w, in_dims: int = 1):
   The leading axes of ``x`` are flattened first (a free reshape). XLA:CPU
   runs the weight gradient of a 3-D ``einsum`` (contracting batch and time)
   through a transposing copy of the activations that costs as much as the
-  matmul; flattened, it is one plain matmul, as in PyTorch's ``nn.Linear``
-  (issue 12: the MLP's forward + backward 1.9x faster on the CPU).
+  matmul; flattened, it is one plain matmul, as in PyTorch's ``nn.Linear``.
   """
   lead, ins = x.shape[:x.ndim - in_dims], x.shape[x.ndim - in_dims:]
   y = x.reshape(-1, math.prod(ins)) @ w.reshape(math.prod(ins), -1)
@@ -267,7 +265,7 @@ def _project_fused(x, *ws):
 
   The cached path (prefill, decode) uses it for q/k/v and gate/up: a decode
   step's matmuls have few rows, and on XLA:CPU one wide matmul is cheaper
-  than two or three narrow ones (issue 14: a 64-row step 5% faster). The
+  than two or three narrow ones. The
   training path keeps separate matmuls: there the join and the split of its
   gradient cost what the wider matmul saves.
   """

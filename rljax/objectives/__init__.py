@@ -20,11 +20,13 @@ Order in a chain: `sequence_ratio` (if any) comes first, then one trust
 region that reads its input as the ratio (`ppo_clip`, optionally followed by
 `dual_clip`; or `cispo`, `ess_trust_region`, `sapo`, `gmpo`,
 `prefix_ratio` (PNPO), `dppo`, `clip_cov`, `kl_cov`, `dcpo_clip`,
-`band_clip`, `bapo_clip`, `sat_clip`), then behaviour-policy
+`band_clip`, `bapo_clip`, `sat_clip`, `vespo`, `dro`), then behaviour-policy
 corrections that multiply by a weight computed from the extra arguments
-(`truncated_is`, `masked_is`). `rejection_mask` acts on the loss mask
+(`truncated_is`, `masked_is`; not after `vespo`, whose weight includes
+them). `off_policy_sequence_mask` (OPSM) wraps such a chain, since its
+mask needs the ratio. `rejection_mask` acts on the loss mask
 instead (a rejected token leaves the normaliser), and `kl_penalty` /
-`kl_cov_penalty` are extra per-token loss terms.
+`kl_cov_penalty` / `dro_penalty` are extra per-token loss terms.
 
 Extra arguments (keyword-only; unknown ones are ignored):
   advantages_BxT: `[B, T]`, or `[B]` for one advantage per sequence.
@@ -44,10 +46,12 @@ from __future__ import annotations
 from rljax.objectives._common import LEVELS
 from rljax.objectives.adaptive_clips import (
     BAND_DIVERGENCES, band_clip, bapo_clip, dcpo_clip, sat_clip)
-from rljax.objectives.corrections import masked_is, truncated_is
+from rljax.objectives.corrections import (
+    masked_is, off_policy_sequence_mask, truncated_is)
 from rljax.objectives.covariance import (
     ClipCovState, clip_cov, kl_cov, kl_cov_penalty)
 from rljax.objectives.divergence import DPPO_ANCHORS, DPPO_DIVERGENCES, dppo
+from rljax.objectives.dro import dro, dro_penalty
 from rljax.objectives.kl import (
     KL_ESTIMATORS, kl_abs, kl_k1, kl_k2, kl_k3, kl_k3_bias_corrected,
     kl_penalty, kl_straight_through)
@@ -61,9 +65,11 @@ from rljax.objectives.ratios import (
     normalized_ess, sequence_importance_weights)
 from rljax.objectives.rejection import (
     REJECTION_STATISTICS, Rejection, parse_rejection, rejection_mask)
-from rljax.objectives.soft_clips import gmpo, prefix_ratio, sapo
+from rljax.objectives.soft_clips import (
+    VESPO_IS_MODES, gmpo, prefix_ratio, sapo, vespo)
 from rljax.objectives.trust_regions import (
-    cispo, dual_clip, ess_trust_region, gspo, ppo_clip, sequence_ratio)
+    cispo, dual_clip, ess_trust_region, gspo, ppo_clip, reinforce,
+    sequence_ratio)
 
 __all__ = [
     "AGGREGATIONS",
@@ -76,6 +82,7 @@ __all__ = [
     "LEVELS",
     "REJECTION_STATISTICS",
     "Rejection",
+    "VESPO_IS_MODES",
     "aggregate_loss",
     "band_clip",
     "bapo_clip",
@@ -84,6 +91,8 @@ __all__ = [
     "coefficient_metrics",
     "dcpo_clip",
     "dppo",
+    "dro",
+    "dro_penalty",
     "dual_clip",
     "entropy_loss",
     "ess_from_statistics",
@@ -105,15 +114,18 @@ __all__ = [
     "kl_straight_through",
     "masked_is",
     "normalized_ess",
+    "off_policy_sequence_mask",
     "parse_rejection",
     "policy_gradient_loss",
     "ppo_clip",
     "prefix_ratio",
     "ratio_metrics",
+    "reinforce",
     "sat_clip",
     "rejection_mask",
     "sapo",
     "sequence_importance_weights",
     "sequence_ratio",
     "truncated_is",
+    "vespo",
 ]

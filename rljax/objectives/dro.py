@@ -16,7 +16,7 @@ References:
   the name refers to; its value-function form is not this loss); verl 0.9.0
   (`release/v0.9.0`, PR #7245) `verl/trainer/ppo/core_algos.py`
   (`compute_policy_loss_dro`, `register_policy_loss("dro")`) and
-  `docs/algo/dro.md`.
+  its documentation page (`dro.md` under verl's `docs/algo`).
 """
 
 from __future__ import annotations

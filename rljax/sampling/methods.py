@@ -63,8 +63,8 @@ def inverse_cdf_sample(key: jax.Array, logp_BxV: jax.Array) -> jax.Array:
   CPU; the inverse CDF needs ``B`` uniforms. The CDF is taken in two levels,
   over ``~sqrt(V)`` blocks of ``~sqrt(V)`` tokens: the block whose cumulative
   mass passes ``u``, then the token inside it. XLA:CPU compiles a cumulative
-  sum over ``V`` into a window sum of ``O(V^2)`` adds (0.8 ms of a 64-row
-  step at ``V = 2048``, issue 14); two short ones cost ``O(V^1.5)``. The
+  sum over ``V`` into a window sum of ``O(V^2)`` adds; two short ones cost
+  ``O(V^1.5)``. The
   drawn block and token always have positive probability (each index is
   capped at the last positive one), so removed (``-inf``) tokens are never
   drawn, even when rounding puts ``u`` past the last partial sum.

@@ -60,8 +60,8 @@ class SamplerConfig:
     cache_dtype: ``"bfloat16"``, ``"float32"`` or None (the default): the
       model's compute dtype ``ModelConfig.dtype``, so a float32 model decodes
       with a float32 cache. bfloat16 halves the cache's memory; on a CPU it
-      decodes slower (XLA:CPU widens it element by element: 17.5 vs 6.8 ms
-      per layer at 64 rows x 1,088 slots), on accelerators it is the norm.
+      decodes slower (XLA:CPU widens it element by element;
+      ``launch/bench_sampler.py``), on accelerators it is the norm.
     prompt_buckets: allowed padded prompt lengths; a batch is padded to the
       smallest bucket that fits its longest prompt, so a few shapes compile.
     share_prefix: prefill each prompt once and share its cache in the group.

@@ -1,7 +1,10 @@
-"""Training: the Algorithm, config -> components, rollouts, steps, the loop.
+"""Training: the algorithm table, config -> components, rollouts, steps, the loop.
 
-The parts a researcher recomposes (DESIGN.md section 2):
+The parts a researcher recomposes (docs/architecture.md):
 
+* ``table`` (``table.py``): every algorithm name a config accepts, one entry
+  each (factory, fields, traits); ``schema`` (``schema.py``): every config
+  field's default, range and meaning.
 * ``Algorithm`` (``algorithm.py``): advantage chain, coefficient chain,
   optimizer and what sampling they need; ``algorithm_from_config`` builds
   one from config names.
@@ -9,15 +12,17 @@ The parts a researcher recomposes (DESIGN.md section 2):
   returns ``Components``.
 * ``Collector`` (``rollout.py``): prompts -> Rollout -> rewards [N, R] ->
   advantages -> ``RLBatch``.
-* ``make_rl_step`` / ``jit_rl_step`` (``steps.py``), ``run_sft`` (``sft.py``).
+* ``make_rl_step`` / ``jit_rl_step`` (``steps.py``): ``prepare_inputs`` and
+  a sum of loss terms; ``run_sft`` and ``make_sft_step`` (``sft.py``).
 * ``critic`` (``critic.py``): PPO's value model, GAE's values and the
   clipped value loss; ``distill`` (``distill.py``): on-policy distillation's
-  teacher and its per-token reverse-KL advantage.
-* ``run`` (``loop.py``): the synchronous loop with resume, evaluation,
-  checkpoints and signals.
+  per-token reverse-KL advantage (its teacher: ``policy.load_teacher``).
+* ``run`` (``loop.py``): the synchronous loop, with ``session`` (set-up,
+  resume, checkpoints, summary) and ``guards`` (signals, non-finite updates,
+  failing rewards).
 """
 
-from rljax.train import build, critic, distill
+from rljax.train import build, critic, distill, schema, table
 from rljax.train.algorithm import (ADVANTAGE_PRESETS, ADVANTAGE_TRANSFORMS,
                                    IS_CORRECTIONS, OBJECTIVES, Algorithm,
                                    advantage_chain, coefficient_chain,
@@ -25,20 +30,23 @@ from rljax.train.algorithm import (ADVANTAGE_PRESETS, ADVANTAGE_TRANSFORMS,
 from rljax.train.algorithm import from_config as algorithm_from_config
 from rljax.train.build import Components, validate
 from rljax.train.evaluation import evaluate, group_metrics
-from rljax.train.loop import init_state, run
-from rljax.train.policy import Policy, load_policy
+from rljax.train.loop import run
+from rljax.train.policy import Policy, load_policy, load_teacher
 from rljax.train.rollout import Collected, Collector, pivot_rows
-from rljax.train.sft import SFTConfig, run_sft
-from rljax.train.steps import (OLD_LOGPROBS, RLBatch, RLStepConfig, TrainState,
-                               jit_rl_step, make_rl_step, make_sft_step,
-                               mismatch_statistics)
+from rljax.train.sft import SFTConfig, make_sft_step, run_sft
+from rljax.train.steps import (OLD_LOGPROBS, RLBatch, RLStepConfig,
+                               StepInputs, TrainState, init_state,
+                               jit_rl_step, make_rl_step, mismatch_statistics,
+                               prepare_inputs)
 
 __all__ = [
-    "build", "critic", "distill", "ADVANTAGE_PRESETS", "ADVANTAGE_TRANSFORMS", "IS_CORRECTIONS",
-    "OBJECTIVES", "Algorithm", "advantage_chain", "coefficient_chain",
-    "optimizer", "algorithm_from_config", "Components", "validate",
-    "evaluate", "group_metrics", "init_state", "run", "Policy", "load_policy",
-    "Collected", "Collector", "pivot_rows", "SFTConfig", "run_sft",
-    "OLD_LOGPROBS", "RLBatch", "RLStepConfig", "TrainState", "jit_rl_step",
-    "make_rl_step", "make_sft_step", "mismatch_statistics",
+    "build", "critic", "distill", "schema", "table", "ADVANTAGE_PRESETS",
+    "ADVANTAGE_TRANSFORMS", "IS_CORRECTIONS", "OBJECTIVES", "Algorithm",
+    "advantage_chain", "coefficient_chain", "optimizer",
+    "algorithm_from_config", "Components", "validate", "evaluate",
+    "group_metrics", "run", "Policy", "load_policy", "load_teacher",
+    "Collected", "Collector", "pivot_rows", "SFTConfig", "make_sft_step",
+    "run_sft", "OLD_LOGPROBS", "RLBatch", "RLStepConfig", "StepInputs",
+    "TrainState", "init_state", "jit_rl_step", "make_rl_step",
+    "mismatch_statistics", "prepare_inputs",
 ]

@@ -70,13 +70,13 @@ def make_evaluator(config: Any, num_workers: int | None = None
       num_workers=(config.rewards.num_workers if num_workers is None
                    else num_workers),
       timeout_s=config.rewards.timeout_s,
-      clip=config.rewards.get("clip"),
-      memory_limit_mb=config.rewards.get("memory_limit_mb"))
+      clip=config.rewards.clip,
+      memory_limit_mb=config.rewards.memory_limit_mb)
 
 
 def correctness_reward(config: Any) -> str:
   """The reward whose value >= 1 counts as correct (``eval.reward``, or the first)."""
-  return config.eval.get("reward") or reward_fn(config.rewards.names[0])[0]
+  return config.eval.reward or reward_fn(config.rewards.names[0])[0]
 
 
 def load_task(config: Any):
@@ -87,14 +87,14 @@ def load_task(config: Any):
   """
   t = config.task
   seed = config.seed
-  if t.get("path"):
-    required = tuple(t.get("required_fields", ("prompt", "answer")) or ())
+  if t.path:
+    required = tuple(t.required_fields or ())
     train = list(data_lib.read_jsonl(t.path, required_fields=required))
     heldout = (list(data_lib.read_jsonl(t.heldout_path,
                                         required_fields=required))
-               if t.get("heldout_path") else train[:config.eval.num_examples])
+               if t.heldout_path else train[:config.eval.num_examples])
     return None, train, heldout[:config.eval.num_examples]
-  task = data_lib.get_task(t.name, **dict(t.get("kwargs", {}) or {}))
+  task = data_lib.get_task(t.name, **dict(t.kwargs or {}))
   train = task.examples("train", t.num_train, seed)
   heldout = task.examples("heldout", config.eval.num_examples, seed + 1)
   return task, train, heldout
@@ -119,20 +119,20 @@ def check_data(config: Any, train_examples: list[dict[str, Any]],
   ``task.on_data_problem`` says whether the first two raise (``"error"``,
   the default) or log a warning (``"warn"``); the last always raises.
   """
-  mode = config.task.get("on_data_problem", "error")
+  mode = config.task.on_data_problem
   alg_lib.check_choice("task.on_data_problem", mode, DATA_CHECKS)
-  where = config.task.get("path") or f"task.name={config.task.name!r}"
+  where = config.task.path or f"task.name={config.task.name!r}"
   problems = []
-  if config.task.get("path") and not data_lib.check_answers(
+  if config.task.path and not data_lib.check_answers(
       train_examples, where):
     problems.append(
         f"no training example of {where} has a non-empty 'answer' field: the "
         "built-in verifiers would score every completion 0")
   want = config.eval.num_examples
   if len(heldout) < want:
-    source = (config.task.get("heldout_path") or
+    source = (config.task.heldout_path or
               (f"the head of {config.task.path} (training rows!)"
-               if config.task.get("path") else where))
+               if config.task.path else where))
     problems.append(
         f"eval.num_examples={want} but {source} holds only {len(heldout)} "
         f"held-out examples; accepted: eval.num_examples <= {len(heldout)}")
@@ -147,7 +147,7 @@ def check_data(config: Any, train_examples: list[dict[str, Any]],
 
 def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]]):
   """The sentencepiece tokenizer of ``tokenizer.path``, or one trained on the task."""
-  if config.tokenizer.get("path"):
+  if config.tokenizer.path:
     return tok_lib.SentencePieceTokenizer(config.tokenizer.path)
   if task is not None:
     corpus = task.tokenizer_corpus(config.tokenizer.corpus_size, config.seed)
@@ -162,7 +162,7 @@ def hf_overrides(config: Any) -> dict[str, Any]:
   Raises:
     ValueError: naming a field the checkpoint fixes.
   """
-  overrides = dict(config.model.get("overrides", {}) or {})
+  overrides = dict(config.model.overrides or {})
   for name in overrides:
     if name not in HF_OVERRIDES:
       raise ValueError(
@@ -185,7 +185,7 @@ def hf_model_config(directory: str, config: Any) -> models.ModelConfig:
 
 def preset_model_config(config: Any, vocab_size: int) -> models.ModelConfig:
   """``model.preset`` with ``model.overrides`` and the tokenizer's vocab size."""
-  overrides = dict(config.model.get("overrides", {}) or {})
+  overrides = dict(config.model.overrides or {})
   overrides.setdefault("vocab_size", vocab_size)
   return models.get_preset(config.model.preset, **overrides)
 
@@ -193,7 +193,7 @@ def preset_model_config(config: Any, vocab_size: int) -> models.ModelConfig:
 def hf_tokenizer(directory: str, config: Any):
   """A checkpoint's tokenizer, through its chat template if the config asks."""
   tokenizer = tok_lib.load_hf_tokenizer(directory)
-  chat = bool(config.tokenizer.get("chat_template"))
+  chat = bool(config.tokenizer.chat_template)
   if chat and getattr(tokenizer, "chat_template", None) is None:
     log.warning("tokenizer.chat_template=True, but %s has no chat template: "
                 "prompts are encoded as plain text.", directory)

@@ -120,17 +120,6 @@ def values(params: Any, model_config: models.ModelConfig, tokens_BxT: jax.Array,
   return jnp.concatenate([jnp.zeros_like(v[:, :1]), v], 1)
 
 
-def forward_values(params: Any, model_config: models.ModelConfig,
-                   tokens_NxT: jax.Array, input_mask_NxT: jax.Array,
-                   chunks: int) -> jax.Array:
-  """``values`` without gradient, in ``chunks`` row chunks (bounded memory)."""
-  n = tokens_NxT.shape[0]
-  t = tokens_NxT.reshape(chunks, n // chunks, -1)
-  m = input_mask_NxT.reshape(chunks, n // chunks, -1)
-  v = jax.lax.map(lambda x: values(params, model_config, x[0], x[1]), (t, m))
-  return jax.lax.stop_gradient(v.reshape(n, -1))
-
-
 def clipped_value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array,
                        returns_BxT: jax.Array, value_clip: float | None
                        ) -> tuple[jax.Array, jax.Array]:
@@ -154,21 +143,23 @@ def clipped_value_loss(values_BxT: jax.Array, old_values_BxT: jax.Array,
 
 
 def value_loss(params: Any, model_config: models.ModelConfig,
-               mb: dict[str, jax.Array], config: CriticConfig,
+               tokens_BxL: jax.Array, input_mask_BxL: jax.Array,
+               mask_BxT: jax.Array, old_values_BxT: jax.Array,
+               returns_BxT: jax.Array, config: CriticConfig,
                aggregation: str, normalizers: dict[str, Any]
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The critic's loss on one microbatch and its metrics.
 
-  ``mb`` holds ``tokens`` and ``input_mask`` (``[B, L]``) and
-  ``loss_mask``, ``old_values`` and ``returns`` (``[B, T]``: the last ``T``
-  columns, ``T <= L``). The loss uses the minibatch's ``normalizers``,
-  so summing microbatches gives the minibatch loss; the metrics are
-  token-weighted the same way (sums over microbatches are means).
+  ``mask_BxT``, ``old_values_BxT`` and ``returns_BxT`` cover the last ``T``
+  columns of the rows (``T <= L``). The loss uses the minibatch's
+  ``normalizers``, so summing microbatches gives the minibatch loss; the
+  metrics are token-weighted the same way (sums over microbatches are
+  means).
   """
-  mask = mb["loss_mask"]
-  v = values(params, model_config, mb["tokens"], mb["input_mask"])
+  mask = mask_BxT
+  v = values(params, model_config, tokens_BxL, input_mask_BxL)
   v = v[:, v.shape[1] - mask.shape[1]:]  # the columns the loss mask covers
-  loss_BxT, clipped_BxT = clipped_value_loss(v, mb["old_values"], mb["returns"],
+  loss_BxT, clipped_BxT = clipped_value_loss(v, old_values_BxT, returns_BxT,
                                              config.value_clip)
   loss = obj_lib.aggregate_loss(loss_BxT, mask, aggregation, **normalizers)
   n = jnp.maximum(normalizers["num_tokens"], 1.0)
@@ -179,9 +170,8 @@ def value_loss(params: Any, model_config: models.ModelConfig,
   return loss, {"critic/value_loss": loss,
                 "critic/clip_frac": token_sum(clipped_BxT),
                 "critic/values_mean": token_sum(v),
-                "critic/returns_mean": token_sum(mb["returns"])}
+                "critic/returns_mean": token_sum(returns_BxT)}
 
 
 __all__ = ["CriticConfig", "CriticState", "clipped_value_loss",
-           "forward_values", "init_params", "make_optimizer", "value_loss",
-           "values"]
+           "init_params", "make_optimizer", "value_loss", "values"]

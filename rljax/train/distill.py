@@ -18,7 +18,7 @@ pure distillation is an advantage chain that gives 0 (e.g. a constant
 reward) plus this term.
 
 The teacher is an HF checkpoint directory or an rljax run directory
-(``teacher.path``; ``load_teacher``) and must share the student's tokenizer
+(``teacher.path``; ``rljax.train.policy.load_teacher``) and must share the student's tokenizer
 (its vocabulary is checked). Its logprobs are taken at ``teacher.temperature``
 (1 by default: the teacher's own distribution).
 
@@ -34,13 +34,9 @@ References:
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from rljax import models
 
 
 def distill_advantages(advantages: jax.Array, old_logprobs_BxT: jax.Array,
@@ -68,61 +64,4 @@ def distill_advantages(advantages: jax.Array, old_logprobs_BxT: jax.Array,
   return a_BxT - distill_coef * rkl, rkl
 
 
-def teacher_logprobs(params: Any, model_config: models.ModelConfig,
-                     tokens_NxL: jax.Array, input_mask_NxL: jax.Array, *,
-                     temperature: float, chunk_size: int,
-                     chunks: int) -> jax.Array:
-  """The teacher's ``[N, L]`` logprobs of the tokens, no gradient, in row chunks."""
-  n = tokens_NxL.shape[0]
-  t = tokens_NxL.reshape(chunks, n // chunks, -1)
-  m = input_mask_NxL.reshape(chunks, n // chunks, -1)
-  lp = jax.lax.map(lambda x: models.sequence_logprobs(
-      params, model_config, x[0], x[1], temperature=temperature,
-      chunk_size=chunk_size)[0], (t, m))
-  return jax.lax.stop_gradient(lp.reshape(n, -1))
-
-
-def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
-                 step: int | None = None
-                 ) -> tuple[models.ModelConfig, Any]:
-  """``(model_config, params)`` of a teacher, sharded on ``mesh``.
-
-  Args:
-    path: an rljax run directory (``checkpoints/`` and ``config.json``;
-      checkpoint ``step``, latest if None) or a Hugging Face checkpoint
-      directory (``config.json`` and safetensors).
-    mesh: the device mesh.
-    vocab_size: the student's vocabulary size; the teacher's must equal it.
-    step: the run directory's checkpoint.
-
-  Raises:
-    ValueError: naming ``teacher.path`` when it is neither, or when the
-      vocabularies differ.
-  """
-  # Imported here: policy imports build, which imports steps, which imports
-  # this module.
-  from rljax.train import policy  # pylint: disable=import-outside-toplevel
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    loaded = policy.load_policy(path, step)
-    model_config = loaded.model_config
-    params = jax.device_put(loaded.params,
-                            models.param_shardings(model_config, mesh))
-  elif os.path.isfile(os.path.join(path, "config.json")):
-    if step is not None:
-      raise ValueError(f"teacher.step={step} with teacher.path={path!r}, a "
-                       "Hugging Face checkpoint: accepted teacher.step=None.")
-    model_config, params = models.load_hf_pretrained(path, mesh)
-  else:
-    raise ValueError(
-        f"teacher.path={path!r} is neither an rljax run directory (with "
-        "checkpoints/) nor a Hugging Face checkpoint directory (with "
-        "config.json).")
-  if model_config.vocab_size != vocab_size:
-    raise ValueError(
-        f"teacher.path={path!r} has vocab_size={model_config.vocab_size}, the "
-        f"student {vocab_size}: the teacher must share the student's "
-        "tokenizer.")
-  return model_config, params
-
-
-__all__ = ["distill_advantages", "load_teacher", "teacher_logprobs"]
+__all__ = ["distill_advantages"]

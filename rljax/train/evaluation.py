@@ -152,3 +152,25 @@ def evaluate(
          "completion_length": float(np.mean(rollout.lengths))}
   out.update(group_metrics(correct, answers))
   return {prefix + k: v for k, v in out.items()}
+
+
+def heldout_metrics(params: Any, key: jax.Array, *, sampler: Callable,
+                    greedy_sampler: Callable | None, tokenizer: Tokenizer,
+                    examples: Sequence[Mapping[str, Any]],
+                    evaluator: rewards_lib.RewardEvaluator, num_samples: int,
+                    buckets: Sequence[int], eos_ids: Sequence[int],
+                    correctness_reward: str,
+                    mesh: jax.sharding.Mesh) -> dict[str, float]:
+  """The loop's held-out figures: ``evaluate`` at the sampling temperature
+  and, with ``greedy_sampler``, ``eval/greedy_accuracy``."""
+  kwargs = dict(buckets=buckets, eos_ids=eos_ids,
+                correctness_reward=correctness_reward)
+  with jax.set_mesh(mesh):
+    out = evaluate(params, sampler, tokenizer, examples, evaluator, key,
+                   num_samples=num_samples, **kwargs)
+    if greedy_sampler is not None:
+      greedy = evaluate(params, greedy_sampler, tokenizer, examples,
+                        evaluator, key, num_samples=1, prefix="eval/greedy_",
+                        **kwargs)
+      out["eval/greedy_accuracy"] = greedy["eval/greedy_accuracy"]
+  return out

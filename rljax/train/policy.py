@@ -1,4 +1,5 @@
-"""Loading a trained policy (params, model config, tokenizer) from a workdir.
+"""Loading a trained policy (params, model config, tokenizer) from a workdir,
+and a distillation teacher from a run directory or a Hugging Face checkpoint.
 
 A run directory holds ``config.json`` (the training config), ``checkpoints/``
 and the tokenizer: ``tokenizer.model`` for a run that trained its own
@@ -19,7 +20,8 @@ import ml_collections
 
 from rljax import checkpoint as ckpt_lib
 from rljax import models
-from rljax.train import build
+from rljax.train import _build_inputs as inputs_lib
+from rljax.train import schema
 
 
 @dataclasses.dataclass
@@ -43,16 +45,16 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
   Raises:
     FileNotFoundError: naming the missing file or directory.
   """
-  hf = os.path.isdir(os.path.join(workdir, build.HF_DIR))
-  for name in ("config.json", build.HF_DIR if hf else "tokenizer.model",
+  hf = os.path.isdir(os.path.join(workdir, inputs_lib.HF_DIR))
+  for name in ("config.json", inputs_lib.HF_DIR if hf else "tokenizer.model",
                "checkpoints"):
     if not os.path.exists(os.path.join(workdir, name)):
       raise FileNotFoundError(
           f"{os.path.join(workdir, name)} does not exist: workdir={workdir!r} "
           "is not an rljax training run directory.")
   with open(os.path.join(workdir, "config.json")) as f:
-    config = ml_collections.ConfigDict(json.load(f))
-  model_config, tokenizer, described = build.run_model_and_tokenizer(
+    config = schema.complete_config(json.load(f))
+  model_config, tokenizer, described = inputs_lib.run_model_and_tokenizer(
       config, workdir)
   manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                        async_save=False)
@@ -69,3 +71,43 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
                      f"of the configured model ({described}).")
   return Policy(jax.tree.map(jax.numpy.asarray, params), model_config,
                 tokenizer, config, int(step))
+
+
+def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
+                 step: int | None = None
+                 ) -> tuple[models.ModelConfig, Any]:
+  """``(model_config, params)`` of a teacher, sharded on ``mesh``.
+
+  Args:
+    path: an rljax run directory (``checkpoints/`` and ``config.json``;
+      checkpoint ``step``, latest if None) or a Hugging Face checkpoint
+      directory (``config.json`` and safetensors).
+    mesh: the device mesh.
+    vocab_size: the student's vocabulary size; the teacher's must equal it.
+    step: the run directory's checkpoint.
+
+  Raises:
+    ValueError: naming ``teacher.path`` when it is neither, or when the
+      vocabularies differ.
+  """
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    loaded = load_policy(path, step)
+    model_config = loaded.model_config
+    params = jax.device_put(loaded.params,
+                            models.param_shardings(model_config, mesh))
+  elif os.path.isfile(os.path.join(path, "config.json")):
+    if step is not None:
+      raise ValueError(f"teacher.step={step} with teacher.path={path!r}, a "
+                       "Hugging Face checkpoint: accepted teacher.step=None.")
+    model_config, params = models.load_hf_pretrained(path, mesh)
+  else:
+    raise ValueError(
+        f"teacher.path={path!r} is neither an rljax run directory (with "
+        "checkpoints/) nor a Hugging Face checkpoint directory (with "
+        "config.json).")
+  if model_config.vocab_size != vocab_size:
+    raise ValueError(
+        f"teacher.path={path!r} has vocab_size={model_config.vocab_size}, the "
+        f"student {vocab_size}: the teacher must share the student's "
+        "tokenizer.")
+  return model_config, params

@@ -1,7 +1,7 @@
 """One rollout batch: prompts -> Rollout -> rewards ``[N, R]`` -> advantages -> RLBatch.
 
-``Collector.collect`` is the sampling half of an RL step (DESIGN.md section
-3). The rollout stays on the devices; only the completion tokens cross to the
+``Collector.collect`` is the sampling half of an RL step
+(docs/architecture.md). The rollout stays on the devices; only the completion tokens cross to the
 host (to be decoded and scored), and only the rewards ``[N, R]`` cross back.
 The advantage chain, MC-GRPO's pivot drop (or ReMax's greedy-row drop) and
 the trainer's ``[N, P + T]`` layout run in one jitted function whose outputs
@@ -15,7 +15,9 @@ is 0 (TRL's semantics; ``Algorithm.failed_rewards="zero"`` scores it 0 and
 keeps it in); ``reward/all_failed`` counts such rows. The chain also
 receives ``advantage_extra_args``: completion lengths and sequence
 log-ratios, and the completions (KTAE's advantages are per completion
-token: ``RLBatch.advantages_N`` is then ``[N, P + T]``, 0 on the prompt).
+token). ``RLBatch.advantages_NxL`` is ``[N, P + T]``, 0 on the prompt; with a
+critic (``Algorithm.critic``) the chain gives each row's reward, passed as
+``RLBatch.rewards_N`` for the step's GAE.
 """
 
 from __future__ import annotations
@@ -104,18 +106,25 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
                               mask_N=valid_N)
   tokens, input_mask = rollout.sequences()
   zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
+  completion_advantages = (
+      advantages_N if per_token else jnp.broadcast_to(
+          advantages_N[:, None], rollout.completion_mask.shape))
+  if algorithm.critic:  # the step's GAE turns the rewards into advantages
+    completion_advantages = jnp.zeros_like(completion_advantages)
   layout = {
       "tokens_NxL": tokens, "input_mask_NxL": input_mask,
       "loss_mask_NxL": jnp.concatenate(
           [jnp.zeros_like(rollout.prompt_mask), rollout.completion_mask], 1),
-      "advantages_N": (jnp.concatenate([zeros, advantages_N], 1) if per_token
-                       else advantages_N).astype(jnp.float32),
+      "advantages_NxL": jnp.concatenate(
+          [zeros, completion_advantages], 1).astype(jnp.float32),
       "sampler_logprobs_NxL": jnp.concatenate(
           [zeros, rollout.sampler_logprobs], 1),
   }
   if rollout.policy_logprobs is not None:
     layout["old_logprobs_NxL"] = jnp.concatenate(
         [zeros, rollout.policy_logprobs], 1)
+  if algorithm.critic:
+    layout["rewards_N"] = advantages_N.astype(jnp.float32)
   if algorithm.drop_pivot:
     rows = pivot_rows(total_N, valid_N, sampled)
     layout = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), layout)
@@ -198,8 +207,8 @@ class Collector:
         replicated = jax.sharding.NamedSharding(self.mesh,
                                                 jax.sharding.PartitionSpec())
         self._jitted[has_old_logprobs] = jax.jit(fn, out_shardings=(
-            batch_shardings(self.mesh, has_old_logprobs), replicated,
-            replicated))
+            batch_shardings(self.mesh, has_old_logprobs,
+                            self.algorithm.critic), replicated, replicated))
     return self._jitted[has_old_logprobs]
 
   def _sample(self, params, prompts, tokens, mask, key):

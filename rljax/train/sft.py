@@ -21,9 +21,30 @@ import optax
 from rljax import metrics as metrics_lib
 from rljax import models, sharding
 from rljax import tokenizers as tok_lib
-from rljax.train.steps import make_sft_step
+from rljax import objectives as obj_lib
 
 log = logging.getLogger("rljax")
+
+
+def make_sft_step(model_config: models.ModelConfig,
+                  optimizer: optax.GradientTransformation,
+                  chunk_size: int = 128):
+  """``sft_step(params, opt_state, tokens, input_mask, loss_mask)``:
+  token-mean cross-entropy on the completion tokens only."""
+
+  def loss_fn(params, tokens, input_mask, loss_mask):
+    lp, _ = models.sequence_logprobs(params, model_config, tokens, input_mask,
+                                     chunk_size=chunk_size, with_entropy=False)
+    return obj_lib.aggregate_loss(-lp, loss_mask, "token_mean")
+
+  def sft_step(params, opt_state, tokens, input_mask, loss_mask):
+    loss, grads = jax.value_and_grad(loss_fn)(params, tokens, input_mask,
+                                              loss_mask)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, {
+        "sft_loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+  return sft_step
 
 
 @dataclasses.dataclass(frozen=True)

@@ -187,8 +187,10 @@ def batch():
   loss_mask[2, 8:] = False
   input_mask[2, 8:] = False
   rewards = rng.randn(n).astype(np.float32)
+  # The plain step reads the rewards as advantages, the critic's step as
+  # GAE's rewards.
   return train.RLBatch(tokens, input_mask, loss_mask, rewards,
-                       np.zeros((n, length), np.float32))
+                       np.zeros((n, length), np.float32), rewards_N=rewards)
 
 
 def test_values_at_t_do_not_see_token_t(batch):
@@ -234,7 +236,7 @@ def test_zero_critic_policy_update_equals_the_plain_step_on_rewards(
     batch, critic_step):
   """V = 0, gamma = lam = 1, no whitening: every token's advantage is the
   row's reward, so the policy moves exactly as the critic-free step with
-  advantages_N = rewards."""
+  advantages = rewards."""
   params = models.init_params(MC, jax.random.key(0))
   coef_tx = obj.ppo_clip(0.2)
   sgd = optax.sgd(SGD_LR)
@@ -250,7 +252,7 @@ def test_zero_critic_policy_update_equals_the_plain_step_on_rewards(
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
   # The critic's first loss: V = 0 against returns R on every loss token.
   m = batch.loss_mask_NxL
-  want = 0.5 * (np.broadcast_to(batch.advantages_N[:, None], m.shape)[m] ** 2
+  want = 0.5 * (np.broadcast_to(batch.advantages_NxL[:, None], m.shape)[m] ** 2
                 ).mean()
   np.testing.assert_allclose(out["critic/value_loss"], want, rtol=1e-5)
   assert out["critic/grad_norm"] > 0

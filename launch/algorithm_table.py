@@ -1,0 +1,38 @@
+"""Writes the algorithm tables of README.md from ``rljax/train/table.py``.
+
+  python -m launch.algorithm_table          # print them
+  python -m launch.algorithm_table --write  # replace them in README.md
+
+The README holds them between the markers ``<!-- algorithm-table -->`` and
+``<!-- /algorithm-table -->``; ``tests/test_algorithm.py`` fails when they
+differ from the table.
+"""
+
+import pathlib
+
+from absl import app, flags
+
+from rljax.train import table
+
+_WRITE = flags.DEFINE_bool("write", False, "replace the tables in README.md")
+START, END = "<!-- algorithm-table -->", "<!-- /algorithm-table -->"
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+
+
+def with_tables(readme: str) -> str:
+  """``readme`` with the text between the markers replaced by the tables."""
+  head, _, rest = readme.partition(START)
+  _, _, tail = rest.partition(END)
+  return f"{head}{START}\n{table.markdown()}{END}{tail}"
+
+
+def main(argv):
+  del argv
+  if _WRITE.value:
+    README.write_text(with_tables(README.read_text()))
+  else:
+    print(table.markdown())
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,259 @@
+"""Every config field: its default, its range and what it means, in one place.
+
+``FIELDS`` maps ``"section.field"`` to a ``Field``. ``configs/common.py``
+builds its ``base()`` from it (``base_config``), ``build.validate`` checks
+every value against its rule, and ``complete`` fills what a partial config
+(an older run's ``config.json``, a plain dict handed to
+``algorithm.from_config``) leaves out. Nothing else in ``rljax/train``
+restates a default. The fields of an algorithm name (``rl.pass_k`` of
+``pass_at_k``, ``rl.cispo_cap`` of ``cispo``, ...) are declared by its entry
+in ``rljax/train/table.py`` and merged in here.
+
+A rule is one of ``_checks.check_range``'s (``"int>=1"``, ``">0"``,
+``"(0,1]"``, ..., a trailing ``"?"`` also accepting None), or None for a
+field that is checked by its own code (names, strings, tuples).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from rljax.train import table
+from rljax.train._field import Field
+
+
+F = Field
+
+_BASE: dict[str, Field] = {
+    "seed": F(0, "int>=0", "the run's seed: params, data order, sampling"),
+    # --- task ---
+    "task.name": F("arithmetic", None, "a built-in task (rljax.data.TASKS)"),
+    "task.kwargs": F({}, None, "keyword arguments of the built-in task"),
+    "task.num_train": F(6000, "int>=1", "training examples of a built-in task"),
+    "task.path": F("", None, "a JSONL file instead of a built-in task"),
+    "task.heldout_path": F("", None, "held-out JSONL (empty: the head of task.path)"),
+    "task.required_fields": F(("prompt", "answer"), None,
+                              "fields every JSONL line must have"),
+    "task.on_data_problem": F("error", None,
+                              "no answers or too few held-out examples",
+                              choices=("error", "warn")),
+    # --- tokenizer ---
+    "tokenizer.path": F("", None, "empty: train a small sentencepiece model"),
+    "tokenizer.vocab_size": F(32, "int>=1", "vocabulary of a trained tokenizer"),
+    "tokenizer.corpus_size": F(2000, "int>=1", "examples it is trained on"),
+    "tokenizer.chat_template": F(False, None,
+                                 "wrap prompts in the checkpoint's template"),
+    # --- model ---
+    "model.path": F("", None, "a Hugging Face checkpoint directory"),
+    "model.preset": F("small", None, "used when model.path is empty"),
+    "model.overrides": F({}, None, "ModelConfig fields to override"),
+    # --- mesh ---
+    "mesh.data": F(1, None, "data-parallel axis (-1: the rest)"),
+    "mesh.fsdp": F(-1, None, "parameter-sharded data axis (-1: the rest)"),
+    "mesh.tensor": F(1, None, "tensor-parallel axis"),
+    # --- sampler ---
+    "sampler.max_new_tokens": F(32, "int>=1", "the generation budget T"),
+    "sampler.temperature": F(1.0, ">0", "sampling temperature"),
+    "sampler.top_k": F(None, "int>=1?", "keep the k most likely tokens", int),
+    "sampler.top_p": F(None, "(0,1]?", "nucleus sampling", float),
+    "sampler.min_p": F(None, "[0,1)?", "min-p sampling", float),
+    "sampler.prompt_buckets": F((16, 32), None, "padded prompt lengths"),
+    "sampler.cache_dtype": F("bfloat16", None, "KV cache dtype"),
+    "sampler.share_prefix": F(True, None, "prefill a group's prompt once"),
+    "sampler.segment_slots": F(64, "int>=1", "decode steps of the first "
+                               "length segment (each next one doubles)"),
+    "sampler.speculative": F(False, None, "SPEC-RL: a prompt's previous "
+                             "rollout is the draft, verified in one pass"),
+    "sampler.spec_log_lenience": F(0.5, ">=0", "SPEC-RL: accept a draft "
+                                   "token w.p. min(1, e^lenience p/q)"),
+    "sampler.spec_store_prompts": F(4096, "int>=1", "SPEC-RL: prompts whose "
+                                    "drafts are kept (saved with checkpoints)"),
+    # --- sft ---
+    "sft.num_steps": F(0, "int>=0", "warm-up steps (0: none)"),
+    "sft.batch_size": F(64, "int>=1", "rows per warm-up step"),
+    "sft.learning_rate": F(3e-3, ">0", "warm-up peak learning rate"),
+    "sft.num_examples": F(4000, "int>=1", "demonstrations drawn from the task"),
+    "sft.max_length": F(16, "int>=1", "padded warm-up row length"),
+    "sft.label_noise": F(0.0, "[0,1)", "fraction of near-miss demonstrations"),
+    # --- rl: the batch ---
+    "rl.num_steps": F(100, "int>=1", "RL steps"),
+    "rl.prompts_per_step": F(32, "int>=1", "prompts per step (B)"),
+    "rl.group_size": F(8, "int>=1", "trained samples per prompt (G)"),
+    "rl.num_epochs": F(1, "int>=1", "passes over a rollout batch"),
+    "rl.num_minibatches": F(1, "int>=1", "optimizer updates per epoch"),
+    "rl.num_microbatches": F(1, "int>=1", "accumulation chunks per update"),
+    # --- rl: the algorithm's names (their entries: rljax/train/table.py) ---
+    "rl.advantage": F("grpo", None, "a preset or links joined with '+'"),
+    "rl.objective": F("ppo_clip", None, "the per-token coefficient"),
+    "rl.is_correction": F("none", None, "sampler-mismatch correction"),
+    "rl.aggregation": F("token_mean", None, "loss aggregation"),
+    "rl.kl_estimator": F("k3", None, "the KL term's estimator"),
+    "rl.rejection": F("", None, "verl's rollout rejection, e.g. "
+                      "'seq_sum_k1:0.5:2.0' ('': off)"),
+    # --- rl: conventions shared by many names (docs/conventions.md) ---
+    "rl.advantage_clip": F(None, ">0?", "clip the advantages last", float),
+    "rl.std_eps": F(None, ">=0?", "epsilon added to every std (None: each "
+                    "chain's own, 1e-6 as verl; TRL: 1e-4)", float),
+    "rl.singleton_groups": F("zero", None, "a group with one valid sample: "
+                             "advantage 0 (TRL) or its reward (verl)",
+                             choices=("zero", "raw")),
+    "rl.failed_rewards": F("exclude", None, "a row whose every reward failed: "
+                           "out of the statistics (TRL) or scored 0",
+                           choices=("exclude", "zero")),
+    "rl.clip_eps_low": F(0.2, ">0", "PPO clip: 1 - eps_low"),
+    "rl.clip_eps_high": F(0.28, ">0", "PPO clip: 1 + eps_high (DAPO)"),
+    "rl.is_cap": F(2.0, ">0", "tis / mis: the weight's cap"),
+    "rl.is_floor": F(None, ">0?", "tis: lower bound of the weight", float),
+    "rl.is_batch_normalize": F(False, None, "tis: divide the weights by "
+                               "their mean"),
+    "rl.is_level": F("token", None, "tis / mis: token or sequence weights",
+                     choices=("token", "sequence")),
+    "rl.count_empty_sequences": F(False, None, "the sequence normaliser "
+                                  "counts every row (TRL grpo)"),
+    "rl.max_log_ratio": F(20.0, ">0", "clamp of the log-ratio (verl 20)"),
+    "rl.kl_coef": F(0.0, ">=0", "weight of the KL to the reference params"),
+    "rl.entropy_coef": F(0.0, ">=0", "weight of the entropy bonus"),
+    "rl.training_temperature": F(1.0, ">0", "logits are divided by it"),
+    "rl.old_logprobs": F("recompute", None, "pi_old: the trainer's forward "
+                         "pass or the sampler's logprobs (verl's bypass)",
+                         choices=("recompute", "sampler")),
+    "rl.ess_pooling": F("microbatch", None, "FeynRL's token ESS pooled per",
+                        choices=("microbatch", "minibatch")),
+    "rl.ess_kl_coef": F(None, ">=0?", "the (1 - ESS) pull toward the "
+                        "sampler (None: 1 with objective=ess, else 0)", float),
+    "rl.distill_coef": F(0.0, ">=0", "on-policy distillation: weight of the "
+                         "per-token reverse KL to teacher.path"),
+    # --- critic (read with rl.advantage="gae") ---
+    "critic.gamma": F(1.0, "[0,1]", "GAE discount"),
+    "critic.lam": F(1.0, "[0,1]", "GAE lambda"),
+    "critic.value_clip": F(0.5, ">0?", "verl's cliprange_value (None: off)",
+                           float),
+    "critic.whiten": F(True, None, "whiten the advantages over the batch"),
+    "critic.learning_rate": F(1e-5, ">0", "the critic's Adam learning rate"),
+    "critic.max_grad_norm": F(1.0, ">0?", "the critic's gradient clip", float),
+    # --- teacher (read with rl.distill_coef > 0) ---
+    "teacher.path": F("", None, "an rljax run or a Hugging Face checkpoint"),
+    "teacher.step": F(None, "int>=0?", "the run's checkpoint (latest if "
+                      "None)", int),
+    "teacher.temperature": F(1.0, ">0", "the teacher's logits are divided by it"),
+    # --- optimizer ---
+    "optimizer.name": F("adamw", None, "the optax optimizer",
+                        choices=("adamw", "adam", "sgd", "lion")),
+    "optimizer.learning_rate": F(1e-6, ">0", "peak learning rate"),
+    "optimizer.warmup_steps": F(0, "int>=0", "linear warm-up updates"),
+    "optimizer.schedule": F("constant", None, "after the warm-up",
+                            choices=("constant", "cosine")),
+    "optimizer.final_lr_fraction": F(0.1, "[0,1]", "cosine: final / peak"),
+    "optimizer.weight_decay": F(0.0, ">=0", "decoupled weight decay"),
+    "optimizer.b1": F(None, "[0,1)?", "Adam / Lion beta1 (None: optax's)",
+                      float),
+    "optimizer.b2": F(None, "[0,1)?", "Adam / Lion beta2 (None: optax's)",
+                      float),
+    "optimizer.max_grad_norm": F(1.0, ">0?", "global-norm gradient clip",
+                                 float),
+    "optimizer.ess_scaling": F(None, None, "VCPO: scale the step by the "
+                               "sequence-level ESS", str,
+                               choices=(None, "sqrt", "linear")),
+    "optimizer.max_consecutive_nonfinite": F(
+        5, "int>=1?", "stop after this many skipped updates in a row", int),
+    # --- rewards ---
+    "rewards.names": F(("numeric_match",), None,
+                       "built-in names or 'package.module:function'"),
+    "rewards.weights": F((1.0,), None, "one weight per reward function"),
+    "rewards.num_workers": F(2, "int>=0", "reward processes (0: inline)"),
+    "rewards.timeout_s": F(10.0, ">0", "per call"),
+    "rewards.clip": F(None, ">0?", "finite rewards beyond +-clip are clipped",
+                      float),
+    "rewards.memory_limit_mb": F(None, "int>=1?", "per reward worker, over "
+                                 "its start-up size", int),
+    "rewards.max_failure_fraction": F(0.99, "[0,1]", "stop when more (sample, "
+                                      "reward) pairs fail ..."),
+    "rewards.failure_patience": F(5, "int>=1", "... for this many steps"),
+    # --- eval ---
+    "eval.every": F(50, "int>=1", "held-out evaluation cadence (RL steps)"),
+    "eval.num_examples": F(256, "int>=1", "held-out prompts"),
+    "eval.num_samples": F(1, "int>=1", "samples per held-out prompt"),
+    "eval.greedy": F(True, None, "also evaluate greedy decoding"),
+    "eval.reward": F("", None, "the reward that counts as correct "
+                     "(default: the first)"),
+    # --- checkpoint ---
+    "checkpoint.every": F(50, "int>=1", "checkpoint cadence (RL steps)"),
+    "checkpoint.max_to_keep": F(2, "int>=1?", "newest checkpoints kept", int),
+    "checkpoint.best_metric": F("", None, "also keep the best by this metric"),
+    "checkpoint.best_mode": F("max", None, "of best_metric",
+                              choices=("max", "min")),
+}
+
+
+def _merged() -> dict[str, Field]:
+  fields = dict(_BASE)
+  for name, field in table.entry_fields().items():
+    if name in fields and fields[name] != field:
+      raise ValueError(f"{name} is declared twice, differently.")
+    fields[name] = field
+  return fields
+
+
+FIELDS: dict[str, Field] = {}
+"""Every field, filled on first use (``fields()``)."""
+
+
+def fields() -> dict[str, Field]:
+  """``FIELDS``: the base fields and those of every table entry."""
+  if not FIELDS:
+    FIELDS.update(_merged())
+  return FIELDS
+
+
+def default(name: str) -> Any:
+  """The default of ``"section.field"`` (a copy, for mutable defaults)."""
+  return copy.deepcopy(fields()[name].default)
+
+
+def section_defaults(section: str) -> dict[str, Any]:
+  """``{field: default}`` of one section."""
+  prefix = section + "."
+  return {k[len(prefix):]: default(k) for k in fields() if k.startswith(prefix)}
+
+
+def complete(section: str, values: Mapping[str, Any] | None) -> dict[str, Any]:
+  """A section's values with every missing field at its default."""
+  out = section_defaults(section)
+  out.update(dict(values or {}))
+  return out
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """A ConfigDict of every field at its default (``configs/common.base``)."""
+  c = ml_collections.ConfigDict()
+  for name, field in fields().items():
+    *path, leaf = name.split(".")
+    node = c
+    for part in path:
+      if part not in node:
+        node[part] = ml_collections.ConfigDict()
+      node = node[part]
+    if field.default is None:
+      node[leaf] = ml_collections.config_dict.placeholder(field.type)
+    elif isinstance(field.default, dict):
+      node[leaf] = ml_collections.ConfigDict(dict(field.default))
+    else:
+      node[leaf] = field.default
+  return c
+
+
+def complete_config(config: Any) -> ml_collections.ConfigDict:
+  """A copy of ``config`` (a ConfigDict or a nested dict, e.g. an older run's
+  ``config.json``) with every field it lacks at its default."""
+  merged = base_config().to_dict()
+  values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+  for key, value in values.items():
+    if isinstance(value, dict) and isinstance(merged.get(key), dict):
+      merged[key].update(value)
+    else:
+      merged[key] = value
+  return ml_collections.ConfigDict(merged)

@@ -1,0 +1,219 @@
+"""A run's set-up, start or resume, checkpoints and summary (around ``loop.py``).
+
+``start`` writes what a run directory needs besides checkpoints (config,
+tokenizer files), makes the samplers, the ``Collector``, the checkpoint
+manager and the prompt iterator; ``initial_state`` either warms the policy
+up (SFT), evaluates it and builds a fresh ``TrainState``, or restores the
+newest readable checkpoint (state, reference params, data position, SPEC-RL
+drafts) and drops the metric rows written after it; ``Session.save``
+checkpoints all of that; ``summary`` closes up and reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import jax
+
+from rljax import checkpoint as ckpt_lib
+from rljax import data as data_lib
+from rljax import metrics as metrics_lib
+from rljax import models
+from rljax.train import build as build_lib
+from rljax.train import evaluation, rundir, sft
+from rljax.train.rollout import Collector
+from rljax.train.steps import TrainState
+
+log = logging.getLogger("rljax")
+
+PHASES = ("sft", "sample", "reward", "advantage", "train", "evaluation",
+          "checkpoint")
+
+
+@dataclasses.dataclass
+class Session:
+  """The host-side parts of one run (built by ``start``).
+
+  Attributes:
+    c: the run's components.
+    workdir: the run directory.
+    collector: samples, scores and batches a step's prompts.
+    samplers: ``{"eval": ..., "greedy": ... or None}`` for held-out metrics.
+    manager: the checkpoint manager.
+    iterator: the training prompts (its position is checkpointed).
+    eval_key, state_key, init_key: the run's keys, split from its seed.
+    writer: the metric writer (set by ``initial_state``).
+    before: held-out metrics before RL.
+    seconds: this process's wall clock by phase (``PHASES``).
+    tokens: generated and trained tokens of this process.
+  """
+
+  c: build_lib.Components
+  workdir: str
+  collector: Collector
+  samplers: dict[str, Any]
+  manager: ckpt_lib.CheckpointManager
+  iterator: Any
+  eval_key: jax.Array
+  state_key: jax.Array
+  init_key: jax.Array
+  writer: metrics_lib.MetricWriter | None = None
+  before: dict[str, float] = dataclasses.field(default_factory=dict)
+  seconds: dict[str, float] = dataclasses.field(
+      default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+  tokens: dict[str, float] = dataclasses.field(
+      default_factory=lambda: {"generated": 0.0, "train": 0.0})
+
+  @property
+  def metrics_path(self) -> str:
+    return os.path.join(self.workdir, "metrics.jsonl")
+
+  def evaluate(self, params: Any, key: jax.Array) -> dict[str, float]:
+    """Held-out metrics (``evaluation.heldout_metrics``), timed."""
+    c, s, t = self.c, self.c.settings, time.time()
+    out = evaluation.heldout_metrics(
+        params, key, sampler=self.samplers["eval"],
+        greedy_sampler=self.samplers["greedy"], tokenizer=c.tokenizer,
+        examples=c.heldout, evaluator=c.evaluator,
+        num_samples=s.eval_num_samples, buckets=c.buckets, eos_ids=c.eos_ids,
+        correctness_reward=c.correctness, mesh=c.mesh)
+    self.seconds["evaluation"] += time.time() - t
+    return out
+
+  def save(self, step: int, state: TrainState, ref_params: Any,
+           metrics: dict[str, float] | None = None) -> None:
+    """Checkpoints the state, the reference params (with a KL term), the
+    data position, the before-RL figures and the SPEC-RL drafts."""
+    t = time.time()
+    tree = {"state": state}
+    if ref_params is not None:
+      tree["ref_params"] = ref_params
+    best = self.c.settings.best_metric
+    spec = self.collector.speculation
+    self.manager.save(
+        step, tree, {"data_iterator": self.iterator.get_state(),
+                     "before": self.before, "config": self.c.config_json},
+        metrics=({best: metrics[best]} if best and metrics and best in metrics
+                 else None),
+        host_arrays={"drafts": spec.store.arrays() if spec else None})
+    self.seconds["checkpoint"] += time.time() - t
+
+
+def start(c: build_lib.Components, workdir: str) -> Session:
+  """Writes the run's config and tokenizer files and makes its host parts."""
+  s, alg = c.settings, c.algorithm
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(c.config_json, f, indent=2)
+  if c.hf_path:  # what load_policy needs to rebuild tokenizer and model
+    build_lib.save_hf_files(c.hf_path, workdir)
+  else:
+    c.tokenizer.save(os.path.join(workdir, "tokenizer.model"))
+  # Four keys, the second unused (it was the SFT's, which draws its data
+  # from the seed): a seed keeps the initial params and keys it always had.
+  init_key, _, eval_key, state_key = jax.random.split(jax.random.key(s.seed), 4)
+  sampler_old = c.step_config.old_logprobs == "sampler"
+  collector = Collector(
+      sampler=c.sampler(s.group_size + alg.extra_samples,
+                        record_policy_logprobs=sampler_old),
+      tokenizer=c.tokenizer, evaluator=c.evaluator, algorithm=alg,
+      group_size=s.group_size, buckets=c.buckets, eos_ids=c.eos_ids,
+      correctness=c.correctness, mesh=c.mesh,
+      speculation=c.speculation(record_policy_logprobs=sampler_old))
+  return Session(
+      c=c, workdir=workdir, collector=collector,
+      samplers={"eval": c.sampler(s.eval_num_samples,
+                                  record_policy_logprobs=False),
+                "greedy": c.sampler(1, greedy=True) if s.eval_greedy
+                          else None},
+      manager=ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                                         **c.checkpoint_options),
+      iterator=data_lib.make_prompt_iterator(c.train_examples,
+                                             s.prompts_per_step, s.seed),
+      eval_key=eval_key, state_key=state_key, init_key=init_key)
+
+
+def initial_state(run: Session) -> tuple[TrainState, Any]:
+  """``(state, ref_params)``: a fresh start (SFT, the before-RL evaluation)
+  or the newest readable checkpoint's."""
+  c, s = run.c, run.c.settings
+  kl = bool(c.step_config.kl_coef)
+  params = c.init_params(run.init_key)
+  devices = jax.devices()
+  log.info("model: %s params, vocab %d; %d %s device(s), mesh %s; "
+           "algorithm %s", f"{models.count_params(params):,}",
+           c.model_config.vocab_size, len(devices), devices[0].platform,
+           dict(c.mesh.shape), c.algorithm.name)
+  log.info("task %s: %d training prompts, %d held-out; RL: %d steps x %d "
+           "prompts x %d samples; SFT: %d steps", s.task_name,
+           len(c.train_examples), len(c.heldout), s.num_steps,
+           s.prompts_per_step, s.group_size, c.sft.num_steps)
+  if not run.manager.all_steps():
+    if os.path.exists(run.metrics_path):  # rows of a run that saved nothing
+      rundir.trim_metrics(run.metrics_path, -10**9)
+    run.writer = metrics_lib.MetricWriter(run.workdir)
+    t = time.time()
+    params = sft.run_sft(params, c.sft, task=c.task, tokenizer=c.tokenizer,
+                         model_config=c.model_config, mesh=c.mesh,
+                         param_shardings=c.param_shardings, writer=run.writer)
+    run.seconds["sft"] = time.time() - t
+    run.before = run.evaluate(params, run.eval_key)
+    run.writer.write(0, run.before)
+    log.info("held-out before RL: %s", format_eval(run.before))
+    return c.init_state(params, run.state_key), params if kl else None
+  # The restore target: shapes, dtypes and shardings of a fresh state.
+  target = {"state": c.init_state(params, run.state_key)}
+  if kl:
+    target["ref_params"] = params
+  resumed, tree, meta = run.manager.restore_latest_valid(target)
+  del target
+  run.iterator.set_state(meta["data_iterator"])
+  if run.collector.speculation is not None:
+    drafts = run.manager.restore_host_arrays(resumed, "drafts")
+    if drafts is not None:
+      run.collector.speculation.store.load_arrays(drafts)
+  run.before = meta.get("before", {})
+  dropped = rundir.trim_metrics(run.metrics_path, resumed)
+  run.writer = metrics_lib.MetricWriter(run.workdir)
+  log.info("resumed from step %d in %s (%d metric rows after it dropped)",
+           resumed, run.manager.directory, dropped)
+  return tree["state"], tree.get("ref_params")
+
+
+def summary(run: Session, last: dict[str, float], t0: float,
+            preempted: bool) -> dict[str, Any]:
+  """Closes the checkpoint manager and the writer, plots, and reports."""
+  c, seconds, tokens = run.c, run.seconds, run.tokens
+  t = time.time()
+  run.manager.close()  # waits for the saves in flight
+  seconds["checkpoint"] += time.time() - t
+  run.writer.close()
+  rows = metrics_lib.read_jsonl(run.metrics_path)
+  plot = os.path.join(run.workdir, "curves.png")
+  metrics_lib.plot_curves(
+      [row for row in rows if row["step"] >= 0], plot,
+      ["reward/total/mean", "eval/accuracy", "eval/greedy_accuracy",
+       "completion_length/mean"], title=f"rljax: {c.settings.task_name}")
+  after = {k: v for k, v in last.items() if k.startswith("eval/")}
+  if "eval/accuracy" in after:
+    log.info("held-out after RL: %s", format_eval(after))
+  return {
+      "workdir": run.workdir, "preempted": preempted, "before": run.before,
+      "after": after, "final": last, "plot": plot,
+      "seconds": time.time() - t0, "seconds_by_phase": seconds,
+      "tokens": tokens,
+      "tokens_per_s": {
+          "sample": tokens["generated"] / max(seconds["sample"], 1e-9),
+          "train": tokens["train"] / max(seconds["train"], 1e-9)},
+      "checkpoints": run.manager.directory, "metrics": run.metrics_path,
+      "tensorboard": os.path.join(run.workdir, "tensorboard"),
+      "sampling_temperature": c.settings.sampling_temperature}
+
+
+def format_eval(metrics: dict[str, float]) -> str:
+  return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}"
+                   for k, v in metrics.items())

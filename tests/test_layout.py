@@ -1,0 +1,145 @@
+"""The repository's own rules, checked on its source (docs/architecture.md):
+no import cycle in ``rljax/``, config defaults in one place, a short loop,
+code that cites only files inside the repository."""
+
+import ast
+import os
+import pathlib
+import re
+
+import pytest
+
+from rljax.train import schema
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "rljax"
+
+
+def _module_name(path: pathlib.Path) -> str:
+  parts = path.relative_to(ROOT).with_suffix("").parts
+  return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(path: pathlib.Path, modules) -> set[str]:
+  """The rljax modules ``path`` imports (any depth: a cycle through a
+  function-level import is still a cycle)."""
+  out = set()
+  package = _module_name(path) if path.name == "__init__.py" else (
+      _module_name(path).rpartition(".")[0])
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                        + ([base] if base else []))
+      names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+               for a in node.names]
+    else:
+      continue
+    out.update(n for n in names if n in modules)
+  return out
+
+
+def _cycle(graph):
+  """One import cycle of ``graph`` (a list of modules), or None."""
+  state, stack = {}, []
+
+  def visit(node):
+    state[node] = "open"
+    stack.append(node)
+    for nxt in sorted(graph[node]):
+      if state.get(nxt) == "open":
+        return stack[stack.index(nxt):] + [nxt]
+      if nxt not in state:
+        found = visit(nxt)
+        if found:
+          return found
+    stack.pop()
+    state[node] = "done"
+    return None
+
+  for node in sorted(graph):
+    if node not in state:
+      found = visit(node)
+      if found:
+        return found
+  return None
+
+
+def test_rljax_has_no_import_cycle():
+  modules = _modules()
+  # A package's __init__ re-exports its modules; a module importing its own
+  # package's __init__ would close a cycle, and is counted.
+  graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+  assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_finder_finds_a_cycle():
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# Receivers that hold a config or one of its sections.
+SECTION = re.compile(r"\b(config|rl|opt|optimizer|sampler|critic|teacher|task|"
+                     r"tokenizer|model|rewards|eval|checkpoint|sft|mesh)\b")
+
+
+def _field_gets(path: pathlib.Path):
+  """``x.get("<name>", default)`` calls whose name is a config field's."""
+  names = {k.rpartition(".")[2] for k in schema.fields()}
+  for node in ast.walk(ast.parse(path.read_text())):
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "get" and node.args
+        and SECTION.search(ast.unparse(node.func.value))
+        and isinstance(node.args[0], ast.Constant)
+        and node.args[0].value in names and len(node.args) == 2):
+      yield f"{path.relative_to(ROOT)}:{node.lineno} .get({node.args[0].value!r}, ...)"
+
+
+def test_no_config_default_is_restated_outside_the_schema():
+  found = [hit for p in (PACKAGE / "train").glob("*.py")
+           for hit in _field_gets(p)]
+  assert not found, found
+
+
+def test_the_default_finder_finds_a_restated_default(tmp_path):
+  path = ROOT / "tests" / "_layout_probe.py"
+  path.write_text("x = rl.get('max_log_ratio', 20.0)\n")
+  try:
+    assert len(list(_field_gets(path))) == 1
+  finally:
+    path.unlink()
+
+
+def test_the_loop_is_short():
+  lines = (PACKAGE / "train" / "loop.py").read_text().count("\n")
+  assert lines <= 250, lines
+
+
+CITED = re.compile(r"(?<![\w/.])((?:[\w.-]+/)*[\w.-]+\.(?:md|py|ipynb))\b")
+
+
+@pytest.mark.parametrize("path", sorted(
+    str(p.relative_to(ROOT)) for p in list(PACKAGE.rglob("*.py"))
+    + list((ROOT / "launch").glob("*.py")) + list((ROOT / "configs").glob("*.py"))))
+def test_code_cites_only_files_inside_the_repository(path):
+  text = (ROOT / path).read_text()
+  assert "shared/" not in text and "DESIGN.md" not in text, path
+  for cited in set(CITED.findall(text)):
+    if "/" not in cited:
+      continue  # a bare module name (``steps.py``) refers to its package
+    if cited.startswith(("http", "www.")) or "://" in cited:
+      continue
+    exists = (ROOT / cited).exists() or any(
+        (ROOT / d / cited).exists() for d in ("rljax", "rljax/train"))
+    if not exists and os.path.isabs(cited):
+      continue
+    assert exists or not cited.startswith(("docs/", "rljax/", "tests/",
+                                           "launch/", "configs/", "colabs/",
+                                           "research/")), (path, cited)
