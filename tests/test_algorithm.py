@@ -102,11 +102,12 @@ def test_objective_traits_reach_the_algorithm_and_the_step():
   assert alg_lib.from_config({"objective": "ess", "group_size": 2,
                               "num_steps": 1}, {}).ess_kl_coef == 1.0
   config = tiny_config()
+  config.rl.objective = "dro"
+  config.rl.dro_beta = 0.1
+  assert build_lib.step_config(config).dro_beta == 0.1
   config.rl.objective = "kl_cov"
-  config.rl.kl_cov_coef = 0.3
-  assert build_lib.step_config(config).kl_cov_coef == 0.3
-  config.rl.objective = "ppo_clip"
-  assert build_lib.step_config(config).kl_cov_coef == 0.0
+  cfg = build_lib.step_config(config)
+  assert cfg.kl_cov_coef == config.rl.kl_cov_coef and cfg.dro_beta == 0.0
 
 
 def test_dppo_cap_is_a_field():
@@ -133,6 +134,7 @@ def test_dppo_cap_is_a_field():
     ("is_correction", "ti", "rl.is_correction='ti' is unknown"),
     ("kl_estimator", "k4", "rl.kl_estimator='k4' is unknown"),
     ("aggregation", "mean", "rl.aggregation='mean' is unknown"),
+    ("dro_beta", 0.0, "rl.dro_beta=0.0"),
     ("gamma", 1.5, "rl.gamma=1.5"),
     ("dppo_cap", -1.0, "rl.dppo_cap=-1.0"),
     ("opsm_delta", float("nan"), "rl.opsm_delta=nan"),
@@ -161,7 +163,7 @@ def test_vespo_refuses_a_second_sampler_correction():
 
 def test_an_older_config_json_without_new_fields_is_completed():
   old = tiny_config().to_dict()
-  for field in ("gamma", "opsm_delta", "dppo_cap"):
+  for field in ("gamma", "dro_beta", "opsm_delta", "dppo_cap"):
     del old["rl"][field]
   del old["teacher"]
   full = schema.complete_config(old)

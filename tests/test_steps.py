@@ -188,6 +188,32 @@ def test_sampler_old_logprobs_at_current_params_equal_recompute(params):
       jax.tree.leaves(want.params), jax.tree.leaves(params))) > 1e-4
 
 
+def test_dro_step_is_the_gradient_of_verls_dro_loss(params):
+  """rl.objective="dro": one SGD update equals jax.grad of verl's
+  compute_policy_loss_dro, -(logp A - 0.5 beta (logp - old)^2), token mean
+  over the minibatch, with pi_old away from pi_theta."""
+  beta = 0.7
+  lp_fn = jax.jit(lambda p: models.sequence_logprobs(
+      p, MC, BATCH.tokens_NxL, BATCH.input_mask_NxL)[0])
+  mask = BATCH.loss_mask_NxL
+  rng = np.random.RandomState(2)
+  old = jnp.where(mask, lp_fn(params) + rng.normal(0, 0.5, mask.shape), 0.0)
+
+  def verl_loss(p):
+    lp = lp_fn(p)
+    a = jnp.asarray(ADVANTAGES)[:, None]
+    per_token = -(lp * a - 0.5 * beta * (lp - old) ** 2)
+    return jnp.sum(jnp.where(mask, per_token, 0.0)) / jnp.sum(mask)
+
+  cfg = train.RLStepConfig(completion_length=MAX_LENGTH, old_logprobs="sampler",
+                           dro_beta=beta)
+  new_state, metrics = _run_step(
+      params, cfg, batch=BATCH._replace(old_logprobs_NxL=old.astype(
+          jnp.float32)), objective="dro")
+  assert metrics["dro_penalty"] > 0
+  assert_sgd_update(params, new_state.params, jax.grad(verl_loss)(params))
+
+
 def test_sampler_old_logprobs_are_required_in_sampler_mode(params):
   cfg = train.RLStepConfig(completion_length=MAX_LENGTH, old_logprobs="sampler")
   with pytest.raises(ValueError, match="old_logprobs_NxL"):

@@ -22,7 +22,7 @@ A step reads (docs/architecture.md, "One RL step"):
 3. The loss terms, each ``(loss, metrics)``: ``policy_gradient_term``
    (``objectives.policy_gradient_loss``), then those the settings switch on
    (``loss_terms``: ``entropy_term``, ``kl_term``, ``ess_kl_term``,
-   ``kl_cov_term``) and, with a critic, ``critic.value_loss``.
+   ``kl_cov_term``, ``dro_term``) and, with a critic, ``critic.value_loss``.
 
 Three policies meet in a step:
 
@@ -164,6 +164,8 @@ class RLStepConfig:
       ``old_logprobs="sampler"``, the sampler's ``policy_logprobs``.
     kl_cov_coef, kl_cov_ratio: KL-Cov's penalty
       (``objectives.kl_cov_penalty``), added when ``kl_cov_coef > 0``.
+    dro_beta: DRO's quadratic pull (``objectives.dro_penalty``), added
+      when ``> 0``.
     max_log_ratio: clamp of ``log pi_theta - log pi_old`` in the ratio and
       of ``log pi_theta - log mu`` in the token ESS (verl: 20; TRL: none).
     count_empty_sequences: the sequence normaliser counts every row of the
@@ -193,6 +195,7 @@ class RLStepConfig:
   rejection: tuple[obj_lib.Rejection, ...] = ()
   kl_cov_coef: float = 0.0
   kl_cov_ratio: float = 2e-4
+  dro_beta: float = 0.0
   max_log_ratio: float = 20.0
   count_empty_sequences: bool = False
 
@@ -512,6 +515,18 @@ def kl_cov_term(fwd: Forward, mb: StepInputs, cfg: RLStepConfig,
   return penalty, {"kl_cov_penalty": penalty}
 
 
+def dro_term(fwd: Forward, mb: StepInputs, cfg: RLStepConfig,
+             norm: Normalizers):
+  """DRO's quadratic pull ``0.5 beta (log pi - log pi_old)^2``, weighted by
+  the coefficient (the behaviour correction's weights, as verl's)."""
+  del mb
+  penalty = obj_lib.aggregate_loss(
+      obj_lib.dro_penalty(fwd.logprobs, fwd.old_logprobs, beta=cfg.dro_beta,
+                          weights_BxT=fwd.coefficient),
+      fwd.mask, cfg.aggregation, **norm._asdict())
+  return penalty, {"dro_penalty": penalty}
+
+
 LossTerm = Callable[[Forward, StepInputs, RLStepConfig, Normalizers],
                     tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -520,7 +535,8 @@ def loss_terms(cfg: RLStepConfig) -> tuple[LossTerm, ...]:
   """The terms besides the policy gradient that ``cfg`` switches on."""
   return tuple(term for term, on in (
       (entropy_term, cfg.entropy_coef), (kl_term, cfg.kl_coef),
-      (ess_kl_term, cfg.ess_kl_coef), (kl_cov_term, cfg.kl_cov_coef)) if on)
+      (ess_kl_term, cfg.ess_kl_coef), (kl_cov_term, cfg.kl_cov_coef),
+      (dro_term, cfg.dro_beta)) if on)
 
 
 # ----------------------------------------------------------------------------

@@ -503,6 +503,12 @@ OBJECTIVES: dict[str, Entry] = {
                  fields={"sat_quantile": Field(0.9, "(0,1]", "SAT: |log pi - "
                                                "log mu| quantile of the gate")},
                  reads=_PPO),
+    "dro": Entry(
+        "DRO (verl's policy_loss/dro): REINFORCE plus a quadratic pull "
+        "0.5 beta (log pi - log pi_old)^2",
+        lambda rl, c: [obj.dro()],
+        fields={"dro_beta": Field(0.05, ">0", "DRO's beta (verl's example)")},
+        step_settings=lambda rl: {"dro_beta": float(rl["dro_beta"])}),
     "vespo": Entry(
         "VESPO (TRL): a Gamma-kernel weight of the sequence's importance "
         "ratio, the sampler's correction inside it",
