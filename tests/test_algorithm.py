@@ -148,6 +148,18 @@ def test_bad_names_and_fields_are_refused_with_the_field(field, value,
     build_lib.validate(config)
 
 
+def test_raw_singletons_are_refused_by_a_chain_that_ignores_them():
+  config = tiny_config()
+  config.rl.singleton_groups = "raw"
+  config.rl.advantage = "rloo"
+  build_lib.validate(config)
+  for name in ("gdpo", "center_by_group_mean+scale_by_group_mad"):
+    config.rl.advantage = name
+    with pytest.raises(ValueError, match="rl.singleton_groups='raw' with "
+                       "rl.advantage="):
+      build_lib.validate(config)
+
+
 def test_vespo_refuses_a_second_sampler_correction():
   config = tiny_config()
   config.rl.objective = "vespo"

@@ -87,6 +87,13 @@ SETTING_FIXUPS = {
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)
                 for axis, entries in table.AXES.items()
                 for name, entry in entries.items() if entry.loop_fixups}
+# A chain that ignores rl.singleton_groups refuses "raw" (build.validate).
+for _name, _entry in table.ADVANTAGES.items():
+  if _entry.needs_groups and not _entry.singleton_ok:
+    TABLE_FIXUPS.setdefault(("rl.advantage", _name), {})[
+        "rl.singleton_groups"] = "zero"
+TABLE_FIXUPS[("rl.advantage", table.EXAMPLE_CHAIN)] = {
+    "rl.singleton_groups": "zero"}
 
 
 def _fix(case):

@@ -112,11 +112,19 @@ def _validate_algorithm(config: Any) -> None:
     if entry.check is not None:
       entry.check(rl_values, ctx, config.eval.num_samples)
   adv_entries = entries[:len(links)]
+  singleton = tuple(n for n, e in table.ADVANTAGES.items() if e.singleton_ok)
+  ignores = [n for n, e in zip(links, adv_entries)
+             if e.needs_groups and not e.singleton_ok]
+  if rl.singleton_groups == "raw" and ignores:
+    raise ValueError(
+        f"rl.singleton_groups='raw' with rl.advantage={rl.advantage!r}: "
+        f"{tuple(ignores)} give a group with one valid sample advantage 0 "
+        f"whatever the setting; 'raw' is honoured by {singleton}; accepted: "
+        "rl.singleton_groups='zero' with this chain.")
   singleton_raw = rl.singleton_groups == "raw" and all(
       e.singleton_ok for e in adv_entries)
   if rl.group_size < 2 and not singleton_raw and any(
       e.needs_groups for e in adv_entries):
-    singleton = tuple(n for n, e in table.ADVANTAGES.items() if e.singleton_ok)
     raise ValueError(
         f"rl.group_size={rl.group_size} with rl.advantage={rl.advantage!r}: "
         "a group baseline needs at least 2 samples per prompt; use "
