@@ -488,6 +488,7 @@ HARNESS_CASES = [
 @pytest.mark.parametrize("check", harness.ALL_CHECKS,
                          ids=lambda c: c.__name__)
 @pytest.mark.parametrize("case", HARNESS_CASES, ids=str)
+@pytest.mark.slow
 def test_harness(case, check):
   check(case)
 

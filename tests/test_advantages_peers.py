@@ -272,6 +272,7 @@ def _ktae_group_reference(tokens, mask, rewards):
   return weights
 
 
+@pytest.mark.slow
 def test_ktae_matches_the_authors_code():
   rng = np.random.default_rng(0)
   g, t = 4, 6
@@ -319,6 +320,7 @@ def test_remax_is_verls_greedy_baseline():
   np.testing.assert_array_equal(got[6:], 0.0)
 
 
+@pytest.mark.slow
 def test_greedy_every_decodes_the_last_row_of_each_group_greedily():
   logits = jax.random.normal(jax.random.key(0), (6, 11))
   key = jax.random.key(1)
@@ -350,6 +352,7 @@ def _fake_rollout(n, p=2, t=3, seed=0):
       sampler_logprobs=jnp.asarray(np.where(mask, -0.5, 0.0), jnp.float32))
 
 
+@pytest.mark.slow
 def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
   opt = {"name": "sgd", "learning_rate": 0.1}
   remax = alg_lib.from_config({"advantage": "remax", "group_size": 2,
@@ -382,6 +385,7 @@ def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
   assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
+@pytest.mark.slow
 def test_rl_step_with_per_token_advantages_is_the_gradient_of_the_surrogate():
   """RLBatch.advantages_NxL of [N, L] (KTAE): one SGD step of the reinforce
   objective, token_mean, on the last T columns, equals jax.grad of
@@ -427,6 +431,7 @@ def test_rl_step_with_per_token_advantages_is_the_gradient_of_the_surrogate():
 
 @pytest.mark.parametrize("name", ["grpo_batch_std", "gpg", "pass_at_k", "opo",
                                   "reinforce_pp_token", "vcpo", "ktae"])
+@pytest.mark.slow
 def test_masked_rows_are_ignored_and_zero(name):
   mask = np.ones(12, bool)
   mask[[1, 6, 11]] = False
@@ -588,5 +593,6 @@ HARNESS_CASES = [
 @pytest.mark.parametrize("check", harness.ALL_CHECKS,
                          ids=lambda c: c.__name__)
 @pytest.mark.parametrize("case", HARNESS_CASES, ids=str)
+@pytest.mark.slow
 def test_harness(case, check):
   check(case)

@@ -78,6 +78,7 @@ def test_no_readable_checkpoint_is_an_error(tmp_path):
     m.restore_latest_valid(_tree(0))
 
 
+@pytest.mark.slow
 def test_restore_onto_a_different_mesh(tmp_path):
   config = models.get_preset("tiny")
   mesh8 = sharding.make_mesh(2, 2, 2)

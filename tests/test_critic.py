@@ -232,6 +232,7 @@ def critic_step():
   return step, critic_opt
 
 
+@pytest.mark.slow
 def test_zero_critic_policy_update_equals_the_plain_step_on_rewards(
     batch, critic_step):
   """V = 0, gamma = lam = 1, no whitening: every token's advantage is the
@@ -258,6 +259,7 @@ def test_zero_critic_policy_update_equals_the_plain_step_on_rewards(
   assert out["critic/grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_the_critic_learns_the_returns_over_steps(batch, critic_step):
   params = models.init_params(MC, jax.random.key(0))
   coef_tx = obj.ppo_clip(0.2)

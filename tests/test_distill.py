@@ -30,6 +30,7 @@ def test_distill_advantages_equal_the_formula():
   np.testing.assert_allclose(a2, a, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_expected_gradient_is_the_exact_reverse_kl_gradient():
   """Over one position with V tokens: the pi-weighted sum of the per-token
   policy-gradient losses' gradients is beta * grad KL(pi || pi_T), the
@@ -64,6 +65,7 @@ def test_expected_gradient_is_the_exact_reverse_kl_gradient():
 MC = models.get_preset("tiny")
 
 
+@pytest.mark.slow
 def test_the_step_follows_the_reverse_kl_surrogate():
   """One on-policy SGD step with zero rewards moves the params by
   -lr * grad of beta * token_mean(sg(lp - lp_T) * lp), the surrogate

@@ -160,6 +160,7 @@ def _package_tensor(path, name):
     return f.get_tensor(name)
 
 
+@pytest.mark.slow
 def test_rljax_checkpoint_round_trip(rljax_checkpoint):
   path, config, params, files = rljax_checkpoint
   assert "model.safetensors.index.json" in files and "config.json" in files
@@ -641,6 +642,7 @@ def _left_padded(prompts, width=16):
 
 
 @requires_torch
+@pytest.mark.slow
 def test_config_translation(family):
   name, model, _, config, params = family
   hf_config = model.config
@@ -663,6 +665,7 @@ def test_config_translation(family):
 
 
 @requires_torch
+@pytest.mark.slow
 def test_logits_match_transformers_on_ragged_left_padded_batch(family, prompts):
   name, model, _, config, params = family
   tokens, mask = _left_padded(prompts)
@@ -677,6 +680,7 @@ def test_logits_match_transformers_on_ragged_left_padded_batch(family, prompts):
 
 
 @requires_torch
+@pytest.mark.slow
 def test_greedy_generation_matches_transformers(family, prompts):
   torch, _ = _hf()
   _, model, _, config, params = family

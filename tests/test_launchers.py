@@ -34,6 +34,7 @@ def workdir(tmp_path_factory):
   return path
 
 
+@pytest.mark.slow
 def test_train_writes_its_record_named_after_the_config_and_seed(workdir):
   """The main job's config records as ``train_seed<N>-<commit>.json`` (other
   configs as ``<config stem>_seed<N>``), with the before/after figures."""

@@ -48,6 +48,7 @@ def test_chunked_equals_naive(inputs, chunk, vchunk, temperature, softcap):
 
 
 @pytest.mark.parametrize("vchunk", [None, 16])
+@pytest.mark.slow
 def test_chunked_gradients_equal_naive_gradients(inputs, vchunk):
   h, w, y = inputs
   def naive_loss(h, w):

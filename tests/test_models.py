@@ -58,6 +58,7 @@ def _logits(config, params, tokens, mask=None):
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.slow
 def test_forward_matches_numpy_reference(name):
   config = VARIANTS[name]
   params = _perturbed_params(config)
@@ -85,6 +86,7 @@ def test_causality(tiny_params):
 
 
 @pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.slow
 def test_padded_batch_equals_each_sequence_alone(tiny_params, side):
   rng = np.random.RandomState(2)
   lengths, width = [3, 7, 10], 10
@@ -131,6 +133,7 @@ def test_sequence_logprobs_are_zero_where_token_or_predecessor_is_padding(
   assert (np.asarray(logp) != 0).sum() == sum(n - 1 for n in lengths)
 
 
+@pytest.mark.slow
 def test_gemma_variant_left_padding_with_sliding_window():
   config = VARIANTS["gemma_like"]
   params = _perturbed_params(config)
@@ -177,6 +180,7 @@ def test_kv_cache_decoding_equals_full_forward(tiny_params):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma_like"])
+@pytest.mark.slow
 def test_shared_prefix_cache_equals_repeated_prompts(name):
   config = VARIANTS[name]
   params = _perturbed_params(config)
@@ -218,6 +222,7 @@ def _numpy_attention(q, k, v, mask, scale, softcap):
 
 @pytest.mark.parametrize("t", [1, 5])  # the no-dot path, and the dot path
 @pytest.mark.parametrize("with_prefix", [False, True])
+@pytest.mark.slow
 def test_decode_attend_equals_numpy_softmax_attention(t, with_prefix):
   """``decode_attend`` on a ``[B, K, S, H]`` cache (with 3 blocks of 4 slots,
   masked slots, GQA and a soft-cap) against dense float64 attention."""
@@ -247,6 +252,7 @@ def test_decode_attend_equals_numpy_softmax_attention(t, with_prefix):
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sharded_forward_equals_single_device_and_params_follow_rules():
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   config = TINY.replace(qkv_bias=True, tie_embeddings=False)
@@ -281,6 +287,7 @@ def test_sharded_forward_equals_single_device_and_params_follow_rules():
   assert_close(out, expected)
 
 
+@pytest.mark.slow
 def test_bf16_params_and_compute_track_fp32(tiny_params):
   config = TINY.replace(param_dtype="bfloat16", dtype="bfloat16")
   params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), tiny_params)
@@ -293,6 +300,7 @@ def test_bf16_params_and_compute_track_fp32(tiny_params):
   assert np.abs(out16 - out32).max() < 0.05 * scale
 
 
+@pytest.mark.slow
 def test_remat_gives_the_same_gradients(tiny_params):
   tokens = jnp.asarray(np.random.RandomState(10).randint(0, 256, (2, 8)))
   pos = models.positions_from_mask(jnp.ones_like(tokens))

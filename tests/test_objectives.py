@@ -368,6 +368,7 @@ def test_aggregation_values():
 
 
 @pytest.mark.parametrize("aggregation", obj.AGGREGATIONS)
+@pytest.mark.slow
 def test_minibatch_accumulation_equals_whole_batch(aggregation):
   lp, old, sampler, adv, mask = make_batch(5, b=6)
   normalizers = dict(
@@ -555,5 +556,6 @@ HARNESS_CASES = [
 @pytest.mark.parametrize("check", harness.ALL_CHECKS,
                          ids=lambda c: c.__name__)
 @pytest.mark.parametrize("case", HARNESS_CASES, ids=str)
+@pytest.mark.slow
 def test_harness(case, check):
   check(case)

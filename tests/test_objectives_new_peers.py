@@ -365,6 +365,7 @@ def test_opsm_matches_trl(name, per_token_adv, seed):
   assert not (dropped & ~neg).any()
 
 
+@pytest.mark.slow
 def test_opsm_values_and_chained_correction():
   """Hand case; the wrapped chain's correction and state pass through."""
   old = jnp.zeros((2, 2))

@@ -352,6 +352,7 @@ def _both_grads(name, lp, old, sampler, adv, mask):
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.slow
 def test_gradient_equals_reference_surrogate(name):
   for seed in range(2):
     lp, old, sampler, adv, mask = make_batch(seed, spread=0.3)
@@ -814,6 +815,7 @@ HARNESS_CASES = [
 @pytest.mark.parametrize("check", harness.ALL_CHECKS,
                          ids=lambda c: c.__name__)
 @pytest.mark.parametrize("case", HARNESS_CASES, ids=str)
+@pytest.mark.slow
 def test_harness(case, check):
   check(case)
 

@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 from rljax import checkpoint, metrics, models, optim, train
-from tests.test_train import _batch, _state, tiny_config
+from tests.test_steps import _fresh_state as _state
+from tests.test_steps import _random_batch as _batch
+from tests.test_train import tiny_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 NUM_STEPS = 6
@@ -116,6 +118,7 @@ def test_signal_checkpoints_at_a_step_boundary_and_exits_cleanly(
     assert again[step] == full[step], step
 
 
+@pytest.mark.slow
 def test_nonfinite_gradient_step_is_skipped_and_counted():
   mc = models.get_preset("tiny")
   params = models.init_params(mc, jax.random.key(4))

@@ -128,6 +128,7 @@ def test_pivot_rows_match_numpy_stable_lower_median():
     assert rows[k * (g1 - 1):(k + 1) * (g1 - 1)].tolist() == expected
 
 
+@pytest.mark.slow
 def test_mc_grpo_samples_g_plus_one_and_trains_g_rows_without_the_pivot(components):
   c, _ = components
   algorithm = _from({"rl.advantage": "mc_grpo"})

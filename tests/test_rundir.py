@@ -184,6 +184,7 @@ def test_rewards_failing_for_many_steps_stop_the_run(tmp_path):
   assert [s for s in _steps(tmp_path) if s > 0] == [1, 2]
 
 
+@pytest.mark.slow
 def test_non_finite_stop_names_a_complete_checkpoint(tmp_path, monkeypatch):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from rljax.train import rollout  # pylint: disable=import-outside-toplevel

@@ -39,6 +39,7 @@ def test_segment_ends():
 
 
 @pytest.mark.parametrize("share_prefix", [True, False])
+@pytest.mark.slow
 def test_segmented_decode_is_bitwise_equal_to_one_segment(params, prompts,
                                                            share_prefix):
   tokens, mask = prompts
@@ -70,6 +71,7 @@ def _while_bodies(hlo: str) -> dict[str, str]:
   return bodies
 
 
+@pytest.mark.slow
 def test_the_cache_update_in_the_loop_is_in_place(params, prompts):
   """Inside every decode while-loop body, each layer's [N, K, S, H] cache
   is written by a dynamic-update-slice fusion and never copied."""

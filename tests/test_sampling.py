@@ -51,6 +51,7 @@ def test_rollout_shapes_and_group_layout(base_rollout, prompts):
   np.testing.assert_array_equal(r.lengths, r.completion_mask.sum(-1))
 
 
+@pytest.mark.slow
 def test_policy_logprobs_equal_recomputed_logprobs(params, base_rollout):
   r = base_rollout
   tokens, mask = r.sequences()
@@ -61,6 +62,7 @@ def test_policy_logprobs_equal_recomputed_logprobs(params, base_rollout):
   assert np.all(r.policy_logprobs[~m] == 0)
 
 
+@pytest.mark.slow
 def test_sampler_logprobs_are_under_the_truncated_distribution(params, base_rollout):
   """Recompute log p of each token under temperature 0.8 + top-40 in numpy."""
   r = base_rollout
@@ -90,6 +92,7 @@ def test_same_key_same_samples_different_key_different(params, prompts, base_rol
   assert not (group[0] == group[1]).all() and not (group[1] == group[2]).all()
 
 
+@pytest.mark.slow
 def test_greedy_is_deterministic_and_equals_full_forward_argmax(params, prompts):
   config = BASE.replace(method=sampling.SamplingMethod(greedy=True),
                         num_samples=2, max_new_tokens=8)
@@ -128,6 +131,7 @@ def test_eos_and_stop_sequences_end_a_sample(params, prompts, base_rollout):
   assert r.lengths[0] == first + 1 and r.lengths[4] <= 8
 
 
+@pytest.mark.slow
 def test_shared_prefix_equals_repeated_prompts_and_prefills_b_rows(params, prompts, base_rollout):
   repeated = run(params, prompts, BASE.replace(share_prefix=False))
   np.testing.assert_array_equal(repeated.completion_tokens,
@@ -146,6 +150,7 @@ def test_shared_prefix_equals_repeated_prompts_and_prefills_b_rows(params, promp
   assert "f32[12,8,64]" in unshared
 
 
+@pytest.mark.slow
 def test_no_recompile_for_new_prompts_in_the_same_bucket(params):
   config = BASE.replace(max_new_tokens=4, num_samples=2)
   fn = sampling.make_sampler(MC, config)
@@ -160,6 +165,7 @@ def test_no_recompile_for_new_prompts_in_the_same_bucket(params):
   assert fn._cache_size() == 2  # a new bucket compiles once
 
 
+@pytest.mark.slow
 def test_sharded_sampling_equals_single_device(params, prompts, base_rollout):
   mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
   params8 = models.init_params(MC, jax.random.key(0), mesh)
@@ -173,6 +179,7 @@ def test_sharded_sampling_equals_single_device(params, prompts, base_rollout):
                              base_rollout.policy_logprobs, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(params, prompts):
   """3 prompts on 8 batch shards: the rows equal an unsharded call's."""
   mesh = sharding.mesh_from_config(
@@ -215,6 +222,7 @@ def test_cache_dtype_defaults_to_the_model_compute_dtype(params, prompts):
     sampling.SamplerConfig(cache_dtype="float8")
 
 
+@pytest.mark.slow
 def test_bf16_cache_runs_and_stays_close(params, prompts, base_rollout):
   """A bfloat16 cache's logprobs stay within bf16 rounding of a float32
   full forward over the same tokens (teacher-forced, so no near-tie in the

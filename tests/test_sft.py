@@ -73,6 +73,7 @@ def _reference_loss(params, tokens, input_mask, loss_mask):
   return -jnp.sum(lp * m) / jnp.sum(m)
 
 
+@pytest.mark.slow
 def test_sft_step_is_sgd_on_completion_cross_entropy():
   params = models.init_params(MC, jax.random.key(0))
   rng = np.random.RandomState(0)

@@ -59,6 +59,7 @@ def _recomputed_logprobs(params, rollout):
   return np.asarray(lp)[:, rollout.prompt_tokens.shape[1]:]
 
 
+@pytest.mark.slow
 def test_self_draft_is_all_accepted_and_equals_plain_sampling(
     params, prompts, samplers):
   plain_fn, spec_fn = samplers
@@ -77,6 +78,7 @@ def test_self_draft_is_all_accepted_and_equals_plain_sampling(
                              _recomputed_logprobs(params, spec)[m], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_other_policy_draft_keeps_a_prefix_and_logprobs_are_current(
     params, other_params, prompts, samplers):
   plain_fn, spec_fn = samplers
@@ -96,6 +98,7 @@ def test_other_policy_draft_keeps_a_prefix_and_logprobs_are_current(
   assert ((spec.lengths == 12) | spec.finished).all()
 
 
+@pytest.mark.slow
 def test_greedy_speculation_is_exact(params, other_params, prompts):
   """Greedy accepts exactly the current argmax tokens: output == plain greedy."""
   config = BASE.replace(method=sampling.SamplingMethod(greedy=True))
@@ -119,6 +122,7 @@ def _first_token_probs(params, prompt_tokens, prompt_mask, temperature):
 
 
 @pytest.mark.parametrize("log_lenience", [0.0, 0.5])
+@pytest.mark.slow
 def test_different_policy_draft_chi_square(params, other_params, log_lenience):
   """Kept first tokens follow the lenient rule's marginal, measured against
   plain sampling's distribution (the rule is documented as lenient)."""
@@ -154,6 +158,7 @@ def test_different_policy_draft_chi_square(params, other_params, log_lenience):
   np.testing.assert_allclose(accepted.mean(), keep.sum(), atol=0.03)
 
 
+@pytest.mark.slow
 def test_no_recompile_across_new_prompts_in_a_bucket(params):
   config = BASE.replace(max_new_tokens=6)
   plain_fn = sampling.make_sampler(MC, config)
@@ -219,6 +224,7 @@ def test_draft_store_round_trips_through_a_checkpoint(tmp_path):
   assert store.lookup([[8]], 2, 4) is None and again.lookup([[8]], 2, 4) is None
 
 
+@pytest.mark.slow
 def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(
     params, prompts, samplers):
   """3 prompts (and their drafts) on 8 batch shards: the speculative call

@@ -135,6 +135,7 @@ def assert_sgd_update(params, new_params, grads, rtol=1e-4):
   assert err <= rtol * scale, f"max abs error {err:.3g} vs update scale {scale:.3g}"
 
 
+@pytest.mark.slow
 def test_reference_aggregations_differ(reference_grads):
   """The four references are far apart, so a wrong normaliser cannot pass."""
   flat = {a: _flat(g) for a, g in reference_grads.items()}
@@ -151,6 +152,7 @@ def test_reference_aggregations_differ(reference_grads):
 
 @pytest.mark.parametrize("num_microbatches", [1, 2])
 @pytest.mark.parametrize("aggregation", AGGREGATIONS)
+@pytest.mark.slow
 def test_one_sgd_update_equals_reference_gradient(params, reference_grads,
                                                   aggregation,
                                                   num_microbatches):
@@ -164,6 +166,7 @@ def test_one_sgd_update_equals_reference_gradient(params, reference_grads,
   np.testing.assert_allclose(float(metrics["coef_mean"]), 1.0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_reinforce_coefficient_gives_the_same_update(params, reference_grads):
   cfg = train.RLStepConfig(num_microbatches=2,
                            aggregation="sequence_mean_token_mean",
@@ -173,6 +176,7 @@ def test_reinforce_coefficient_gives_the_same_update(params, reference_grads):
                     reference_grads["sequence_mean_token_mean"])
 
 
+@pytest.mark.slow
 def test_sampler_old_logprobs_at_current_params_equal_recompute(params):
   logprobs = jax.jit(lambda p: models.sequence_logprobs(
       p, MC, BATCH.tokens_NxL, BATCH.input_mask_NxL)[0])
@@ -188,6 +192,7 @@ def test_sampler_old_logprobs_at_current_params_equal_recompute(params):
       jax.tree.leaves(want.params), jax.tree.leaves(params))) > 1e-4
 
 
+@pytest.mark.slow
 def test_dro_step_is_the_gradient_of_verls_dro_loss(params):
   """rl.objective="dro": one SGD update equals jax.grad of verl's
   compute_policy_loss_dro, -(logp A - 0.5 beta (logp - old)^2), token mean
@@ -212,6 +217,19 @@ def test_dro_step_is_the_gradient_of_verls_dro_loss(params):
           jnp.float32)), objective="dro")
   assert metrics["dro_penalty"] > 0
   assert_sgd_update(params, new_state.params, jax.grad(verl_loss)(params))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("advantages_NxL", jnp.zeros((L,)), "advantages_NxL has shape"),
+    ("advantages_NxL", jnp.zeros((L, N)), "advantages_NxL has shape"),
+    ("sampler_logprobs_NxL", jnp.zeros((N, L - 1)), "sampler_logprobs_NxL"),
+    ("loss_mask_NxL", jnp.zeros((L, N), bool), "loss_mask_NxL"),
+    ("rewards_N", jnp.zeros((N, 1)), "rewards_N has shape"),
+])
+def test_a_batch_whose_shape_only_looks_right_is_refused(field, value, message):
+  with pytest.raises(ValueError, match=message):
+    train.check_batch(BATCH._replace(**{field: value}))
+  train.check_batch(BATCH)
 
 
 def test_sampler_old_logprobs_are_required_in_sampler_mode(params):
@@ -275,6 +293,7 @@ def _masked_reference_grads(params, keep, num_sequences=None):
   return jax.device_get(jax.jit(jax.grad(loss))(params))
 
 
+@pytest.mark.slow
 def test_rejected_tokens_leave_the_step_normaliser(params):
   """verl's rollout rejection (token_k1 in [log 0.8, log 1.25] of mu /
   pi_old): rejected tokens get no gradient and leave the token count."""
@@ -295,6 +314,7 @@ def test_rejected_tokens_leave_the_step_normaliser(params):
                              1 - keep.sum() / m.sum(), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_count_empty_sequences_divides_by_every_row(params):
   """TRL's grpo loss: the mean over all N rows (row 2 has no token)."""
   cfg = train.RLStepConfig(completion_length=MAX_LENGTH,
@@ -329,6 +349,7 @@ def _fresh_state(optimizer, coef_tx, params):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean_token_mean",
                                          "sequence_mean_token_sum_norm"])
+@pytest.mark.slow
 def test_microbatch_accumulation_equals_whole_batch(aggregation):
   params = models.init_params(MC, jax.random.key(1))
   optimizer = optax.sgd(1.0)
@@ -346,6 +367,7 @@ def test_microbatch_accumulation_equals_whole_batch(aggregation):
   np.testing.assert_allclose(out[0][1]["pg_loss"], out[1][1]["pg_loss"], atol=1e-6)
 
 
+@pytest.mark.slow
 def test_on_policy_update_equals_reinforce_gradient():
   """One SGD step of rl_step == params - lr * grad of -mean(A * logp)."""
   params = models.init_params(MC, jax.random.key(2))
@@ -395,6 +417,7 @@ def _numpy_ess(w):
 
 @pytest.mark.parametrize("pooling, micro", [("microbatch", 1),
                                             ("minibatch", 2)])
+@pytest.mark.slow
 def test_ess_statistics_of_the_step_equal_the_formulas(ess_batch, pooling, micro):
   params, lp, batch = ess_batch
   m = batch.loss_mask_NxL
@@ -547,6 +570,7 @@ def test_cases_cover_every_objective_and_aggregation():
 
 
 @pytest.mark.parametrize("objective, aggregation", FULL_LENGTH_CASES)
+@pytest.mark.slow
 def test_completion_only_gradients_equal_the_full_length_computation(
     params_1l, off_batch, objective, aggregation, monkeypatch):
   cfg = train.RLStepConfig(aggregation=aggregation,
@@ -558,6 +582,7 @@ def test_completion_only_gradients_equal_the_full_length_computation(
     assert metrics["clip_frac"] > 0.05
 
 
+@pytest.mark.slow
 def test_kl_entropy_minibatches_and_recomputed_old_logprobs(
     params_1l, off_batch, monkeypatch):
   ref_params = jax.tree.map(lambda x: x * 1.1, params_1l)
@@ -578,6 +603,7 @@ def test_completion_length_must_be_below_the_row_length(params_1l, off_batch):
     train.RLStepConfig(completion_length=0)
 
 
+@pytest.mark.slow
 def test_sequence_logprobs_num_scored_is_the_tail_of_the_full_result(params_1l,
                                                                     off_batch):
   full_lp, full_ent = _full_length_logprobs(params_1l, MC_1L, off_batch.tokens_NxL,

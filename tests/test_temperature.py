@@ -149,6 +149,7 @@ def _sgd_step(params, batch, temperature):
   return _flat(new_state.params) - _flat(params)
 
 
+@pytest.mark.slow
 def test_rl_step_at_the_training_temperature(params, rollout):
   batch = _batch(rollout)
   want = -LR * _flat(_reference_grads(params, batch, TEMPERATURE))

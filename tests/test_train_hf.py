@@ -124,6 +124,7 @@ def _tokenizer(checkpoint, chat_template=True):
 
 
 @requires_tokenizer
+@pytest.mark.slow
 def test_prompts_are_rendered_through_the_chat_template(checkpoint):
   tok = _tokenizer(checkpoint)
   assert isinstance(tok, tokenizers.ChatPromptTokenizer)
@@ -174,6 +175,7 @@ def test_checkpoint_fields_cannot_be_overridden(checkpoint, task_files):
 
 
 @requires_tokenizer
+@pytest.mark.slow
 def test_run_trains_the_checkpoint_and_load_policy_reloads_it(
     checkpoint, task_files, tmp_path, monkeypatch):
   from rljax import train  # pylint: disable=import-outside-toplevel

@@ -35,7 +35,8 @@ from rljax.train.policy import Policy, load_policy, load_teacher
 from rljax.train.rollout import Collected, Collector, pivot_rows
 from rljax.train.sft import SFTConfig, make_sft_step, run_sft
 from rljax.train.steps import (OLD_LOGPROBS, RLBatch, RLStepConfig,
-                               StepInputs, TrainState, init_state,
+                               StepInputs, TrainState, check_batch,
+                               init_state,
                                jit_rl_step, make_rl_step, mismatch_statistics,
                                prepare_inputs)
 
@@ -47,6 +48,6 @@ __all__ = [
     "group_metrics", "run", "Policy", "load_policy", "load_teacher",
     "Collected", "Collector", "pivot_rows", "SFTConfig", "make_sft_step",
     "run_sft", "OLD_LOGPROBS", "RLBatch", "RLStepConfig", "StepInputs",
-    "TrainState", "init_state", "jit_rl_step", "make_rl_step",
+    "TrainState", "check_batch", "init_state", "jit_rl_step", "make_rl_step",
     "mismatch_statistics", "prepare_inputs",
 ]

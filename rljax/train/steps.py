@@ -350,6 +350,31 @@ def _accumulate(acc, new):
 # Step inputs.
 
 
+def check_batch(batch: RLBatch) -> None:
+  """Shape contract of ``RLBatch``, checked at trace time (no compile).
+
+  Raises:
+    ValueError: naming the field, its shape and the shape it must have.
+  """
+  if batch.tokens_NxL.ndim != 2:
+    raise ValueError(f"RLBatch.tokens_NxL has shape {batch.tokens_NxL.shape}; "
+                     "[N, L] is required.")
+  n, length = batch.tokens_NxL.shape
+  for name in ("input_mask_NxL", "loss_mask_NxL", "sampler_logprobs_NxL",
+               "old_logprobs_NxL"):
+    x = getattr(batch, name)
+    if x is not None and x.shape != (n, length):
+      raise ValueError(f"RLBatch.{name} has shape {x.shape}; the tokens' "
+                       f"[N, L] = {(n, length)} is required.")
+  if batch.advantages_NxL.shape not in ((n, length), (n,)):
+    raise ValueError(
+        f"RLBatch.advantages_NxL has shape {batch.advantages_NxL.shape}; "
+        f"[N, L] = {(n, length)} or one per row, [N] = ({n},), is required.")
+  if batch.rewards_N is not None and batch.rewards_N.shape != (n,):
+    raise ValueError(f"RLBatch.rewards_N has shape {batch.rewards_N.shape}; "
+                     f"[N] = ({n},) is required.")
+
+
 def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
                    state: TrainState, batch: RLBatch, ref_params: Any = None,
                    teacher_params: Any = None,
@@ -367,6 +392,7 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
     ValueError: the batch's rows are not longer than ``completion_length``,
       or ``old_logprobs="sampler"`` without ``batch.old_logprobs_NxL``.
   """
+  check_batch(batch)
   n, length = batch.tokens_NxL.shape
   t = cfg.scored_columns
   if cfg.completion_length is not None and cfg.completion_length >= length:
