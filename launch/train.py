@@ -5,9 +5,20 @@ r"""Trains a policy with RL as an ml_collections config says.
 
 Runs the embedded default (``configs/arithmetic_grpo.py``) when ``--config``
 is not given.
+
+Several hosts (one process each, one global mesh; docs/multihost.md):
+
+  python -m launch.train --distributed ...        # TPU pod, SLURM, Open MPI
+  python -m launch.train --distributed --coordinator_address=10.0.0.1:1234 \
+      --num_processes=2 --process_id=0 ...        # elsewhere, on every host
+  python -m launch.local_cluster --num_processes=2 --devices_per_process=4 \
+      -- --config=configs/arithmetic_grpo.py:tiny  # one machine, for tests
 """
 
+import logging
 import os
+import sys
+import traceback
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -23,8 +34,19 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_run",
 _RECORD_DIR = flags.DEFINE_string(
     "record_dir", "", "where the run's JSON record (figures, config, commit, "
     "machine) goes; default the workdir (benchmarks/results to keep it)")
-_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
-                                 "call jax.distributed.initialize() first")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "run as one process of several (jax.distributed): "
+    "the cluster is detected on TPU pods, SLURM and Open MPI; elsewhere give "
+    "--coordinator_address, --num_processes and --process_id")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (with --distributed)")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "processes in the run (with --distributed)")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "this process's id (with --distributed)")
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", 60, "with --distributed: a process silent this "
+    "long is declared dead, and the others stop with an error naming it")
 
 
 def _record_stem() -> str:
@@ -38,11 +60,31 @@ def _record_stem() -> str:
 def main(argv):
   del argv
   cli.setup_logging()
+  explicit = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  if not _DISTRIBUTED.value and any(v is not None for v in explicit):
+    raise app.UsageError(
+        "--coordinator_address, --num_processes and --process_id need "
+        "--distributed.")
   if _DISTRIBUTED.value:
-    import jax
-    jax.distributed.initialize()
-  from rljax import train
-  summary = train.run(_CONFIG.value, _WORKDIR.value)
+    from rljax import distributed  # pylint: disable=import-outside-toplevel
+    distributed.initialize(*explicit, heartbeat_timeout_s=_HEARTBEAT.value)
+  import jax  # pylint: disable=import-outside-toplevel
+  primary = jax.process_index() == 0
+  if not primary:  # process 0 reports; the others only warn
+    logging.getLogger("rljax").setLevel(logging.WARNING)
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  try:
+    summary = train.run(_CONFIG.value, _WORKDIR.value)
+  except BaseException:  # pylint: disable=broad-exception-caught
+    if jax.process_count() == 1:
+      raise
+    # Leave at once: the others stop on the lost heartbeat instead of
+    # waiting for this process at a collective or at the shutdown barrier.
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access
+  if not primary:
+    return
   if summary["preempted"]:
     print(f"preempted: checkpoint saved in {summary['checkpoints']}; rerun the "
           f"same command to resume.")

@@ -25,6 +25,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from rljax import distributed
+
 
 class CheckpointManager:
   """Keeps the last ``max_to_keep`` checkpoints of ``(tree, metadata)``.
@@ -51,6 +53,7 @@ class CheckpointManager:
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None, enable_async_checkpointing=async_save, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._group = distributed.ProcessGroup()
     self._scores_path = os.path.join(self.directory, "best_scores.json")
     self._scores: dict[str, float] = {}
     if os.path.exists(self._scores_path):
@@ -82,10 +85,11 @@ class CheckpointManager:
     saved = self._manager.save(int(step), args=args, force=force)
     if self.best_metric and metrics and self.best_metric in metrics:
       self._scores[str(int(step))] = float(metrics[self.best_metric])
-      tmp = self._scores_path + ".tmp"
-      with open(tmp, "w") as f:
-        json.dump(self._scores, f)
-      os.replace(tmp, self._scores_path)
+      if self._group.primary:
+        tmp = self._scores_path + ".tmp"
+        with open(tmp, "w") as f:
+          json.dump(self._scores, f)
+        os.replace(tmp, self._scores_path)
     self._prune()
     return saved
 
@@ -128,9 +132,10 @@ class CheckpointManager:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}.")
-    if target is None:
+    if target is None:  # onto this process's first device, whatever the
+      # mesh and process count of the run that saved it
       restored = self._manager.restore(int(step), args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(),
+          state=ocp.args.StandardRestore(self._local_target(step)),
           metadata=ocp.args.JsonRestore()))
       return restored["state"], dict(restored["metadata"] or {})
     abstract = jax.tree.map(
@@ -141,6 +146,17 @@ class CheckpointManager:
         state=ocp.args.StandardRestore(abstract),
         metadata=ocp.args.JsonRestore()))
     return restored["state"], dict(restored["metadata"] or {})
+
+  def _local_target(self, step: int) -> Any:
+    """The saved tree's shapes and dtypes on this process's first device."""
+    metadata = ocp.CheckpointManager(
+        self.directory, item_handlers={
+            "state": ocp.StandardCheckpointHandler()}).item_metadata(
+                int(step))["state"]
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device)
+        if hasattr(x, "shape") and hasattr(x, "dtype") else x, metadata)
 
   def restore_host_arrays(self, step: int, name: str
                           ) -> dict[str, np.ndarray] | None:
@@ -173,8 +189,13 @@ class CheckpointManager:
     for step in reversed(self.all_steps()):
       try:
         tree, metadata = self.restore(step, target)
+        failure = None
       except Exception as e:  # orbax/tensorstore raise many kinds
+        failure = e
+      # With several processes, all of them fall back together.
+      if not self._group.all(failure is None):
         bad = os.path.join(self.directory, str(step))
+        e = failure or "unreadable on another process"
         logging.warning("checkpoint %s is unreadable (%s: %s); falling back to "
                         "the previous one.", bad, type(e).__name__,
                         str(e).splitlines()[0][:200] if str(e) else "")
@@ -189,14 +210,16 @@ class CheckpointManager:
 
   def _move_aside(self, steps: list[int]) -> None:
     aside = self.directory + ".corrupt"
-    os.makedirs(aside, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = self._group.from_primary(time.strftime("%Y%m%d-%H%M%S"))
     for step in steps:
       source = os.path.join(self.directory, str(step))
       target = os.path.join(aside, f"{step}-{stamp}")
-      os.replace(source, target)
+      if self._group.primary:
+        os.makedirs(aside, exist_ok=True)
+        os.replace(source, target)
       logging.warning("moved the unreadable checkpoint %s aside to %s; step %d "
                       "will be trained and saved again.", source, target, step)
+    self._group.barrier("rljax_checkpoint_moved_aside")
     self._scores = {k: v for k, v in self._scores.items()
                     if int(k) not in set(steps)}
     self._manager.reload()

@@ -114,10 +114,13 @@ class ProgressBar:
     initial: the step the run starts from (a resumed run's).
     file: where the bar is drawn; its ``isatty()`` chooses bar or lines.
     logger: where the plain lines go.
+    active: False shows nothing (processes other than process 0).
   """
 
   def __init__(self, total: int, shown: Mapping[str, str], *, initial: int = 0,
-               file=None, logger: logging.Logger | None = None):
+               file=None, logger: logging.Logger | None = None,
+               active: bool = True):
+    self.active = active
     self.total, self.shown, self.initial = total, dict(shown), initial
     self.file = file if file is not None else sys.stderr
     self.logger = logger or logging.getLogger("rljax")
@@ -125,7 +128,7 @@ class ProgressBar:
     self.start = time.time()
     self._bar, self._redirect = None, contextlib.ExitStack()
     isatty = getattr(self.file, "isatty", None)
-    if isatty is not None and isatty():
+    if active and isatty is not None and isatty():
       self._bar = tqdm.tqdm(total=total, initial=initial, file=self.file,
                             unit="step", dynamic_ncols=True, desc="RL")
       # Log lines (warnings) print above the bar instead of through it.
@@ -144,7 +147,7 @@ class ProgressBar:
                                 refresh=False)
       self._bar.update(step - self._bar.n)
       return
-    if step % self.every and step != self.total:
+    if not self.active or (step % self.every and step != self.total):
       return
     elapsed = time.time() - self.start
     left = elapsed / max(step - self.initial, 1) * (self.total - step)
@@ -160,19 +163,28 @@ class ProgressBar:
 
 
 class MetricWriter:
-  """Fans out to JSONL and TensorBoard under ``workdir``."""
+  """Fans out to JSONL and TensorBoard under ``workdir``.
 
-  def __init__(self, workdir: str | os.PathLike):
-    self.jsonl = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
-    self.tensorboard = TensorBoardWriter(os.path.join(workdir, "tensorboard"))
+  ``active=False`` writes nothing (the processes of a multi-process run
+  other than process 0).
+  """
+
+  def __init__(self, workdir: str | os.PathLike, *, active: bool = True):
+    self.active = active
+    if active:
+      self.jsonl = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
+      self.tensorboard = TensorBoardWriter(os.path.join(workdir,
+                                                        "tensorboard"))
 
   def write(self, step: int, metrics: Scalars) -> None:
-    self.jsonl.write(step, metrics)
-    self.tensorboard.write(step, metrics)
+    if self.active:
+      self.jsonl.write(step, metrics)
+      self.tensorboard.write(step, metrics)
 
   def close(self) -> None:
-    self.jsonl.close()
-    self.tensorboard.close()
+    if self.active:
+      self.jsonl.close()
+      self.tensorboard.close()
 
 
 def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike,

@@ -291,3 +291,10 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None],
     return x
   spec = logical_to_spec(tuple(logical_axes), rules, shape=x.shape, mesh=mesh)
   return jax.lax.with_sharding_constraint(x, spec)
+
+
+def batch_ways(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
+  """How many ways the mesh's batch axes split a batch's rows."""
+  target = dict(rules).get("batch")
+  axes = () if target is None else (target,) if isinstance(target, str) else target
+  return math.prod(mesh.shape[a] for a in axes)

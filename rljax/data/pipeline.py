@@ -96,6 +96,7 @@ def make_prompt_dataset(
     transform: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
     shard_index: int = 0,
     shard_count: int = 1,
+    block: tuple[int, int] = (0, 1),
 ) -> grain.MapDataset:
   """The batched ``grain.MapDataset`` behind ``make_prompt_iterator``.
 
@@ -132,8 +133,16 @@ def make_prompt_dataset(
   if shuffle:
     ds = ds.shuffle(seed=shuffle_seed(seed))
   ds = ds.repeat(num_epochs)
-  return ds.batch(batch_size, drop_remainder=drop_remainder,
-                  batch_fn=collate_to_lists)
+  k, blocks = block
+  if not (isinstance(blocks, int) and blocks >= 1 and 0 <= k < blocks):
+    raise ValueError(f"block={block!r}: need (k, K) with 0 <= k < K.")
+  if batch_size % blocks:
+    raise ValueError(f"batch_size={batch_size} does not split into {blocks} "
+                     "process blocks: use a multiple of the process count.")
+  ds = ds.batch(batch_size // blocks, drop_remainder=drop_remainder,
+                batch_fn=collate_to_lists)
+  # Block k of global batch i is local batch i * K + k of the stream.
+  return ds[k::blocks] if blocks > 1 else ds
 
 
 def make_prompt_iterator(
@@ -147,6 +156,7 @@ def make_prompt_iterator(
     transform: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None,
     shard_index: int = 0,
     shard_count: int = 1,
+    block: tuple[int, int] = (0, 1),
     read_threads: int = 0,
 ) -> grain.DatasetIterator:
   """A deterministic, checkpointable iterator of prompt batches.
@@ -162,8 +172,15 @@ def make_prompt_iterator(
       batches a fixed size for a fixed-shape train step.
     transform: a per-example map, e.g. ``FormatPrompt``; a module-level
       picklable callable.
-    shard_index: this process's shard (``jax.process_index()``).
-    shard_count: number of shards (``jax.process_count()``).
+    shard_index: this reader's shard of the source (split before the
+      shuffle: shards see disjoint examples in their own order).
+    shard_count: number of source shards.
+    block: ``(k, K)``: yield block ``k`` of ``K`` equal, contiguous blocks
+      of each batch of ``batch_size`` (``ProcessGroup.block``): the blocks
+      of ``K`` processes are together exactly the batches of ``(0, 1)``, and
+      each process reads only its own examples. The iterator's state is the
+      global batch index whatever ``K``, so a run can resume on another
+      process count.
     read_threads: grain read threads; 0 reads in the calling thread, best
       for in-memory data.
 
@@ -175,7 +192,7 @@ def make_prompt_iterator(
   ds = make_prompt_dataset(
       source, batch_size, seed, num_epochs=num_epochs, shuffle=shuffle,
       drop_remainder=drop_remainder, transform=transform,
-      shard_index=shard_index, shard_count=shard_count)
+      shard_index=shard_index, shard_count=shard_count, block=block)
   return iter(ds.to_iter_dataset(
       grain.ReadOptions(num_threads=read_threads,
                         prefetch_buffer_size=max(1, 2 * read_threads))))

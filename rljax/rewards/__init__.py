@@ -21,7 +21,9 @@ never stops training; ``evaluation``'s docstring lists how each is counted.
 
 from rljax.rewards import parsing
 from rljax.rewards import verifiers
+from rljax.rewards.evaluation import batch_metrics
 from rljax.rewards.evaluation import combine_rewards
+from rljax.rewards.evaluation import merge_results
 from rljax.rewards.evaluation import RewardEvaluator
 from rljax.rewards.evaluation import RewardFn
 from rljax.rewards.evaluation import RewardResult
@@ -51,6 +53,7 @@ __all__ = [
     "RewardResult",
     "RewardSpec",
     "arithmetic",
+    "batch_metrics",
     "check_countdown",
     "combine_rewards",
     "countdown",
@@ -64,6 +67,7 @@ __all__ = [
     "format_match",
     "get_reward_fn",
     "math_answer",
+    "merge_results",
     "numeric_match",
     "parse_number",
     "parsing",

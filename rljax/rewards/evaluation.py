@@ -192,6 +192,59 @@ class RewardResult:
   messages: tuple[str, ...]
 
 
+def batch_metrics(names: Sequence[str], rewards_NxR: np.ndarray,
+                  valid_NxR: np.ndarray, total_N: np.ndarray,
+                  counts: Mapping[str, float], *, restarts: float,
+                  seconds: float) -> dict[str, float]:
+  """``RewardEvaluator.evaluate``'s metrics of a batch's rewards.
+
+  ``counts``: ``{"reward/<name>/<kind>": samples}`` for the kinds of
+  failure (errors, timeouts, none, invalid, clipped).
+  """
+  n = len(rewards_NxR)
+  metrics: dict[str, float] = {}
+  for j, name in enumerate(names):
+    column = rewards_NxR[valid_NxR[:, j], j]
+    metrics[f"reward/{name}/mean"] = (float(column.mean()) if column.size
+                                      else math.nan)
+    metrics[f"reward/{name}/valid_frac"] = (float(valid_NxR[:, j].mean())
+                                            if n else math.nan)
+    for kind in _COUNTS:
+      metrics[f"reward/{name}/{kind}"] = float(counts[f"reward/{name}/{kind}"])
+  # In float64: the float32 square of a large (valid) total overflows.
+  finite = total_N[np.isfinite(total_N)].astype(np.float64)
+  metrics["reward/total/mean"] = float(finite.mean()) if finite.size else (
+      math.nan)
+  metrics["reward/total/std"] = float(finite.std()) if finite.size else (
+      math.nan)
+  metrics["reward/worker_restarts"] = float(restarts)
+  metrics["reward/eval_seconds"] = float(seconds)
+  return metrics
+
+
+def merge_results(names: Sequence[str], rewards_NxR: np.ndarray,
+                  valid_NxR: np.ndarray, total_N: np.ndarray,
+                  metrics: Sequence[Mapping[str, float]]) -> RewardResult:
+  """One ``RewardResult`` of a batch scored in blocks (one per process).
+
+  Args:
+    names: the reward names.
+    rewards_NxR, valid_NxR, total_N: every block's rows, in row order.
+    metrics: each block's ``RewardResult.metrics``: failure counts and
+      worker restarts are summed, ``reward/eval_seconds`` is the slowest
+      block's, and the means are those of the whole batch.
+  """
+  counts = {f"reward/{name}/{kind}": sum(m[f"reward/{name}/{kind}"]
+                                         for m in metrics)
+            for name in names for kind in _COUNTS}
+  return RewardResult(
+      tuple(names), rewards_NxR, valid_NxR, total_N,
+      batch_metrics(names, rewards_NxR, valid_NxR, total_N, counts,
+                    restarts=sum(m["reward/worker_restarts"] for m in metrics),
+                    seconds=max(m["reward/eval_seconds"] for m in metrics)),
+      ())
+
+
 class _Values(NamedTuple):
   """One call's rewards as plain data: what crosses back from a worker."""
   values_n: np.ndarray  # float64; NaN where status_n is not _OK.
@@ -498,23 +551,11 @@ class RewardEvaluator:
 
     valid_NxR = ~np.isnan(rewards_NxR)
     total_N = combine_rewards(rewards_NxR, self.weights, missing=self._missing)
-    metrics: dict[str, float] = {}
-    for j, name in enumerate(self.names):
-      column = rewards_NxR[valid_NxR[:, j], j]
-      metrics[f"reward/{name}/mean"] = (float(column.mean()) if column.size
-                                        else math.nan)
-      metrics[f"reward/{name}/valid_frac"] = (float(valid_NxR[:, j].mean())
-                                              if n else math.nan)
-      for kind in _COUNTS:
-        metrics[f"reward/{name}/{kind}"] = float(counts[name, kind])
-    # In float64: the float32 square of a large (valid) total overflows.
-    finite = total_N[np.isfinite(total_N)].astype(np.float64)
-    metrics["reward/total/mean"] = float(finite.mean()) if finite.size else (
-        math.nan)
-    metrics["reward/total/std"] = float(finite.std()) if finite.size else (
-        math.nan)
-    metrics["reward/worker_restarts"] = float(restarts)
-    metrics["reward/eval_seconds"] = time.monotonic() - start
+    metrics = batch_metrics(
+        self.names, rewards_NxR, valid_NxR, total_N,
+        {f"reward/{name}/{kind}": float(c) for (name, kind), c
+         in counts.items()},
+        restarts=float(restarts), seconds=time.monotonic() - start)
     return RewardResult(self.names, rewards_NxR, valid_NxR, total_N, metrics,
                         tuple(messages))
 

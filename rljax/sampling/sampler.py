@@ -161,14 +161,19 @@ def pick_bucket(length: int, buckets: Sequence[int]) -> int:
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], buckets: Sequence[int],
-                pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  """Left-pads token lists to a bucket: ``(tokens_BxP int32, mask_BxP bool)``."""
+                pad_id: int = 0, *, longest: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token lists to a bucket: ``(tokens_BxP int32, mask_BxP bool)``.
+
+  The bucket fits the longest prompt, or ``longest`` tokens when given (the
+  longest prompt of the whole batch, when this process holds a block of it).
+  """
   if not prompts:
     raise ValueError("prompts is empty: at least one prompt is required.")
   if any(len(p) == 0 for p in prompts):
     raise ValueError("a prompt has no tokens: every prompt needs at least one "
                      "token (e.g. BOS).")
-  width = pick_bucket(max(len(p) for p in prompts), buckets)
+  width = pick_bucket(max([len(p) for p in prompts] + [longest or 0]), buckets)
   tokens = np.full((len(prompts), width), pad_id, np.int32)
   mask = np.zeros((len(prompts), width), bool)
   for i, p in enumerate(prompts):

@@ -9,6 +9,7 @@ is trained or read and ``model.preset`` is initialised from scratch.
 
 from __future__ import annotations
 
+import base64
 import importlib
 import logging
 import os
@@ -17,6 +18,7 @@ from typing import Any
 import jax
 
 from rljax import data as data_lib
+from rljax import distributed
 from rljax import models, sharding
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
@@ -145,10 +147,19 @@ def check_data(config: Any, train_examples: list[dict[str, Any]],
         len(heldout), mesh, f"the number of held-out examples loaded ({where})")
 
 
-def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]]):
-  """The sentencepiece tokenizer of ``tokenizer.path``, or one trained on the task."""
+def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]],
+                   group: distributed.ProcessGroup | None = None):
+  """The sentencepiece tokenizer of ``tokenizer.path``, or one trained on the
+  task (by process 0 alone when there are several: the others receive its
+  model, so every process encodes with the same one)."""
   if config.tokenizer.path:
     return tok_lib.SentencePieceTokenizer(config.tokenizer.path)
+  group = group or distributed.ProcessGroup()
+  if not group.single:
+    model = group.from_primary(base64.b64encode(make_tokenizer(
+        config, task, train_examples, distributed.ProcessGroup(0, 1)
+    ).serialized).decode() if group.primary else None)
+    return tok_lib.SentencePieceTokenizer(base64.b64decode(model))
   if task is not None:
     corpus = task.tokenizer_corpus(config.tokenizer.corpus_size, config.seed)
   else:

@@ -31,6 +31,7 @@ from typing import Any
 import jax
 
 from rljax import data as data_lib
+from rljax import distributed
 from rljax import models, sampling, sharding
 from rljax import objectives as obj_lib
 from rljax import rewards as rewards_lib
@@ -385,6 +386,7 @@ class Components:
     checkpoint_options: keyword arguments of the checkpoint manager.
     config_json: the config as JSON (saved with the run and its
       checkpoints).
+    group: the run's processes (``distributed.ProcessGroup``).
   """
 
   config: Any
@@ -408,6 +410,8 @@ class Components:
   teacher: tuple[models.ModelConfig, Any] | None = None
   checkpoint_options: dict[str, Any] = dataclasses.field(default_factory=dict)
   config_json: dict[str, Any] = dataclasses.field(default_factory=dict)
+  group: distributed.ProcessGroup = dataclasses.field(
+      default_factory=distributed.ProcessGroup)
 
   def init_params(self, key: jax.Array) -> Any:
     """The run's initial params on the mesh: the Hugging Face checkpoint's
@@ -480,18 +484,27 @@ class Components:
         max_new_tokens=config.max_new_tokens)
 
 
-def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None
-          ) -> Components:
+def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
+          group: distributed.ProcessGroup | None = None) -> Components:
   """Validates ``config`` and builds its components (no compile).
 
   Args:
     config: an ml_collections config (``configs/*.py``).
     algorithm_override: a user-built ``Algorithm`` used instead of the one
       ``rl.advantage`` / ``rl.objective`` / ``optimizer`` name.
+    group: the run's processes (default: ``jax.distributed``'s); with
+      several, the mesh must give each process its own block of rows
+      (``ProcessGroup.block``) and a trained tokenizer is process 0's.
   """
   config = schema.complete_config(config)
+  group = group or distributed.ProcessGroup()
   mesh = sharding.mesh_from_config(config.mesh)
   validate(config, mesh)
+  if not group.single:
+    group.block(mesh)  # a clear error for a mesh that splits no rows by host
+    if config.sft.num_steps:
+      sharding.check_batch_divisible(config.sft.batch_size, mesh,
+                                     "sft.batch_size")
   alg = algorithm_override if algorithm_override is not None else algorithm(config)
   if not isinstance(alg, alg_lib.Algorithm):
     raise TypeError(f"algorithm={alg!r}: an rljax.train.Algorithm is required.")
@@ -507,7 +520,7 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None
     model_config = hf_model_config(hf_path, config)
     tokenizer = hf_tokenizer(hf_path, config)
   else:
-    tokenizer = make_tokenizer(config, task, train_examples)
+    tokenizer = make_tokenizer(config, task, train_examples, group)
     model_config = preset_model_config(config, tokenizer.vocab_size)
   tok_lib.check_tokenizer_vocab(
       tokenizer, model_config.vocab_size,
@@ -536,4 +549,4 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None
       eos_ids=eos_ids(tokenizer), hf_path=hf_path,
       critic_optimizer=critic_optimizer(config), teacher=teacher,
       checkpoint_options=checkpoint_options(config),
-      config_json=json.loads(config.to_json_best_effort()))
+      config_json=json.loads(config.to_json_best_effort()), group=group)

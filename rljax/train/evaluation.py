@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rljax import distributed
 from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import tokenizers as tok_lib
@@ -67,6 +68,34 @@ def pass_ks(n: int) -> list[int]:
   return ks if ks[-1] == n else ks + [n]
 
 
+def prompt_figures(correct_NxK: np.ndarray,
+                   answers_NxK: Sequence[Sequence[str]]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+  """``(num_correct_N int, majority_correct_N bool)`` of each prompt: what
+  ``group_metrics`` averages (per prompt, so blocks of prompts scored by
+  different processes combine exactly)."""
+  correct = np.asarray(correct_NxK, bool)
+  maj = []
+  for row_correct, row_answers in zip(correct, answers_NxK):
+    counts = collections.Counter(row_answers)
+    best = max(counts.values())
+    winner = next(a for a in row_answers if counts[a] == best)
+    maj.append(row_correct[list(row_answers).index(winner)])
+  return correct.sum(1), np.asarray(maj, bool)
+
+
+def metrics_from_figures(k: int, num_correct_N: np.ndarray,
+                         majority_N: np.ndarray) -> dict[str, float]:
+  """``group_metrics`` from ``prompt_figures`` (``k`` samples per prompt)."""
+  num_correct_N = np.asarray(num_correct_N)
+  out = {f"avg@{k}": float(num_correct_N.sum() / (len(num_correct_N) * k))}
+  for budget in pass_ks(k):
+    out[f"pass@{budget}"] = float(np.mean(
+        [pass_at_k(k, int(c), budget) for c in num_correct_N]))
+  out[f"maj@{k}"] = float(np.mean(majority_N))
+  return out
+
+
 def group_metrics(correct_NxK: np.ndarray, answers_NxK: Sequence[Sequence[str]],
                   ) -> dict[str, float]:
   """avg@n, pass@k (``k`` in ``pass_ks(n)``) and maj@n of ``N`` prompts.
@@ -80,21 +109,8 @@ def group_metrics(correct_NxK: np.ndarray, answers_NxK: Sequence[Sequence[str]],
   Returns:
     ``{"avg@K", "pass@1", "pass@2", ..., "pass@K", "maj@K"}``.
   """
-  correct = np.asarray(correct_NxK, bool)
-  k = correct.shape[1]
-  maj = []
-  for row_correct, row_answers in zip(correct, answers_NxK):
-    counts = collections.Counter(row_answers)
-    best = max(counts.values())
-    winner = next(a for a in row_answers if counts[a] == best)
-    maj.append(row_correct[list(row_answers).index(winner)])
-  num_correct = correct.sum(1)
-  out = {f"avg@{k}": float(correct.mean())}
-  for budget in pass_ks(k):
-    out[f"pass@{budget}"] = float(np.mean(
-        [pass_at_k(k, int(c), budget) for c in num_correct]))
-  out[f"maj@{k}"] = float(np.mean(maj))
-  return out
+  return metrics_from_figures(np.asarray(correct_NxK).shape[1],
+                              *prompt_figures(correct_NxK, answers_NxK))
 
 
 def evaluate(
@@ -110,6 +126,8 @@ def evaluate(
     eos_ids: Sequence[int],
     correctness_reward: str,
     prefix: str = "eval/",
+    group: distributed.ProcessGroup | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, float]:
   """Samples ``num_samples`` completions per held-out prompt and scores them.
 
@@ -126,18 +144,29 @@ def evaluate(
     eos_ids: ids that end a completion.
     correctness_reward: the reward whose value >= 1 means "correct".
     prefix: metric name prefix.
+    group, mesh: with several processes, each samples and scores its block
+      of ``examples`` (the mesh's batch split) and the per-prompt figures
+      are gathered, so the metrics are those of all ``examples``.
 
   Returns:
     ``{prefix + name}`` for ``name`` in ``"accuracy"``,
     ``"completion_length"`` and the names of ``group_metrics`` (``avg@k``,
     ``pass@1``, ``pass@2``, ..., ``pass@k``, ``maj@k``).
   """
-  prompts = [e["prompt"] for e in examples]
+  group = group or distributed.ProcessGroup()
+  if not group.single:
+    examples = examples[group.rows(mesh, len(examples))]
+  encoded = tok_lib.encode_prompts(tokenizer, [e["prompt"] for e in examples])
   tokens, mask = sampling.pad_prompts(
-      tok_lib.encode_prompts(tokenizer, prompts), buckets, tokenizer.pad_id)
-  rollout = jax.device_get(sample_fn(params, tokens, mask, key))
+      encoded, buckets, tokenizer.pad_id,
+      longest=group.max_int(max(len(p) for p in encoded)))
+  rollout = sample_fn(params, group.global_array(tokens, mesh),
+                      group.global_array(mask, mesh), key)
+  completion_tokens, completion_mask, lengths = distributed.local_rows_many(
+      group, rollout.completion_tokens, rollout.completion_mask,
+      rollout.lengths)
   completions = tok_lib.decode_completions(
-      tokenizer, rollout.completion_tokens, rollout.completion_mask, eos_ids)
+      tokenizer, completion_tokens, completion_mask, eos_ids)
   names = sorted({k for e in examples for k in e})  # optional fields: None
   fields = {k: [e.get(k) for e in examples for _ in range(num_samples)]
             for k in names}
@@ -148,9 +177,14 @@ def evaluate(
   answers = [rewards_lib.extract_final_answer(c) or "" for c in completions]
   answers = [answers[i * num_samples:(i + 1) * num_samples]
              for i in range(len(examples))]
-  out = {"accuracy": float(correct.mean()),
-         "completion_length": float(np.mean(rollout.lengths))}
-  out.update(group_metrics(correct, answers))
+  num_correct, majority = prompt_figures(correct, answers)
+  if not group.single:
+    num_correct, majority, lengths = distributed.gather_rows_many(
+        group, mesh, num_correct, majority, lengths)
+  out = {"accuracy": float(num_correct.sum() / (len(num_correct)
+                                                * num_samples)),
+         "completion_length": float(np.mean(lengths))}
+  out.update(metrics_from_figures(num_samples, num_correct, majority))
   return {prefix + k: v for k, v in out.items()}
 
 
@@ -160,11 +194,13 @@ def heldout_metrics(params: Any, key: jax.Array, *, sampler: Callable,
                     evaluator: rewards_lib.RewardEvaluator, num_samples: int,
                     buckets: Sequence[int], eos_ids: Sequence[int],
                     correctness_reward: str,
-                    mesh: jax.sharding.Mesh) -> dict[str, float]:
+                    mesh: jax.sharding.Mesh,
+                    group: distributed.ProcessGroup | None = None
+                    ) -> dict[str, float]:
   """The loop's held-out figures: ``evaluate`` at the sampling temperature
   and, with ``greedy_sampler``, ``eval/greedy_accuracy``."""
   kwargs = dict(buckets=buckets, eos_ids=eos_ids,
-                correctness_reward=correctness_reward)
+                correctness_reward=correctness_reward, group=group, mesh=mesh)
   with jax.set_mesh(mesh):
     out = evaluate(params, sampler, tokenizer, examples, evaluator, key,
                    num_samples=num_samples, **kwargs)

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from rljax import distributed
 from rljax import metrics as metrics_lib
 from rljax.train import build as build_lib
 from rljax.train import guards, rundir, session
@@ -62,12 +63,20 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
     advantage, train, evaluation, checkpoint), tokens and tokens/s of
     sampling and training, and the paths written.
   """
-  lock = rundir.WorkdirLock(workdir)
+  group = distributed.ProcessGroup()
+  lock, error = None, None
+  if group.primary:  # one lock for the run (a shared filesystem's workdir)
+    try:
+      lock = rundir.WorkdirLock(workdir)
+    except RuntimeError as e:
+      error = str(e)
+  group.raise_any(error)
   # From here on SIGTERM/SIGINT only set a flag, checked at step boundaries
   # (a first signal during set-up or SFT stops at the first one).
   stop_signal = guards.StopSignal()
   try:
-    return _run(config, workdir, algorithm, stop_signal)
+    group.check_same_config(json.loads(config.to_json_best_effort()))
+    return _run(config, workdir, algorithm, stop_signal, group)
   except Exception as e:  # pylint: disable=broad-exception-caught
     full = rundir.disk_full(e)
     if full is None:
@@ -79,18 +88,20 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
         f"{os.path.join(workdir, 'checkpoints')}.") from None
   finally:
     stop_signal.restore()
-    lock.release()
+    if lock is not None:
+      lock.release()
 
 
 def _run(config: Any, workdir: str, algorithm: Algorithm | None,
-         stop_signal: guards.StopSignal) -> dict[str, Any]:
+         stop_signal: guards.StopSignal,
+         group: distributed.ProcessGroup) -> dict[str, Any]:
   t0 = time.time()
   saved = rundir.saved_config(workdir)
   checkpoints = os.path.join(workdir, "checkpoints")
   if saved is not None and os.path.isdir(checkpoints) and os.listdir(checkpoints):
     rundir.check_resumable(saved, json.loads(config.to_json_best_effort()),
                            workdir)
-  c = build_lib.build(config, algorithm_override=algorithm)
+  c = build_lib.build(config, algorithm_override=algorithm, group=group)
   try:
     return _train(c, workdir, t0, stop_signal)
   finally:
@@ -122,15 +133,18 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
   progress = metrics_lib.ProgressBar(
       s.num_steps, {"reward": "reward/total/mean", "accuracy": "accuracy",
                     "held-out": "eval/accuracy",
-                    "tokens/s": "tokens_per_s/sample"}, initial=step)
+                    "tokens/s": "tokens_per_s/sample"}, initial=step,
+      active=c.group.primary)
   stop = guards.Guards(s)
   while step < s.num_steps:
-    if stop_signal.received:
+    # A signal to any process stops them all at the same step.
+    if c.group.any(bool(stop_signal.received)):
       run.save(step, state, ref_params)
       run.manager.wait()
       log.warning("%s received: saved a checkpoint at step %d in %s; run the "
                   "same command (same --workdir) to resume.",
-                  stop_signal.received, step, run.manager.directory)
+                  stop_signal.received or "a stop signal (another process)",
+                  step, run.manager.directory)
       preempted = True
       break
     t_start = time.time()

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import data as data_lib
+from rljax import distributed
 from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import tokenizers as tok_lib
@@ -145,8 +146,9 @@ class Collected(NamedTuple):
       ``reward/all_failed``, ``accuracy``, completion lengths, ``adv/*``
       and ``time/{sample,reward,advantage}`` (seconds; the advantage time
       includes the wait for the device).
-    completions: the decoded completions (``B * (G + extra)``).
-    rewards_NxR: the rewards as scored (NaN: no reward).
+    completions: the decoded completions (``B * (G + extra)``) of this
+      process's rows.
+    rewards_NxR: the rewards as scored (NaN: no reward), every row's.
   """
 
   batch: RLBatch
@@ -175,14 +177,25 @@ class Collector:
     speculation: SPEC-RL drafts (``sampling.Speculation``): a batch whose
       prompts have an earlier rollout in the store is sampled speculatively
       (``spec/*`` metrics); every rollout is stored as the next draft.
+    group: the run's processes (``distributed.ProcessGroup``). With several,
+      ``collect`` takes this process's block of the batch's examples, builds
+      the global prompt arrays, decodes and scores its own rows, and gathers
+      the rewards (and the per-row figures of the metrics) in row order, so
+      the advantage chain and every metric see the whole batch. The draft
+      store is the same on every process (each rollout is gathered into it),
+      so a prompt finds its draft whichever process samples it next.
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
                algorithm: Algorithm, group_size: int, buckets: Sequence[int],
                eos_ids: Sequence[int], correctness: str,
                mesh: jax.sharding.Mesh | None = None,
-               speculation: sampling.Speculation | None = None):
+               speculation: sampling.Speculation | None = None,
+               group: distributed.ProcessGroup | None = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
+    self.group = group or distributed.ProcessGroup()
+    if not self.group.single and mesh is None:
+      raise ValueError("Collector with several processes needs the mesh.")
     self.algorithm, self.group_size = algorithm, group_size
     self.samples_per_prompt = group_size + algorithm.extra_samples
     self.buckets, self.eos_ids = tuple(buckets), tuple(eos_ids)
@@ -216,14 +229,22 @@ class Collector:
     spec = self.speculation
     if spec is None:
       return self.sampler(params, tokens, mask, key), {}
-    g = self.samples_per_prompt
+    g, group = self.samples_per_prompt, self.group
     draft = spec.store.lookup(prompts, g, spec.max_new_tokens)
     metrics = {"spec/drafted_rows": 0.0}
-    if draft is None:
+    if not group.any(draft is not None):
       rollout = self.sampler(params, tokens, mask, key)
     else:
+      if draft is None:  # another process's prompts have drafts
+        draft = sampling.Draft(
+            np.zeros((len(prompts) * g, spec.max_new_tokens), np.int32),
+            np.zeros((len(prompts) * g, spec.max_new_tokens), bool),
+            np.zeros((len(prompts) * g, spec.max_new_tokens), np.float32))
+      drafted_N = group.gather_rows(draft.mask.sum(1), self.mesh)
+      draft = sampling.Draft(*(group.global_array(np.asarray(x), self.mesh)
+                               for x in draft))
       rollout, accepted_N = spec.sampler(params, tokens, mask, draft, key)
-      accepted_N, drafted_N = np.asarray(accepted_N), draft.mask.sum(1)
+      accepted_N = group.gather_rows(group.local_rows(accepted_N), self.mesh)
       has = drafted_N > 0
       metrics = {
           "spec/drafted_rows": float(has.sum()),
@@ -232,9 +253,15 @@ class Collector:
           "spec/full_accept_fraction": float(
               (accepted_N[has] == drafted_N[has]).mean()),
       }
-    spec.store.update(prompts, *jax.device_get(
-        (rollout.completion_tokens, rollout.completion_mask,
-         rollout.sampler_logprobs)))
+    # Every process stores every prompt's rollout (the store is replicated).
+    all_prompts = prompts if group.single else [
+        list(p) for p in group.gather_json([list(map(int, p)) for p in prompts])
+        for p in p]
+    rows = distributed.local_rows_many(
+        group, rollout.completion_tokens, rollout.completion_mask,
+        rollout.sampler_logprobs)
+    spec.store.update(all_prompts, *distributed.gather_rows_many(
+        group, self.mesh, *rows))
     return rollout, metrics
 
   def collect(self, params: Any, examples: Mapping[str, Sequence[Any]],
@@ -248,27 +275,45 @@ class Collector:
       key: PRNG key of the sampler.
       adv_state: the advantage chain's state.
     """
-    g = self.samples_per_prompt
+    g, group, mesh = self.samples_per_prompt, self.group, self.mesh
     t_start = time.time()
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
-    tokens, mask = sampling.pad_prompts(prompts, self.buckets,
-                                        self.tokenizer.pad_id)
-    rollout, spec_metrics = self._sample(params, prompts, tokens, mask, key)
-    completion_tokens, completion_mask, lengths, finished = jax.device_get(
-        (rollout.completion_tokens, rollout.completion_mask, rollout.lengths,
-         rollout.finished))
+    tokens, mask = sampling.pad_prompts(
+        prompts, self.buckets, self.tokenizer.pad_id,
+        longest=group.max_int(max(len(p) for p in prompts)))
+    rollout, spec_metrics = self._sample(
+        params, prompts, group.global_array(tokens, mesh),
+        group.global_array(mask, mesh), key)
+    completion_tokens, completion_mask, lengths, finished = (
+        distributed.local_rows_many(
+            group, rollout.completion_tokens, rollout.completion_mask,
+            rollout.lengths, rollout.finished))
     t_sample = time.time()
     completions = tok_lib.decode_completions(
         self.tokenizer, completion_tokens, completion_mask, self.eos_ids)
     fields = data_lib.repeat_each(examples, g)
     result = self.evaluator.evaluate(fields["prompt"], completions, fields)
+    # The chain's inputs: this process's rows, as blocks of global arrays.
+    rewards_NxR = group.global_array(result.rewards_NxR, mesh)
+    valid_N = group.global_array(
+        scored_rows(result.valid_NxR, self.algorithm.failed_rewards), mesh)
+    if group.single:
+      num_prompt_tokens, num_completion_tokens = mask, completion_mask
+    else:  # the metrics' inputs: every row's, in row order
+      result = rewards_lib.merge_results(
+          result.names, *distributed.gather_rows_many(
+              group, mesh, result.rewards_NxR, result.valid_NxR,
+              result.total_N), group.gather_json(result.metrics))
+      lengths, finished, num_prompt_tokens, num_completion_tokens = (
+          distributed.gather_rows_many(
+              group, mesh, lengths, finished, mask.sum(1),
+              completion_mask.sum(1)))
     t_reward = time.time()
-    valid_N = scored_rows(result.valid_NxR, self.algorithm.failed_rewards)
     fn = self._postprocess_fn(rollout.policy_logprobs is not None)
-    with (jax.set_mesh(self.mesh) if self.mesh is not None
+    with (jax.set_mesh(mesh) if mesh is not None
           else contextlib.nullcontext()):
-      batch, adv_state, adv_metrics = fn(
-          rollout, result.rewards_NxR, valid_N, self._weights_R, adv_state)
+      batch, adv_state, adv_metrics = fn(rollout, rewards_NxR, valid_N,
+                                         self._weights_R, adv_state)
       adv_metrics = jax.device_get(adv_metrics)
     t_advantage = time.time()
     correct = np.nan_to_num(result.rewards_NxR[:, self._correct_column],
@@ -285,8 +330,9 @@ class Collector:
         "truncation_rate": float(1.0 - finished.mean()),
         "num_generated_tokens": float(lengths.sum()),
         # Tokens of the trained rows (with a pivot drop, completions pro rata).
-        "num_train_tokens": float(np.sum(mask)) * self.group_size + float(
-            np.sum(completion_mask)) * self.group_size / g,
+        "num_train_tokens": float(np.sum(num_prompt_tokens)) * self.group_size
+                            + float(np.sum(num_completion_tokens))
+                            * self.group_size / g,
         "time/sample": t_sample - t_start, "time/reward": t_reward - t_sample,
         "time/advantage": t_advantage - t_reward, **spec_metrics,
     })

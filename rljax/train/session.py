@@ -81,7 +81,7 @@ class Session:
         greedy_sampler=self.samplers["greedy"], tokenizer=c.tokenizer,
         examples=c.heldout, evaluator=c.evaluator,
         num_samples=s.eval_num_samples, buckets=c.buckets, eos_ids=c.eos_ids,
-        correctness_reward=c.correctness, mesh=c.mesh)
+        correctness_reward=c.correctness, mesh=c.mesh, group=c.group)
     self.seconds["evaluation"] += time.time() - t
     return out
 
@@ -105,14 +105,16 @@ class Session:
 
 
 def start(c: build_lib.Components, workdir: str) -> Session:
-  """Writes the run's config and tokenizer files and makes its host parts."""
+  """Writes the run's config and tokenizer files (process 0) and makes its
+  host parts."""
   s, alg = c.settings, c.algorithm
-  with open(os.path.join(workdir, "config.json"), "w") as f:
-    json.dump(c.config_json, f, indent=2)
-  if c.hf_path:  # what load_policy needs to rebuild tokenizer and model
-    build_lib.save_hf_files(c.hf_path, workdir)
-  else:
-    c.tokenizer.save(os.path.join(workdir, "tokenizer.model"))
+  if c.group.primary:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      json.dump(c.config_json, f, indent=2)
+    if c.hf_path:  # what load_policy needs to rebuild tokenizer and model
+      build_lib.save_hf_files(c.hf_path, workdir)
+    else:
+      c.tokenizer.save(os.path.join(workdir, "tokenizer.model"))
   # Four keys, the second unused (it was the SFT's, which draws its data
   # from the seed): a seed keeps the initial params and keys it always had.
   init_key, _, eval_key, state_key = jax.random.split(jax.random.key(s.seed), 4)
@@ -123,7 +125,8 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       tokenizer=c.tokenizer, evaluator=c.evaluator, algorithm=alg,
       group_size=s.group_size, buckets=c.buckets, eos_ids=c.eos_ids,
       correctness=c.correctness, mesh=c.mesh,
-      speculation=c.speculation(record_policy_logprobs=sampler_old))
+      speculation=c.speculation(record_policy_logprobs=sampler_old),
+      group=c.group)
   return Session(
       c=c, workdir=workdir, collector=collector,
       samplers={"eval": c.sampler(s.eval_num_samples,
@@ -132,8 +135,9 @@ def start(c: build_lib.Components, workdir: str) -> Session:
                           else None},
       manager=ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                          **c.checkpoint_options),
-      iterator=data_lib.make_prompt_iterator(c.train_examples,
-                                             s.prompts_per_step, s.seed),
+      iterator=data_lib.make_prompt_iterator(
+          c.train_examples, s.prompts_per_step, s.seed,
+          block=c.group.block(c.mesh)),
       eval_key=eval_key, state_key=state_key, init_key=init_key)
 
 
@@ -152,14 +156,16 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
            "prompts x %d samples; SFT: %d steps", s.task_name,
            len(c.train_examples), len(c.heldout), s.num_steps,
            s.prompts_per_step, s.group_size, c.sft.num_steps)
+  primary = c.group.primary
   if not run.manager.all_steps():
-    if os.path.exists(run.metrics_path):  # rows of a run that saved nothing
+    if primary and os.path.exists(run.metrics_path):  # a run that saved nothing
       rundir.trim_metrics(run.metrics_path, -10**9)
-    run.writer = metrics_lib.MetricWriter(run.workdir)
+    run.writer = metrics_lib.MetricWriter(run.workdir, active=primary)
     t = time.time()
     params = sft.run_sft(params, c.sft, task=c.task, tokenizer=c.tokenizer,
                          model_config=c.model_config, mesh=c.mesh,
-                         param_shardings=c.param_shardings, writer=run.writer)
+                         param_shardings=c.param_shardings, writer=run.writer,
+                         group=c.group)
     run.seconds["sft"] = time.time() - t
     run.before = run.evaluate(params, run.eval_key)
     run.writer.write(0, run.before)
@@ -177,8 +183,8 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
     if drafts is not None:
       run.collector.speculation.store.load_arrays(drafts)
   run.before = meta.get("before", {})
-  dropped = rundir.trim_metrics(run.metrics_path, resumed)
-  run.writer = metrics_lib.MetricWriter(run.workdir)
+  dropped = rundir.trim_metrics(run.metrics_path, resumed) if primary else 0
+  run.writer = metrics_lib.MetricWriter(run.workdir, active=primary)
   log.info("resumed from step %d in %s (%d metric rows after it dropped)",
            resumed, run.manager.directory, dropped)
   return tree["state"], tree.get("ref_params")
@@ -192,12 +198,13 @@ def summary(run: Session, last: dict[str, float], t0: float,
   run.manager.close()  # waits for the saves in flight
   seconds["checkpoint"] += time.time() - t
   run.writer.close()
-  rows = metrics_lib.read_jsonl(run.metrics_path)
   plot = os.path.join(run.workdir, "curves.png")
-  metrics_lib.plot_curves(
-      [row for row in rows if row["step"] >= 0], plot,
-      ["reward/total/mean", "eval/accuracy", "eval/greedy_accuracy",
-       "completion_length/mean"], title=f"rljax: {c.settings.task_name}")
+  if c.group.primary:
+    rows = metrics_lib.read_jsonl(run.metrics_path)
+    metrics_lib.plot_curves(
+        [row for row in rows if row["step"] >= 0], plot,
+        ["reward/total/mean", "eval/accuracy", "eval/greedy_accuracy",
+         "completion_length/mean"], title=f"rljax: {c.settings.task_name}")
   after = {k: v for k, v in last.items() if k.startswith("eval/")}
   if "eval/accuracy" in after:
     log.info("held-out after RL: %s", format_eval(after))

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import optax
 
+from rljax import distributed
 from rljax import metrics as metrics_lib
 from rljax import models, sharding
 from rljax import tokenizers as tok_lib
@@ -114,11 +115,13 @@ def sft_arrays(tokenizer: Any, prompts: Sequence[str],
 
 def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
             model_config: models.ModelConfig, mesh: jax.sharding.Mesh,
-            param_shardings: Any, writer: metrics_lib.MetricWriter | None = None
-            ) -> Any:
+            param_shardings: Any, writer: metrics_lib.MetricWriter | None = None,
+            group: distributed.ProcessGroup | None = None) -> Any:
   """Runs the warm-up and returns the new params (``params`` is donated).
 
   Metrics go to ``writer`` at steps ``-num_steps + i`` (before RL's step 0).
+  With several processes (``group``) every process draws the same batch
+  indices and feeds its block of the rows.
 
   Raises:
     ValueError: with ``num_steps > 0`` and no built-in task.
@@ -147,14 +150,21 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
                    in_shardings=(param_shardings, opt_shardings, rows, rows, rows),
                    out_shardings=(param_shardings, opt_shardings, replicated),
                    donate_argnums=(0, 1))
+  group = group or distributed.ProcessGroup()
+  if not group.single:
+    sharding.check_batch_divisible(cfg.batch_size, mesh, "sft.batch_size")
   rng = np.random.default_rng(cfg.seed)
   start = time.time()
   every = max(1, cfg.num_steps // 5)
   with jax.set_mesh(mesh):
     for i in range(cfg.num_steps):
       idx = rng.integers(0, len(examples), cfg.batch_size)
-      params, opt_state, m = jitted(params, opt_state, tokens[idx],
-                                    input_mask[idx], loss_mask[idx])
+      if not group.single:
+        idx = idx[group.rows(mesh, cfg.batch_size)]
+      params, opt_state, m = jitted(
+          params, opt_state,
+          *(group.global_array(x[idx], mesh)
+            for x in (tokens, input_mask, loss_mask)))
       if (i + 1) % every == 0 or i + 1 == cfg.num_steps:
         m = metrics_lib.to_floats(m)
         log.info("sft step %d/%d loss %.4f (%.0fs)", i + 1, cfg.num_steps,
