@@ -15,9 +15,11 @@ Several hosts (one process each, one global mesh; docs/multihost.md):
       -- --config=configs/arithmetic_grpo.py:tiny  # one machine, for tests
 """
 
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 
 from absl import app, flags
@@ -57,6 +59,13 @@ def _record_stem() -> str:
   return "train" if stem == "arithmetic_grpo" else stem
 
 
+def _lost_peer(error: BaseException) -> bool:
+  """Whether ``error`` is a collective that lost its peer (a dead process)."""
+  text = str(error)
+  return "Gloo" in text or "Connection reset by peer" in text or (
+      "Connection closed by peer" in text)
+
+
 def main(argv):
   del argv
   cli.setup_logging()
@@ -75,14 +84,23 @@ def main(argv):
   from rljax import train  # pylint: disable=import-outside-toplevel
   try:
     summary = train.run(_CONFIG.value, _WORKDIR.value)
-  except BaseException:  # pylint: disable=broad-exception-caught
+  except BaseException as e:  # pylint: disable=broad-exception-caught
     if jax.process_count() == 1:
       raise
-    # Leave at once: the others stop on the lost heartbeat instead of
-    # waiting for this process at a collective or at the shutdown barrier.
     traceback.print_exc()
+    if _lost_peer(e):  # let jax.distributed name the process that is gone
+      print(f"rljax: a collective failed, another process is probably gone; "
+            f"waiting up to {_HEARTBEAT.value} s for jax.distributed to name "
+            "it.", file=sys.stderr, flush=True)
+      time.sleep(_HEARTBEAT.value + 10)
+    # Leave at once otherwise: the others stop on the lost heartbeat instead
+    # of waiting for this process at a collective or the shutdown barrier.
     sys.stderr.flush()
     os._exit(1)  # pylint: disable=protected-access
+  if jax.process_count() > 1:  # every process's own clock, one line each
+    print("process summary:", json.dumps({
+        **summary["process"], "seconds": summary["seconds"],
+        "seconds_by_phase": summary["seconds_by_phase"]}), flush=True)
   if not primary:
     return
   if summary["preempted"]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -112,6 +113,8 @@ class ProcessGroup:
     self.count = jax.process_count() if count is None else count
     self._blocks: dict[Any, tuple[int, int]] = {}
     self._owners: dict[Any, list[int]] = {}  # block k -> process index
+    # Host-side collectives of this process: how many, and their wall clock.
+    self.collectives = {"count": 0, "seconds": 0.0}
 
   @property
   def primary(self) -> bool:
@@ -195,7 +198,11 @@ class ProcessGroup:
   # --- collectives (host values) --------------------------------------------
 
   def _allgather(self, x: np.ndarray) -> np.ndarray:
-    return np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+    start = time.perf_counter()
+    out = np.asarray(multihost_utils.process_allgather(np.asarray(x)))
+    self.collectives["count"] += 1
+    self.collectives["seconds"] += time.perf_counter() - start
+    return out
 
   def gather_rows(self, local: np.ndarray, mesh: jax.sharding.Mesh
                   ) -> np.ndarray:

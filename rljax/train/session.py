@@ -216,6 +216,8 @@ def summary(run: Session, last: dict[str, float], t0: float,
       "tokens_per_s": {
           "sample": tokens["generated"] / max(seconds["sample"], 1e-9),
           "train": tokens["train"] / max(seconds["train"], 1e-9)},
+      "process": {"index": c.group.index, "count": c.group.count,
+                  "collectives": dict(c.group.collectives)},
       "checkpoints": run.manager.directory, "metrics": run.metrics_path,
       "tensorboard": os.path.join(run.workdir, "tensorboard"),
       "sampling_temperature": c.settings.sampling_temperature}

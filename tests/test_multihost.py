@@ -1,0 +1,230 @@
+"""Several processes, one run (docs/multihost.md), tested on loopback.
+
+Two ``jax.distributed`` processes of 4 simulated CPU devices each (mesh
+data=2 x fsdp=4 over 8 global devices) run the tiny config, and their
+per-step metrics and final params are compared with one process of 8
+devices (this pytest process, tests/conftest.py) running the same global
+config. Also: a two-process run SIGKILLed after step 2 and resumed, a
+process killed mid-run, and processes started with different configs.
+
+The two-process runs share one persistent compilation cache, so a program
+compiled by one run is loaded by the next.
+"""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from launch import local_cluster
+from rljax import train
+from tests.test_train import tiny_config
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+# KL, two minibatches, SFT, held-out evaluation and checkpoints every 2 steps.
+COMMON = {
+    "rl.num_steps": 4, "rl.kl_coef": 0.01, "rl.num_minibatches": 2,
+    "mesh.data": 2, "mesh.fsdp": 4, "sft.num_steps": 2,
+    "eval.greedy": False, "eval.num_samples": 4, "eval.num_examples": 8,
+    "eval.every": 2, "checkpoint.every": 2,
+}
+# MC-GRPO's pivot drop and SPEC-RL's draft store (16 training prompts: the
+# last two steps revisit the first two's prompts and draft from them).
+MC_SPEC = {"rl.advantage": "mc_grpo", "sampler.speculative": True,
+           "task.num_train": 16}
+# Wall-clock figures differ between any two runs.
+_CLOCKS = ("time/", "tokens_per_s/", "reward/eval_seconds")
+
+
+def config_for(overrides):
+  c = tiny_config()
+  for key, value in {**COMMON, **overrides}.items():
+    section, field = key.split(".")
+    c[section][field] = value
+  return c
+
+
+def flags_for(overrides, workdir):
+  args = ["--config=configs/arithmetic_grpo.py:tiny", f"--workdir={workdir}"]
+  for key, value in {**COMMON, **overrides}.items():
+    args.append(f"--config.{key}={value}")
+  return args
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+  return str(tmp_path_factory.mktemp("multihost-jax-cache"))
+
+
+class Cluster:
+  """Two ``launch.train`` processes, started directly (so that a test can
+  signal each one)."""
+
+  def __init__(self, args, log_dir, jax_cache, *, extra=((), ())):
+    port = local_cluster.free_port()
+    env = local_cluster.child_env(4)
+    env.update(JAX_COMPILATION_CACHE_DIR=jax_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    os.makedirs(log_dir, exist_ok=True)
+    self.logs = [os.path.join(log_dir, f"process_{i}.log") for i in range(2)]
+    self.procs = []
+    for i in range(2):
+      command = local_cluster.child_command(
+          list(args) + list(extra[i]) + ["--heartbeat_timeout_s=10"],
+          process_id=i, num_processes=2, port=port)
+      with open(self.logs[i], "ab") as log:
+        self.procs.append(subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+
+  def wait(self, timeout=600):
+    deadline = time.time() + timeout
+    for p in self.procs:
+      p.wait(timeout=max(1, deadline - time.time()))
+    return [p.returncode for p in self.procs]
+
+  def output(self, i):
+    with open(self.logs[i], errors="replace") as f:
+      return f.read()
+
+  def kill(self):
+    for p in self.procs:
+      if p.poll() is None:
+        p.send_signal(signal.SIGKILL)
+    for p in self.procs:
+      p.wait()
+
+
+def rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def assert_same_metrics(got_rows, want_rows):
+  """Every figure but the clocks equal to 1e-6 (relative, or absolute for
+  figures that are themselves rounding noise, e.g. sampler/trainer logprob
+  mismatches of ~1e-7)."""
+  assert [r["step"] for r in got_rows] == [r["step"] for r in want_rows]
+  for got, want in zip(got_rows, want_rows):
+    keys = {k for k in set(got) | set(want) if not k.startswith(_CLOCKS)}
+    for k in sorted(keys):
+      a, b = got.get(k), want.get(k)
+      assert a is not None and b is not None, (got["step"], k, a, b)
+      if isinstance(b, float) and math.isnan(b):
+        assert math.isnan(a), (got["step"], k, a, b)
+      else:
+        assert np.isclose(a, b, rtol=1e-6, atol=1e-6), (got["step"], k, a, b)
+
+
+def assert_same_params(workdir_a, workdir_b):
+  a = jax.tree.leaves(train.load_policy(workdir_a).params)
+  b = jax.tree.leaves(train.load_policy(workdir_b).params)
+  assert len(a) == len(b) > 0
+  for x, y in zip(a, b):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6,
+                               atol=1e-7)
+
+
+def one_process_run(workdir, overrides):
+  train.run(config_for(overrides), str(workdir))
+  return str(workdir)
+
+
+def wait_for(predicate, procs, timeout, what):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if predicate():
+      return
+    if any(p.poll() is not None for p in procs):
+      raise AssertionError(f"a process exited before {what}")
+    time.sleep(0.2)
+  raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_with_mc_grpo_and_spec_rl(tmp_path, jax_cache):
+  want = one_process_run(tmp_path / "one", MC_SPEC)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(MC_SPEC, workdir), str(tmp_path / "logs"),
+                    jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  # The pivot drop and the drafts were exercised.
+  rl = [r for r in got_rows if r["step"] > 0]
+  assert [r["spec/drafted_rows"] > 0 for r in rl] == [False, False, True, True]
+  assert all(r["num_train_tokens"] > 0 for r in rl)
+  assert "eval/accuracy" in got_rows[-1]
+  assert_same_params(workdir, want)
+  # The run directory holds what one process writes (plus the launcher's
+  # run record), written once.
+  files = [f for f in os.listdir(workdir) if not f.startswith("train_seed")]
+  assert sorted(files) == sorted(os.listdir(want))
+
+
+@pytest.mark.slow
+def test_two_processes_killed_after_step_2_resume_to_the_one_process_run(
+    tmp_path, jax_cache):
+  """GRPO with KL and two minibatches. The two-process run is SIGKILLed
+  (both processes) once checkpoint 2 is on disk, resumed, and must end as
+  the uninterrupted one-process run: every step's metrics (steps 1-2 from
+  the first launch, 3-4 from the resumed one) and the final params."""
+  want = one_process_run(tmp_path / "one", {})
+  workdir = str(tmp_path / "two")
+  args = flags_for({}, workdir)
+  cluster = Cluster(args, str(tmp_path / "logs"), jax_cache)
+  try:
+    wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints", "2")),
+             cluster.procs, 400, "checkpoint 2")
+  finally:
+    cluster.kill()
+  assert not os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
+  resumed = Cluster(args, str(tmp_path / "logs"), jax_cache)
+  assert resumed.wait() == [0, 0], resumed.output(0)[-3000:]
+  assert "resumed from step 2" in resumed.output(0)
+  assert_same_metrics(rows(workdir), rows(want))
+  assert_same_params(workdir, want)
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_other_naming_it(tmp_path, jax_cache):
+  workdir = str(tmp_path / "run")
+  cluster = Cluster(flags_for({"rl.num_steps": 50}, workdir),
+                    str(tmp_path / "logs"), jax_cache)
+  try:
+    metrics = os.path.join(workdir, "metrics.jsonl")
+    wait_for(lambda: os.path.exists(metrics) and any(
+        r["step"] >= 1 for r in rows(workdir)), cluster.procs, 400, "step 1")
+    cluster.procs[1].send_signal(signal.SIGKILL)
+    start = time.time()
+    cluster.procs[0].wait(timeout=120)
+    elapsed = time.time() - start
+  finally:
+    cluster.kill()
+  assert cluster.procs[0].returncode != 0
+  assert elapsed < 120
+  out = cluster.output(0)
+  assert "unhealthy (stopped sending heartbeats)" in out, out[-2000:]
+  lost = out.split("unhealthy (stopped sending heartbeats):", 1)[1]
+  assert lost.split()[0] == "1", lost[:200]
+
+
+@pytest.mark.slow
+def test_processes_with_different_configs_fail_at_start_naming_the_field(
+    tmp_path, jax_cache):
+  workdir = str(tmp_path / "run")
+  cluster = Cluster(flags_for({}, workdir), str(tmp_path / "logs"), jax_cache,
+                    extra=((), ("--config.rl.kl_coef=0.02",)))
+  codes = cluster.wait(timeout=300)
+  assert codes[0] != 0 and codes[1] != 0
+  for i in range(2):
+    assert ("field rl.kl_coef is 0.01 on process 0 and 0.02 on process 1"
+            in cluster.output(i)), cluster.output(i)[-2000:]
+  assert not os.path.exists(os.path.join(workdir, "checkpoints"))
