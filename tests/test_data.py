@@ -344,3 +344,24 @@ def test_check_answers_counts_non_empty_answers():
   with pytest.raises(TypeError, match=r"train.jsonl: example 1 is a str; a "
                      "dict of fields is required"):
     check_answers([{"answer": "1"}, "2"], "train.jsonl")
+
+
+def test_process_blocks_are_exactly_the_one_process_batches():
+  """Block k of K of every batch (one process of K): together the blocks
+  are the batches of one process, in order; the state is the global batch
+  index, so a run resumes on another process count."""
+  examples = [{"prompt": f"p{i}"} for i in range(10)]
+  whole = data.make_prompt_iterator(examples, 4, seed=3)
+  blocks = [data.make_prompt_iterator(examples, 4, seed=3, block=(k, 2))
+            for k in range(2)]
+  for _ in range(7):  # past an epoch boundary
+    want = next(whole)["prompt"]
+    assert sum((next(it)["prompt"] for it in blocks), []) == want
+  assert blocks[0].get_state() == blocks[1].get_state() == whole.get_state()
+  resumed = data.make_prompt_iterator(examples, 4, seed=3, block=(1, 4))
+  resumed.set_state(whole.get_state())
+  assert next(resumed)["prompt"] == next(whole)["prompt"][1:2]
+  with pytest.raises(ValueError, match="batch_size=4 does not split into 3"):
+    data.make_prompt_iterator(examples, 4, seed=0, block=(0, 3))
+  with pytest.raises(ValueError, match=r"block=\(2, 2\)"):
+    data.make_prompt_iterator(examples, 4, seed=0, block=(2, 2))

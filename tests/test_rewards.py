@@ -385,3 +385,55 @@ def test_partial_options_reach_workers():
     result = ev.evaluate([""], ["2*5"], {"numbers": [[2, 3, 5]],
                                          "target": [10]})
   np.testing.assert_array_equal(result.rewards_NxR, [[0.0, 1.0]])
+
+
+def test_merge_results_of_blocks_is_the_whole_batch():
+  """Blocks of a batch scored apart (one per process) merge into the
+  metrics of the batch scored at once: means over all rows, failure counts
+  summed, the slowest block's time."""
+  specs = [rewards.RewardSpec("chaotic", chaotic, weight=2.0),
+           rewards.reward_spec("numeric_match", weight=0.5)]
+  completions = ["ab", "NONE", "7", "RAISE", "5", "x"]
+  answers = {"answer": ["2", "4", "7", "1", "5", "3"]}
+  with rewards.RewardEvaluator(specs, num_workers=0) as evaluator:
+    whole = evaluator.evaluate(["q"] * 6, completions, answers)
+    blocks = [evaluator.evaluate(["q"] * 3, completions[s],
+                                 {"answer": answers["answer"][s]})
+              for s in (slice(0, 3), slice(3, 6))]
+  merged = rewards.merge_results(
+      whole.names, *(np.concatenate([getattr(b, f) for b in blocks])
+                     for f in ("rewards_NxR", "valid_NxR", "total_N")),
+      [b.metrics for b in blocks])
+  # The second block's RAISE fails its whole call: different rows than the
+  # whole batch's one call, so compare with what the blocks scored.
+  np.testing.assert_array_equal(merged.rewards_NxR, np.concatenate(
+      [b.rewards_NxR for b in blocks]))
+  valid = merged.valid_NxR
+  for j, name in enumerate(merged.names):
+    column = merged.rewards_NxR[valid[:, j], j]
+    assert merged.metrics[f"reward/{name}/mean"] == pytest.approx(
+        column.mean() if column.size else math.nan, nan_ok=True)
+    for kind in ("errors", "none", "timeouts"):
+      assert merged.metrics[f"reward/{name}/{kind}"] == sum(
+          b.metrics[f"reward/{name}/{kind}"] for b in blocks)
+  assert merged.metrics["reward/chaotic/errors"] == 3  # the RAISE block
+  finite = merged.total_N[np.isfinite(merged.total_N)]
+  assert merged.metrics["reward/total/mean"] == pytest.approx(finite.mean())
+  assert merged.metrics["reward/total/std"] == pytest.approx(finite.std())
+  assert merged.metrics["reward/eval_seconds"] == max(
+      b.metrics["reward/eval_seconds"] for b in blocks)
+  # Without failures the merge is the whole batch's result.
+  ok = ["ab", "7", "5", "x"]
+  fields = {"answer": ["2", "7", "5", "3"]}
+  with rewards.RewardEvaluator(specs, num_workers=0) as evaluator:
+    whole = evaluator.evaluate(["q"] * 4, ok, fields)
+    halves = [evaluator.evaluate(["q"] * 2, ok[s], {"answer":
+                                                    fields["answer"][s]})
+              for s in (slice(0, 2), slice(2, 4))]
+  merged = rewards.merge_results(
+      whole.names, *(np.concatenate([getattr(b, f) for b in halves])
+                     for f in ("rewards_NxR", "valid_NxR", "total_N")),
+      [b.metrics for b in halves])
+  for k, v in whole.metrics.items():
+    if k != "reward/eval_seconds":
+      assert merged.metrics[k] == pytest.approx(v, nan_ok=True), k
