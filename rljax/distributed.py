@@ -230,16 +230,22 @@ class ProcessGroup:
             for i in range(self.count)]
 
   def max_int(self, value: int) -> int:
-    """The largest of the processes' ``value``."""
-    return int(value) if self.single else int(max(self.gather_json(int(value))))
+    """The largest of the processes' ``value`` (one collective)."""
+    if self.single:
+      return int(value)
+    return int(self._allgather(np.asarray([value], np.int64)).max())
 
   def any(self, flag: bool) -> bool:
-    """Whether ``flag`` holds on some process."""
-    return bool(flag) if self.single else any(self.gather_json(bool(flag)))
+    """Whether ``flag`` holds on some process (one collective)."""
+    if self.single:
+      return bool(flag)
+    return bool(self._allgather(np.asarray([flag], np.uint8)).any())
 
   def all(self, flag: bool) -> bool:
-    """Whether ``flag`` holds on every process."""
-    return bool(flag) if self.single else all(self.gather_json(bool(flag)))
+    """Whether ``flag`` holds on every process (one collective)."""
+    if self.single:
+      return bool(flag)
+    return bool(self._allgather(np.asarray([flag], np.uint8)).all())
 
   def from_primary(self, value: Any) -> Any:
     """Process 0's JSON-able ``value``, on every process."""
@@ -288,8 +294,25 @@ class ProcessGroup:
 
 def gather_rows_many(group: ProcessGroup, mesh: jax.sharding.Mesh,
                      *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
-  """``group.gather_rows`` of several arrays."""
-  return tuple(group.gather_rows(a, mesh) for a in arrays)
+  """``group.gather_rows`` of several arrays of the same row count, in one
+  collective (packed as float64 columns: exact for bool, int32 and float32
+  values, NaN included)."""
+  if group.single:
+    return tuple(np.asarray(a) for a in arrays)
+  arrays = [np.asarray(a) for a in arrays]
+  n = arrays[0].shape[0]
+  if any(a.shape[0] != n for a in arrays):
+    raise ValueError(f"gather_rows_many: row counts {[a.shape[0] for a in arrays]}"
+                     " differ; gather arrays of different row counts apart.")
+  columns = [a.reshape(n, -1).astype(np.float64) for a in arrays]
+  packed = group.gather_rows(np.concatenate(columns, axis=1), mesh)
+  out, start = [], 0
+  for a, c in zip(arrays, columns):
+    width = c.shape[1]
+    part = packed[:, start:start + width].reshape((-1,) + a.shape[1:])
+    out.append(part.astype(a.dtype))
+    start += width
+  return tuple(out)
 
 
 def local_rows_many(group: ProcessGroup, *arrays: jax.Array

@@ -179,8 +179,9 @@ def evaluate(
              for i in range(len(examples))]
   num_correct, majority = prompt_figures(correct, answers)
   if not group.single:
-    num_correct, majority, lengths = distributed.gather_rows_many(
-        group, mesh, num_correct, majority, lengths)
+    num_correct, majority = distributed.gather_rows_many(
+        group, mesh, num_correct, majority)
+    lengths = group.gather_rows(lengths, mesh)
   out = {"accuracy": float(num_correct.sum() / (len(num_correct)
                                                 * num_samples)),
          "completion_length": float(np.mean(lengths))}

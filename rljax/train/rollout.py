@@ -300,14 +300,15 @@ class Collector:
     if group.single:
       num_prompt_tokens, num_completion_tokens = mask, completion_mask
     else:  # the metrics' inputs: every row's, in row order
+      (rewards_all, valid_all, total_all, lengths, finished, num_prompt_tokens,
+       num_completion_tokens) = distributed.gather_rows_many(
+           group, mesh, result.rewards_NxR, result.valid_NxR, result.total_N,
+           lengths, finished, np.repeat(mask.sum(1), g),
+           completion_mask.sum(1))
+      num_prompt_tokens = num_prompt_tokens[::g]  # one row per prompt
       result = rewards_lib.merge_results(
-          result.names, *distributed.gather_rows_many(
-              group, mesh, result.rewards_NxR, result.valid_NxR,
-              result.total_N), group.gather_json(result.metrics))
-      lengths, finished, num_prompt_tokens, num_completion_tokens = (
-          distributed.gather_rows_many(
-              group, mesh, lengths, finished, mask.sum(1),
-              completion_mask.sum(1)))
+          result.names, rewards_all, valid_all, total_all,
+          group.gather_json(result.metrics))
     t_reward = time.time()
     fn = self._postprocess_fn(rollout.policy_logprobs is not None)
     with (jax.set_mesh(mesh) if mesh is not None
