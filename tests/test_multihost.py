@@ -228,3 +228,18 @@ def test_processes_with_different_configs_fail_at_start_naming_the_field(
     assert ("field rl.kl_coef is 0.01 on process 0 and 0.02 on process 1"
             in cluster.output(i)), cluster.output(i)[-2000:]
   assert not os.path.exists(os.path.join(workdir, "checkpoints"))
+
+
+@pytest.mark.slow
+def test_a_mesh_that_splits_no_rows_by_host_is_refused(tmp_path, jax_cache):
+  """tensor=8 over both hosts leaves the batch whole on every process: no
+  process has rows of its own, so the run stops before compiling."""
+  workdir = str(tmp_path / "run")
+  cluster = Cluster(
+      flags_for({"mesh.data": 1, "mesh.fsdp": 1, "mesh.tensor": 8}, workdir),
+      str(tmp_path / "logs"), jax_cache)
+  assert cluster.wait(timeout=300) == [1, 1]
+  for i in range(2):
+    out = cluster.output(i)
+    assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 8}" in out, out[-2000:]
+    assert "must be a multiple of the process count" in out
