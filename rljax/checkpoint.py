@@ -1,7 +1,10 @@
 """Checkpoints on orbax: any pytree plus JSON metadata, per step.
 
 Generic by design (docs/architecture.md, layers): this module saves and restores a pytree of
-arrays and a JSON-able dict, and knows nothing of the train state. Saves are
+arrays and a JSON-able dict, and knows nothing of the train state. With
+several processes (docs/multihost.md) all of them save and restore together;
+process 0 alone writes ``best_scores.json`` and moves unreadable checkpoints
+aside, and the fall-back from one is agreed on by all. Saves are
 asynchronous (training goes on while the arrays are written) and atomic:
 orbax writes into a temporary directory and renames it when complete, so a
 kill mid-save leaves the previous checkpoint intact. Restoring takes an
@@ -195,10 +198,11 @@ class CheckpointManager:
       # With several processes, all of them fall back together.
       if not self._group.all(failure is None):
         bad = os.path.join(self.directory, str(step))
-        e = failure or "unreadable on another process"
-        logging.warning("checkpoint %s is unreadable (%s: %s); falling back to "
-                        "the previous one.", bad, type(e).__name__,
-                        str(e).splitlines()[0][:200] if str(e) else "")
+        reason = ("unreadable on another process" if failure is None else
+                  f"{type(failure).__name__}: "
+                  + (str(failure).splitlines() or [""])[0][:200])
+        logging.warning("checkpoint %s is unreadable (%s); falling back to "
+                        "the previous one.", bad, reason)
         errors.append((step, bad))
         continue
       if errors:
