@@ -254,9 +254,10 @@ class Collector:
               (accepted_N[has] == drafted_N[has]).mean()),
       }
     # Every process stores every prompt's rollout (the store is replicated).
-    all_prompts = prompts if group.single else [
-        list(p) for p in group.gather_json([list(map(int, p)) for p in prompts])
-        for p in p]
+    all_prompts = prompts
+    if not group.single:
+      blocks = group.gather_json([[int(t) for t in p] for p in prompts])
+      all_prompts = [p for block in blocks for p in block]
     rows = distributed.local_rows_many(
         group, rollout.completion_tokens, rollout.completion_mask,
         rollout.sampler_logprobs)
@@ -297,15 +298,14 @@ class Collector:
     rewards_NxR = group.global_array(result.rewards_NxR, mesh)
     valid_N = group.global_array(
         scored_rows(result.valid_NxR, self.algorithm.failed_rewards), mesh)
-    if group.single:
-      num_prompt_tokens, num_completion_tokens = mask, completion_mask
-    else:  # the metrics' inputs: every row's, in row order
-      (rewards_all, valid_all, total_all, lengths, finished, num_prompt_tokens,
-       num_completion_tokens) = distributed.gather_rows_many(
+    # Each row's prompt (counted once per prompt below) and completion tokens.
+    prompt_tokens_N = np.repeat(mask.sum(1), g)
+    completion_tokens_N = completion_mask.sum(1)
+    if not group.single:  # the metrics' inputs: every row's, in row order
+      (rewards_all, valid_all, total_all, lengths, finished, prompt_tokens_N,
+       completion_tokens_N) = distributed.gather_rows_many(
            group, mesh, result.rewards_NxR, result.valid_NxR, result.total_N,
-           lengths, finished, np.repeat(mask.sum(1), g),
-           completion_mask.sum(1))
-      num_prompt_tokens = num_prompt_tokens[::g]  # one row per prompt
+           lengths, finished, prompt_tokens_N, completion_tokens_N)
       result = rewards_lib.merge_results(
           result.names, rewards_all, valid_all, total_all,
           group.gather_json(result.metrics))
@@ -331,8 +331,9 @@ class Collector:
         "truncation_rate": float(1.0 - finished.mean()),
         "num_generated_tokens": float(lengths.sum()),
         # Tokens of the trained rows (with a pivot drop, completions pro rata).
-        "num_train_tokens": float(np.sum(num_prompt_tokens)) * self.group_size
-                            + float(np.sum(num_completion_tokens))
+        "num_train_tokens": float(np.sum(prompt_tokens_N[::g]))
+                            * self.group_size
+                            + float(np.sum(completion_tokens_N))
                             * self.group_size / g,
         "time/sample": t_sample - t_start, "time/reward": t_reward - t_sample,
         "time/advantage": t_advantage - t_reward, **spec_metrics,
