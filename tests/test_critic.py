@@ -199,8 +199,11 @@ def test_values_at_t_do_not_see_token_t(batch):
   tokens = np.array(batch.tokens_NxL)
   values = jax.jit(critic_lib.values, static_argnums=1)
   v = values(params, MC, tokens, batch.input_mask_NxL)
-  tokens[:, 6] = (tokens[:, 6] + 1) % MC.vocab_size
-  v2 = values(params, MC, tokens, batch.input_mask_NxL)
+  # A new array, not an in-place edit: on CPU, jit may read a numpy argument
+  # without copying it, after the call has returned.
+  changed = tokens.copy()
+  changed[:, 6] = (changed[:, 6] + 1) % MC.vocab_size
+  v2 = values(params, MC, changed, batch.input_mask_NxL)
   np.testing.assert_allclose(v[:, :7], v2[:, :7], rtol=1e-6, atol=1e-6)
   assert np.abs(np.asarray(v[:, 7]) - np.asarray(v2[:, 7])).max() > 1e-4
   assert np.all(np.asarray(v[:, 0]) == 0)
