@@ -247,6 +247,17 @@ def decode_attend(q_BxTxNxH, k_BxKxSxH, v_BxKxSxH, mask_BxTxS, *, scale: float,
   return jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, t, n, h).astype(dt)
 
 
+def _write_slots(cache_BxKxSxH, new_BxKxTxH, index):
+  """The cache with ``new`` written at slot ``index`` (``[]``: every row's, or
+  ``[B]``: each row at its own slot, as continuous batching's refilled rows)."""
+  new_BxKxTxH = new_BxKxTxH.astype(cache_BxKxSxH.dtype)
+  if jnp.ndim(index) == 0:
+    return jax.lax.dynamic_update_slice(cache_BxKxSxH, new_BxKxTxH,
+                                        (0, 0, index, 0))
+  return jax.vmap(lambda c, x, i: jax.lax.dynamic_update_slice(
+      c, x, (0, i, 0)))(cache_BxKxSxH, new_BxKxTxH, index)
+
+
 def _project(x, w, in_dims: int = 1):
   """``x[..., I] @ w[I, O]`` (``I``, ``O``: one or more axes) as one 2-D matmul.
 
@@ -353,11 +364,8 @@ class Attention(nn.Module):
     if layer_kv is None:
       keys, values, new_kv = kk, vv, None
     else:
-      start = (0, 0, index, 0)  # the cache is [B, K, S, H]
-      keys = jax.lax.dynamic_update_slice(layer_kv.k, jnp.transpose(
-          kk, (0, 2, 1, 3)).astype(layer_kv.k.dtype), start)
-      values = jax.lax.dynamic_update_slice(layer_kv.v, jnp.transpose(
-          vv, (0, 2, 1, 3)).astype(layer_kv.v.dtype), start)
+      keys = _write_slots(layer_kv.k, jnp.transpose(kk, (0, 2, 1, 3)), index)
+      values = _write_slots(layer_kv.v, jnp.transpose(vv, (0, 2, 1, 3)), index)
       new_kv = LayerKV(keys, values)
     prefix = None if prefix_kv is None else (prefix_kv.k, prefix_kv.v,
                                              prefix_mask)
@@ -476,13 +484,22 @@ class Decoder(nn.Module):
       new_mask = None
     else:
       index = cache.index
-      new_mask = jax.lax.dynamic_update_slice(cache.mask, input_mask_BxT,
-                                              (0, index))
+      if index.ndim == 0:
+        new_mask = jax.lax.dynamic_update_slice(cache.mask, input_mask_BxT,
+                                                (0, index))
+      else:  # each row writes at its own slot (continuous batching)
+        if cache.prefix is not None:
+          raise ValueError("a cache with per-row indices takes no prefix.")
+        new_mask = jax.vmap(lambda m, x, i: jax.lax.dynamic_update_slice(
+            m, x, (i,)))(cache.mask, input_mask_BxT, index)
       key_mask_BxS = new_mask
-      q_slot_T = index + jnp.arange(t)
+      q_slot_T = index[..., None] + jnp.arange(t)  # [T] or [B, T]
       k_slot_S = jnp.arange(cache.mask.shape[1])
-    causal_TxS = k_slot_S[None, :] <= q_slot_T[:, None]
-    global_mask = key_mask_BxS[:, None, :] & causal_TxS[None]
+    # [1, T, S] or, with per-row indices, [B, T, S].
+    q_slot = q_slot_T[..., :, None] if q_slot_T.ndim == 2 else q_slot_T[
+        None, :, None]
+    causal = k_slot_S[None, None, :] <= q_slot
+    global_mask = key_mask_BxS[:, None, :] & causal
     local_mask = global_mask
     prefix = None if cache is None else cache.prefix
     prefix_global = prefix_local = None
@@ -492,8 +509,8 @@ class Decoder(nn.Module):
                                        (prefix.mask.shape[0], t, sp))
       prefix_local = prefix_global
     if c.sliding_window is not None:
-      local_mask = global_mask & _window_mask(q_slot_T, k_slot_S,
-                                              c.sliding_window)[None]
+      local_mask = global_mask & (
+          (q_slot - k_slot_S[None, None, :]) < c.sliding_window)
       if prefix is not None:
         sp = prefix.mask.shape[1]
         prefix_local = prefix_global & _window_mask(

@@ -55,8 +55,19 @@ def min_p(logits_BxV: jax.Array, p: float) -> jax.Array:
   return jnp.where(log_ratio >= jnp.log(p), logits_BxV, _NEG_INF)
 
 
+def _batched(key: jax.Array) -> bool:
+  """Whether ``key`` is a batch of keys (typed ``[B]``, or raw ``[B, 2]``)."""
+  if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return key.ndim > 0
+  return key.ndim > 1
+
+
 def inverse_cdf_sample(key: jax.Array, logp_BxV: jax.Array) -> jax.Array:
   """Draws one token per row from ``exp(logp_BxV)`` with one uniform per row.
+
+  ``key`` is one key, or one key per row (shape ``logp_BxV.shape[:-1]``):
+  then row ``r`` draws from ``key[r]`` alone, whatever the other rows are
+  (the sampler's per-row, per-column keys; continuous batching relies on it).
 
   ``jax.random.categorical`` draws ``B x V`` Gumbel variates per step, and
   generating that many random bits dominates a small model's decode step on
@@ -84,7 +95,12 @@ def inverse_cdf_sample(key: jax.Array, logp_BxV: jax.Array) -> jax.Array:
 
   block_mass = jnp.sum(blocks, axis=-1)
   block_cdf = jnp.cumsum(block_mass, axis=-1)
-  u = jax.random.uniform(key, b + (1,)) * block_cdf[..., -1:]
+  if _batched(key):  # one key per row: row r's draw depends on its key only
+    u = jax.vmap(lambda k: jax.random.uniform(k, (1,)))(key.reshape(
+        (-1,) + key.shape[len(b):])).reshape(b + (1,))
+  else:
+    u = jax.random.uniform(key, b + (1,))
+  u = u * block_cdf[..., -1:]
   j = first_past(block_cdf, u, block_mass > 0)
   below = jnp.take_along_axis(block_cdf, j[..., None], -1) - jnp.take_along_axis(
       block_mass, j[..., None], -1)
@@ -145,9 +161,15 @@ class SamplingMethod:
       z = min_p(z, self.min_p)
     return z
 
-  def get_next_tokens(self, logits_BxV: jax.Array, key: jax.Array
+  def get_next_tokens(self, logits_BxV: jax.Array, key: jax.Array,
+                      rows_B: jax.Array | None = None
                       ) -> tuple[jax.Array, jax.Array]:
-    """Draws tokens; returns ``(tokens_B, logp_B)`` under the sampled distribution."""
+    """Draws tokens; returns ``(tokens_B, logp_B)`` under the sampled distribution.
+
+    ``key``: one key, or one per row (``inverse_cdf_sample``). ``rows_B``:
+    the rollout row each logits row belongs to (``greedy_every`` reads it;
+    default ``arange(B)``).
+    """
     if self.greedy:
       return (jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32),
               jnp.zeros(logits_BxV.shape[:-1], jnp.float32))
@@ -156,7 +178,7 @@ class SamplingMethod:
     tokens = inverse_cdf_sample(key, logp)
     logp_B = jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
     if self.greedy_every:
-      row = jnp.arange(logits_BxV.shape[0])
+      row = jnp.arange(logits_BxV.shape[0]) if rows_B is None else rows_B
       row = row.reshape((-1,) + (1,) * (tokens.ndim - 1))
       argmax_row = row % self.greedy_every == self.greedy_every - 1
       tokens = jnp.where(argmax_row, jnp.argmax(logits_BxV, axis=-1).astype(

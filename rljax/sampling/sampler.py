@@ -213,6 +213,24 @@ def segment_ends(num_steps: int, first: int | None) -> tuple[int, ...]:
   return tuple(ends) + (num_steps,)
 
 
+def row_keys(key: jax.Array, num_rows: int) -> jax.Array:
+  """``[num_rows]`` keys, row ``r``'s ``fold_in(key, r)``.
+
+  Row ``r``'s token at completion column ``j`` is drawn with
+  ``fold_in(row_keys[r], j)`` (``token_keys``) and nothing else, so a row's
+  sample does not depend on the batch it is decoded in: the static sampler,
+  a mesh-padded batch, SPEC-RL's continuation and continuous batching's
+  refilled slots give the same row the same draws.
+  """
+  return jax.vmap(jax.random.fold_in, (None, 0))(
+      key, jnp.arange(num_rows, dtype=jnp.uint32))
+
+
+def token_keys(keys_N: jax.Array, column_N: jax.Array) -> jax.Array:
+  """The key of each row's token at ``column_N`` (``row_keys``)."""
+  return jax.vmap(jax.random.fold_in)(keys_N, column_N.astype(jnp.uint32))
+
+
 def _round_up(slots: int) -> int:
   """Cache slots are whole blocks of ``decode_attend``, so that its sums are
   the same for every segment (bitwise-equal segmented decode)."""
@@ -300,10 +318,12 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
   eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
   cols_T = jnp.arange(t, dtype=jnp.int32)
 
+  keys_N = row_keys(key, state.column.shape[0])
+
   def body(state: _LoopState) -> _LoopState:
     i = state.step
     token, sampler_logp = sc.method.get_next_tokens(
-        state.logits, jax.random.fold_in(key, i))
+        state.logits, token_keys(keys_N, state.column))
     live = ~state.done
     token = jnp.where(live, token, sc.pad_id)
     policy_logp = None
