@@ -40,6 +40,7 @@ from rljax.train import algorithm as alg_lib
 from rljax.train import schema, table
 from rljax.train.schema import complete_config  # noqa: F401  (re-exported)
 from rljax.train import critic as critic_lib
+from rljax.train import partial as partial_lib
 # Rewards, data, tokenizer and model: split off for length, public here.
 from rljax.train._build_inputs import (  # noqa: F401  (re-exported)
     DATA_CHECKS, HF_DIR, HF_FILES, HF_OVERRIDES, check_data,
@@ -135,6 +136,41 @@ def _validate_algorithm(config: Any) -> None:
       config, any(e.needs_critic for e in adv_entries))
 
 
+def partial_config(config: Any):
+  """The ``partial.PartialConfig`` of ``rl.rollout*`` / ``rl.partial_*``;
+  None for ``rl.rollout="static"``."""
+  rl = config.rl
+  if rl.rollout == "static":
+    return None
+  rows = rl.prompts_per_step * (rl.group_size + alg_lib.sampling_needs(
+      rl.advantage)["extra_samples"])
+  slots = rl.rollout_slots or max(1, rows // 2)
+  return partial_lib.PartialConfig(
+      mode=rl.rollout, slots=slots,
+      refill_rows=rl.rollout_refill_rows or max(1, slots // 4),
+      max_age=rl.partial_max_age,
+      max_carried=(math.ceil(rl.partial_max_carried * rl.prompts_per_step)
+                   if rl.rollout == "partial" else 0))
+
+
+def _validate_rollout(config: Any) -> None:
+  """``rl.rollout*`` and ``rl.max_staleness`` against each other."""
+  rl = config.rl
+  if rl.rollout == "static":
+    for name in ("rollout_slots", "rollout_refill_rows"):
+      if rl[name] is not None:
+        raise ValueError(f"rl.{name}={rl[name]!r} with rl.rollout='static': "
+                         "the static sampler has no slots; accepted: "
+                         f"rl.rollout='continuous' or 'partial', or rl.{name}="
+                         "None.")
+    return
+  if config.sampler.speculative:
+    raise ValueError(f"rl.rollout={rl.rollout!r} with sampler.speculative="
+                     "True: SPEC-RL runs on the static sampler; accepted: "
+                     "rl.rollout='static', or sampler.speculative=False.")
+  partial_config(config)  # checks slots against refill rows
+
+
 def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   """Checks the config before anything is compiled; errors name the field.
 
@@ -184,6 +220,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   if correctness and correctness not in labels:
     raise ValueError(f"eval.reward={correctness!r} is not a reward of "
                      f"rewards.names; accepted: {tuple(labels)}.")
+  _validate_rollout(config)
   if config.model.path:
     hf_overrides(config)
     if config.tokenizer.path:
@@ -461,6 +498,26 @@ class Components:
                        greedy_every=greedy_every),
         self.mesh, self.param_shardings)
 
+  def slot_rollouts(self, *, record_policy_logprobs: bool | None = None
+                    ) -> partial_lib.SlotRollouts | None:
+    """Continuous batching or partial rollouts of the training rows
+    (``rl.rollout``); None for the static sampler. ``record_policy_logprobs``
+    as ``sampler``'s."""
+    partial = partial_config(self.config)
+    if partial is None:
+      return None
+    alg = self.algorithm
+    if record_policy_logprobs is None:
+      record_policy_logprobs = self.step_config.old_logprobs == "sampler"
+    num_samples = self.settings.group_size + alg.extra_samples
+    config = sampler_config(
+        self.config, self.tokenizer, num_samples,
+        record_policy_logprobs=record_policy_logprobs,
+        greedy_every=num_samples if alg.greedy_baseline else 0)
+    return partial_lib.SlotRollouts(
+        self.model_config, config, partial, self.settings.prompts_per_step,
+        self.mesh, self.param_shardings)
+
   def speculation(self, *, record_policy_logprobs: bool | None = None
                   ) -> sampling.Speculation | None:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
@@ -502,6 +559,13 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   validate(config, mesh)
   if not group.single:
     group.block(mesh)  # a clear error for a mesh that splits no rows by host
+    if config.rl.rollout != "static" or config.rl.max_staleness:
+      raise ValueError(
+          f"rl.rollout={config.rl.rollout!r}, rl.max_staleness="
+          f"{config.rl.max_staleness} with {group.count} processes: "
+          "continuous batching, partial rollouts and asynchronous sampling "
+          "run on one process for now; accepted: rl.rollout='static' and "
+          "rl.max_staleness=0.")
     if config.sft.num_steps:
       sharding.check_batch_divisible(config.sft.batch_size, mesh,
                                      "sft.batch_size")

@@ -19,6 +19,7 @@ same parts (see ``colabs/compose_an_algorithm.ipynb``).
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import os
@@ -26,20 +27,19 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 
 from rljax import distributed
 from rljax import metrics as metrics_lib
 from rljax.train import build as build_lib
-from rljax.train import guards, rundir, session
+from rljax.train import guards, rundir, schedules, session
 from rljax.train.algorithm import Algorithm
 from rljax.train.steps import jit_rl_step, make_rl_step
 
 log = logging.getLogger("rljax")
 
 
-def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
-        ) -> dict[str, Any]:
+def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None,
+        schedule: Any = None) -> dict[str, Any]:
   """Trains as ``config`` says, writing everything under ``workdir``.
 
   The run holds an exclusive lock on ``workdir`` (a second run on it fails,
@@ -56,6 +56,9 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
     workdir: where config, tokenizer, metrics, plots and checkpoints go.
     algorithm: a user-built ``Algorithm`` to train instead of the one the
       config names (``rl.advantage``, ``rl.objective``, ``optimizer``).
+    schedule: a factory ``fn(collector, iterator, rl_step, mesh) ->
+      schedules.Schedule`` to use instead of the one ``rl.max_staleness``
+      names (``schedules.make_schedule``).
 
   Returns:
     A summary: held-out metrics before and after RL, the final metrics, this
@@ -76,7 +79,7 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
   stop_signal = guards.StopSignal()
   try:
     group.check_same_config(json.loads(config.to_json_best_effort()))
-    return _run(config, workdir, algorithm, stop_signal, group)
+    return _run(config, workdir, algorithm, stop_signal, group, schedule)
   except Exception as e:  # pylint: disable=broad-exception-caught
     full = rundir.disk_full(e)
     if full is None:
@@ -94,7 +97,7 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None
 
 def _run(config: Any, workdir: str, algorithm: Algorithm | None,
          stop_signal: guards.StopSignal,
-         group: distributed.ProcessGroup) -> dict[str, Any]:
+         group: distributed.ProcessGroup, schedule: Any) -> dict[str, Any]:
   t0 = time.time()
   saved = rundir.saved_config(workdir)
   checkpoints = os.path.join(workdir, "checkpoints")
@@ -103,13 +106,13 @@ def _run(config: Any, workdir: str, algorithm: Algorithm | None,
                            workdir)
   c = build_lib.build(config, algorithm_override=algorithm, group=group)
   try:
-    return _train(c, workdir, t0, stop_signal)
+    return _train(c, workdir, t0, stop_signal, schedule)
   finally:
     c.evaluator.close()
 
 
 def _train(c: build_lib.Components, workdir: str, t0: float,
-           stop_signal: guards.StopSignal) -> dict[str, Any]:
+           stop_signal: guards.StopSignal, schedule: Any) -> dict[str, Any]:
   s, sc = c.settings, c.step_config
   run = session.start(c, workdir)
   state, ref_params = session.initial_state(run)
@@ -127,6 +130,11 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
       rewards=sc.critic is not None)
   # The teacher is an extra argument only when there is one.
   teacher_args = () if teacher_params is None else (teacher_params,)
+  if schedule is None:
+    schedule = functools.partial(schedules.make_schedule,
+                                 max_staleness=c.config.rl.max_staleness,
+                                 num_steps=s.num_steps)
+  plan = schedule(run.collector, run.iterator, rl_step, c.mesh)
   last: dict[str, float] = {}
   preempted = False
   step = int(state.step)
@@ -139,7 +147,7 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
   while step < s.num_steps:
     # A signal to any process stops them all at the same step.
     if c.group.any(bool(stop_signal.received)):
-      run.save(step, state, ref_params)
+      run.save(step, state, ref_params, extras=plan.checkpoint_extras())
       run.manager.wait()
       log.warning("%s received: saved a checkpoint at step %d in %s; run the "
                   "same command (same --workdir) to resume.",
@@ -148,27 +156,19 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
       preempted = True
       break
     t_start = time.time()
-    # The key data comes to the host (8 bytes): an uncommitted key gives one
-    # fold_in program whatever the state's sharding.
-    sample_key = jax.random.fold_in(
-        jax.random.wrap_key_data(np.asarray(jax.device_get(state.key))), 1)
-    collected = run.collector.collect(state.params, next(run.iterator),
-                                      sample_key, state.adv_state)
-    state = state._replace(adv_state=collected.adv_state)
-    t_collect = time.time()
-    with jax.set_mesh(c.mesh):
-      state, train_metrics = rl_step(state, collected.batch, ref_params,
-                                     *teacher_args)
-      train_metrics = jax.device_get(train_metrics)
-    t_train = time.time()
+    # A checkpoint follows this update: nothing is sampled ahead across it.
+    barrier = (step + 1) % s.checkpoint_every == 0 or step + 1 == s.num_steps
+    out = plan.step(state, ref_params, teacher_args, barrier=barrier)
+    state, collected = out.state, out.collected
     step = int(state.step)
-    m: dict[str, Any] = {**collected.metrics, **train_metrics}
+    m: dict[str, Any] = {**collected.metrics, **out.train_metrics,
+                         **out.metrics}
     trained_tokens = m["num_train_tokens"] * sc.num_epochs
     m.update({
-        "time/train": t_train - t_collect, "time/step": t_train - t_start,
+        "time/step": time.time() - t_start,
         "tokens_per_s/sample": m["num_generated_tokens"]
                                / max(m["time/sample"], 1e-9),
-        "tokens_per_s/train": trained_tokens / max(t_train - t_collect, 1e-9),
+        "tokens_per_s/train": trained_tokens / max(m["time/train"], 1e-9),
     })
     for phase in ("sample", "reward", "advantage", "train"):
       run.seconds[phase] += m[f"time/{phase}"]
@@ -182,6 +182,7 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
     last = metrics_lib.to_floats(m)
     stop.check(step, last, run.manager, run.writer)
     if step % s.checkpoint_every == 0 or step == s.num_steps:
-      run.save(step, state, ref_params, last)
+      run.save(step, state, ref_params, last,
+               extras=plan.checkpoint_extras())
   progress.close()
   return session.summary(run, last, t0, preempted)

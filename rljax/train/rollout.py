@@ -149,6 +149,9 @@ class Collected(NamedTuple):
     completions: the decoded completions (``B * (G + extra)``) of this
       process's rows.
     rewards_NxR: the rewards as scored (NaN: no reward), every row's.
+    token_versions: ``[N, T]`` int32, the policy version that drew each
+      completion token (-1 where masked); None: every token is of the
+      ``version`` passed to ``collect``.
   """
 
   batch: RLBatch
@@ -156,6 +159,7 @@ class Collected(NamedTuple):
   metrics: dict[str, float]
   completions: list[str]
   rewards_NxR: np.ndarray
+  token_versions: np.ndarray | None = None
 
 
 class Collector:
@@ -184,6 +188,10 @@ class Collector:
       the advantage chain and every metric see the whole batch. The draft
       store is the same on every process (each rollout is gathered into it),
       so a prompt finds its draft whichever process samples it next.
+    slots: continuous batching or partial rollouts (``partial.SlotRollouts``)
+      instead of ``sampler``: the step's groups are decoded on a fixed
+      number of refilled slots, and with partial rollouts unfinished groups
+      are carried to the next step (one process only).
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -191,9 +199,16 @@ class Collector:
                eos_ids: Sequence[int], correctness: str,
                mesh: jax.sharding.Mesh | None = None,
                speculation: sampling.Speculation | None = None,
-               group: distributed.ProcessGroup | None = None):
+               group: distributed.ProcessGroup | None = None,
+               slots: Any = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     self.group = group or distributed.ProcessGroup()
+    self.slots = slots
+    if slots is not None and (speculation is not None
+                              or not self.group.single):
+      raise ValueError("continuous batching and partial rollouts "
+                       "(rl.rollout) run with one process and without "
+                       "SPEC-RL (sampler.speculative) for now.")
     if not self.group.single and mesh is None:
       raise ValueError("Collector with several processes needs the mesh.")
     self.algorithm, self.group_size = algorithm, group_size
@@ -265,8 +280,13 @@ class Collector:
         group, self.mesh, *rows))
     return rollout, metrics
 
+  def _encoded(self, examples):
+    return tok_lib.encode_prompts(self.tokenizer, examples["prompt"]), examples
+
   def collect(self, params: Any, examples: Mapping[str, Sequence[Any]],
-              key: jax.Array, adv_state: Any) -> Collected:
+              key: jax.Array, adv_state: Any, *, version: int = 0,
+              on_dispatch: Any = None, more_examples: Any = None
+              ) -> Collected:
     """Samples ``examples["prompt"]``, scores them and builds the batch.
 
     Args:
@@ -275,16 +295,34 @@ class Collector:
         (``prompt`` and whatever the reward functions read).
       key: PRNG key of the sampler.
       adv_state: the advantage chain's state.
+      version: the policy version of ``params`` (updates that made them);
+        partial rollouts record it per token.
+      on_dispatch: called once the sampling is dispatched to the devices,
+        before the host waits for it (an asynchronous schedule dispatches
+        the update there, so that the host's decoding and scoring overlap
+        it).
+      more_examples: ``fn() -> examples``, another batch (partial rollouts
+        draw more prompts than they train, APRIL's over-provisioning).
     """
     g, group, mesh = self.samples_per_prompt, self.group, self.mesh
     t_start = time.time()
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
-    tokens, mask = sampling.pad_prompts(
-        prompts, self.buckets, self.tokenizer.pad_id,
-        longest=group.max_int(max(len(p) for p in prompts)))
-    rollout, spec_metrics = self._sample(
-        params, prompts, group.global_array(tokens, mesh),
-        group.global_array(mask, mesh), key)
+    token_versions = None
+    if self.slots is not None:
+      rollout, examples, token_versions, spec_metrics = self.slots.sample(
+          params, prompts, examples, key, version, self.buckets,
+          on_dispatch=on_dispatch, more=None if more_examples is None
+          else lambda: self._encoded(more_examples()))
+      mask = rollout.prompt_mask[::g]
+    else:
+      tokens, mask = sampling.pad_prompts(
+          prompts, self.buckets, self.tokenizer.pad_id,
+          longest=group.max_int(max(len(p) for p in prompts)))
+      rollout, spec_metrics = self._sample(
+          params, prompts, group.global_array(tokens, mesh),
+          group.global_array(mask, mesh), key)
+      if on_dispatch is not None:
+        on_dispatch()
     completion_tokens, completion_mask, lengths, finished = (
         distributed.local_rows_many(
             group, rollout.completion_tokens, rollout.completion_mask,
@@ -338,7 +376,10 @@ class Collector:
         "time/sample": t_sample - t_start, "time/reward": t_reward - t_sample,
         "time/advantage": t_advantage - t_reward, **spec_metrics,
     })
-    return Collected(batch, adv_state, metrics, completions, result.rewards_NxR)
+    if "rollout/generated_tokens" in spec_metrics:  # this step's, not carried
+      metrics["num_generated_tokens"] = spec_metrics["rollout/generated_tokens"]
+    return Collected(batch, adv_state, metrics, completions, result.rewards_NxR,
+                     token_versions)
 
 
 __all__ = ["Collector", "Collected", "pivot_rows", "scored_rows"]

@@ -86,6 +86,21 @@ _BASE: dict[str, Field] = {
     "rl.num_epochs": F(1, "int>=1", "passes over a rollout batch"),
     "rl.num_minibatches": F(1, "int>=1", "optimizer updates per epoch"),
     "rl.num_microbatches": F(1, "int>=1", "accumulation chunks per update"),
+    # --- rl: how rollouts are scheduled (docs/rollouts.md) ---
+    "rl.rollout": F("static", None, "static batch, continuous batching on "
+                    "slots, or partial rollouts (APRIL)",
+                    choices=("static", "continuous", "partial")),
+    "rl.rollout_slots": F(None, "int>=1?", "continuous / partial: rows "
+                          "decoded at once (None: half the step's rows)", int),
+    "rl.rollout_refill_rows": F(None, "int>=1?", "rows prefilled per refill "
+                                "(None: a quarter of the slots)", int),
+    "rl.partial_max_age": F(2, "int>=1", "partial: a carried group older "
+                            "than this many steps is dropped"),
+    "rl.partial_max_carried": F(0.5, "[0,1]", "partial: groups carried to "
+                                "the next step, at most this fraction of "
+                                "rl.prompts_per_step"),
+    "rl.max_staleness": F(0, "int>=0", "asynchronous: sample up to k steps "
+                          "ahead with older params (0: synchronous)"),
     # --- rl: the algorithm's names (their entries: rljax/train/table.py) ---
     "rl.advantage": F("grpo", None, "a preset or links joined with '+'"),
     "rl.objective": F("ppo_clip", None, "the per-token coefficient"),

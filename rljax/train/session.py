@@ -86,21 +86,28 @@ class Session:
     return out
 
   def save(self, step: int, state: TrainState, ref_params: Any,
-           metrics: dict[str, float] | None = None) -> None:
+           metrics: dict[str, float] | None = None, *,
+           extras: tuple[Any, Any] | None = None) -> None:
     """Checkpoints the state, the reference params (with a KL term), the
-    data position, the before-RL figures and the SPEC-RL drafts."""
+    data position, the before-RL figures, the SPEC-RL drafts and the carried
+    partial rows. ``extras``: ``(data position, carried rows)`` to save
+    instead of the current ones (``schedules.Schedule.checkpoint_extras``)."""
     t = time.time()
+    slots = self.collector.slots
+    data_state, carried = extras or (self.iterator.get_state(),
+                                     slots.arrays() if slots else None)
     tree = {"state": state}
     if ref_params is not None:
       tree["ref_params"] = ref_params
     best = self.c.settings.best_metric
     spec = self.collector.speculation
     self.manager.save(
-        step, tree, {"data_iterator": self.iterator.get_state(),
+        step, tree, {"data_iterator": data_state,
                      "before": self.before, "config": self.c.config_json},
         metrics=({best: metrics[best]} if best and metrics and best in metrics
                  else None),
-        host_arrays={"drafts": spec.store.arrays() if spec else None})
+        host_arrays={"drafts": spec.store.arrays() if spec else None,
+                     "partial": carried})
     self.seconds["checkpoint"] += time.time() - t
 
 
@@ -126,7 +133,8 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       group_size=s.group_size, buckets=c.buckets, eos_ids=c.eos_ids,
       correctness=c.correctness, mesh=c.mesh,
       speculation=c.speculation(record_policy_logprobs=sampler_old),
-      group=c.group)
+      group=c.group,
+      slots=c.slot_rollouts(record_policy_logprobs=sampler_old))
   return Session(
       c=c, workdir=workdir, collector=collector,
       samplers={"eval": c.sampler(s.eval_num_samples,
@@ -182,6 +190,12 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
     drafts = run.manager.restore_host_arrays(resumed, "drafts")
     if drafts is not None:
       run.collector.speculation.store.load_arrays(drafts)
+  carried = run.manager.restore_host_arrays(resumed, "partial")
+  if run.collector.slots is not None and carried is not None:
+    run.collector.slots.load_arrays(carried)
+  elif carried is not None and "prompts" in carried:
+    log.warning("the checkpoint carries %d partial groups, dropped: "
+                "rl.rollout is not 'partial' now.", len(carried["born"]))
   run.before = meta.get("before", {})
   dropped = rundir.trim_metrics(run.metrics_path, resumed) if primary else 0
   run.writer = metrics_lib.MetricWriter(run.workdir, active=primary)
