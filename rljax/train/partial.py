@@ -147,7 +147,6 @@ class SlotRollouts:
     groups; the prompts a step does not start wait for the next one).
     """
     sc, p_cfg, b = self.config, self.partial, self.num_prompts
-    g = sc.num_samples
     names = list(examples)
     groups = self.carried + self._new_groups(prompts, examples, key)
     draws = 0

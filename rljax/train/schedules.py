@@ -158,7 +158,11 @@ class OffPolicy(Synchronous):
     before = (self.iterator.get_state(), slots.arrays() if slots else None)
     adv_state = (state.adv_state if self._adv_state is None
                  else self._adv_state)
-    key = jax.random.fold_in(sample_key(state), for_step)
+    # The batch trained now is drawn with the synchronous key (so that a
+    # schedule that never samples ahead is the synchronous loop, bitwise).
+    key = sample_key(state)
+    if for_step != int(state.step):
+      key = jax.random.fold_in(key, for_step)
     collected = self.collector.collect(
         params, next(self.iterator), key, adv_state, version=version,
         on_dispatch=on_dispatch, more_examples=lambda: next(self.iterator))
