@@ -73,6 +73,7 @@ OTHER_AXES = {
     "rl.is_batch_normalize": (False, True),
     "rl.count_empty_sequences": (False, True),
     "sampler.speculative": (False, True),
+    "rl.max_staleness": (0, 1),
 }
 
 
@@ -82,6 +83,9 @@ OTHER_AXES = {
 SETTING_FIXUPS = {
     ("rl.is_batch_normalize", True): {"rl.is_correction": "tis",
                                       "rl.is_floor": 0.5},
+    # SPEC-RL runs on the static sampler.
+    ("rl.rollout", "continuous"): {"sampler.speculative": False},
+    ("rl.rollout", "partial"): {"sampler.speculative": False},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)

@@ -82,7 +82,11 @@ def sample_key(state: Any) -> jax.Array:
 
 def staleness_metrics(collected: Collected, version: int,
                       trained_version: int) -> dict[str, float]:
-  """Per trained token, ``trained_version`` minus the version that drew it."""
+  """``rollout/sampler_lag``: updates between the params that sampled the
+  batch (``version``) and those it trains (at most ``rl.max_staleness``);
+  ``rollout/staleness/*``: per trained token, ``trained_version`` minus the
+  version that drew it (partial rollouts add a carried row's age);
+  ``rollout/version_spread``: per row, newest minus oldest token version."""
   versions = collected.token_versions
   if versions is None:
     stale = np.asarray([trained_version - version], np.float64)
@@ -96,7 +100,8 @@ def staleness_metrics(collected: Collected, version: int,
     spread = float((hi - lo)[rows].mean()) if rows.any() else 0.0
   if stale.size == 0:
     stale = np.zeros((1,))
-  return {"rollout/staleness/mean": float(stale.mean()),
+  return {"rollout/sampler_lag": float(trained_version - version),
+          "rollout/staleness/mean": float(stale.mean()),
           "rollout/staleness/max": float(stale.max()),
           "rollout/version_spread": spread}
 

@@ -1,0 +1,199 @@
+r"""Rollouts that never wait: static batch vs continuous batching vs partial
+rollouts on long-tailed lengths, and the RL loop synchronous vs asynchronous.
+
+Part 1, the sampler (random weights, so the lengths are the workload's): one
+token in ``--eos_every`` ends a row, so completion lengths are geometric
+(mean ~``eos_every``) and a few rows reach ``--max_new_tokens``. For
+``--steps`` batches of ``B`` prompts x ``G`` samples it runs
+
+  * static: ``sampling.make_sampler``, every row until the longest ends;
+  * continuous: ``rl.rollout="continuous"`` (``M`` slots refilled as rows
+    end), every row to its end;
+  * partial: ``rl.rollout="partial"`` (APRIL): stop once ``B`` groups have
+    ended, carry the rest (params unchanged between steps, so only the
+    schedule differs);
+
+and prints slot utilisation (kept tokens over decode row-steps: the static
+batch runs ``N x max length`` row-steps), generated tokens/s, trained
+tokens/s (tokens of the rows handed to the trainer per second of sampling)
+and the ratios to static.
+
+Part 2, the loop (``--loop``): the tiny arithmetic config for ``--loop_steps``
+RL steps with ``rl.max_staleness`` 0 and 1 and each ``rl.rollout``: seconds
+per RL step (after the first, compiling, step), sample and train tokens/s,
+mean staleness.
+
+  python -m launch.bench_rollout
+  python -m launch.bench_rollout --loop=false --eos_every=64 --max_new_tokens=256
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+from absl import app, flags
+import jax
+import numpy as np
+
+from launch import benchlib
+from rljax import models, sampling
+from rljax.train import partial as partial_lib
+
+_B = flags.DEFINE_integer("prompts", 8, "prompts per batch (B)")
+_G = flags.DEFINE_integer("group_size", 8, "samples per prompt (G)")
+_T = flags.DEFINE_integer("max_new_tokens", 128, "generation budget")
+_EOS = flags.DEFINE_integer("eos_every", 32, "one token in this many ends a row")
+_SLOTS = flags.DEFINE_integer("slots", 32, "continuous / partial slots (M)")
+_REFILL = flags.DEFINE_integer("refill_rows", 8, "rows per refill (R)")
+_STEPS = flags.DEFINE_integer("steps", 6, "batches per variant (timed: all "
+                              "but the first)")
+_LOOP = flags.DEFINE_bool("loop", True, "also time the RL loop (part 2)")
+_LOOP_STEPS = flags.DEFINE_integer("loop_steps", 6, "RL steps per loop run")
+_RECORD_DIR = flags.DEFINE_string(
+    "record_dir", "benchmarks/results",
+    "where the JSON record of the figures goes ('' for none)")
+
+MODEL = models.ModelConfig(
+    vocab_size=1024, d_model=128, num_layers=2, num_heads=4, num_kv_heads=2,
+    head_dim=32, mlp_dim=512, rope_theta=10_000.0, tie_embeddings=False)
+
+
+def _batches(b):
+  """Batches of ``b`` random prompts of 8-15 tokens, the same every time."""
+  rng = np.random.RandomState(0)
+  while True:
+    lists = [list(rng.randint(1, MODEL.vocab_size, rng.randint(8, 16)))
+             for _ in range(b)]
+    yield lists, {"prompt": [""] * b, "answer": [0] * b}
+
+
+def _sampler_part(params, config) -> dict:
+  b, g, m = _B.value, _G.value, _SLOTS.value
+  static = sampling.make_sampler(MODEL, config)
+  figures = {}
+
+  # Static: every row until the longest has ended.
+  gen = steps = 0
+  seconds = 0.0
+  source = _batches(b)
+  for i in range(_STEPS.value):
+    lists, _ = next(source)
+    tokens, mask = sampling.pad_prompts(lists, config.prompt_buckets)
+    t = time.perf_counter()
+    out = jax.device_get(static(params, tokens, mask, jax.random.key(i)))
+    if i:
+      seconds += time.perf_counter() - t
+      gen += int(out.lengths.sum())
+      steps += int(out.lengths.max()) * b * g
+  figures["static"] = {"slot_utilization": gen / steps,
+                       "generated_tokens_per_s": gen / seconds,
+                       "trained_tokens_per_s": gen / seconds}
+
+  for mode in ("continuous", "partial"):
+    partial = partial_lib.PartialConfig(
+        mode, slots=m, refill_rows=_REFILL.value, max_age=2,
+        max_carried=b if mode == "partial" else 0)
+    rollouts = partial_lib.SlotRollouts(MODEL, config, partial, b)
+    source = _batches(b)
+    more = lambda: next(source)  # noqa: E731
+    gen = trained = slot_steps = 0
+    seconds, stale = 0.0, []
+    for i in range(_STEPS.value):
+      lists, examples = next(source)
+      t = time.perf_counter()
+      rollout, _, versions, stats = rollouts.sample(
+          params, lists, examples, jax.random.key(i), i,
+          config.prompt_buckets, more=more)
+      if i:
+        seconds += time.perf_counter() - t
+        gen += stats["rollout/generated_tokens"]
+        trained += int(np.sum(rollout.lengths))
+        slot_steps += stats["rollout/decode_steps"] * m
+        stale.extend((i - versions[versions >= 0]).tolist())
+    figures[mode] = {
+        "slot_utilization": gen / slot_steps,
+        "generated_tokens_per_s": gen / seconds,
+        "trained_tokens_per_s": trained / seconds,
+        "mean_staleness": float(np.mean(stale)) if stale else 0.0,
+        "dropped_groups": rollouts.dropped}
+  base = figures["static"]
+  for name, f in figures.items():
+    for k in ("slot_utilization", "trained_tokens_per_s",
+              "generated_tokens_per_s"):
+      f[f"{k}_vs_static"] = f[k] / base[k]
+    print(f"{name:10s} slot util {f['slot_utilization']:.3f} "
+          f"({f['slot_utilization_vs_static']:.2f}x)  generated "
+          f"{f['generated_tokens_per_s']:8.0f} tok/s "
+          f"({f['generated_tokens_per_s_vs_static']:.2f}x)  trained "
+          f"{f['trained_tokens_per_s']:8.0f} tok/s "
+          f"({f['trained_tokens_per_s_vs_static']:.2f}x)  staleness "
+          f"{f.get('mean_staleness', 0.0):.2f}")
+  return figures
+
+
+def _loop_part() -> dict:
+  from configs import arithmetic_grpo  # pylint: disable=g-import-not-at-top
+  from rljax import metrics as metrics_lib
+  from rljax.train import loop
+  figures = {}
+  for rollout, staleness in (("static", 0), ("static", 1),
+                             ("continuous", 0), ("partial", 0),
+                             ("partial", 1)):
+    c = arithmetic_grpo.get_config("tiny")
+    c.sft.num_steps = 0
+    c.eval.every = 10_000
+    c.eval.greedy = False
+    c.checkpoint.every = 10_000
+    c.rl.num_steps = _LOOP_STEPS.value
+    c.rl.rollout, c.rl.max_staleness = rollout, staleness
+    with tempfile.TemporaryDirectory() as workdir:
+      loop.run(c, workdir)
+      rows = [r for r in metrics_lib.read_jsonl(
+          os.path.join(workdir, "metrics.jsonl")) if r["step"] > 1]
+    name = f"{rollout}/staleness={staleness}"
+    f = {"seconds_per_step": float(np.mean([r["time/step"] for r in rows])),
+         "sample_tokens_per_s": float(np.mean(
+             [r["tokens_per_s/sample"] for r in rows])),
+         "trained_tokens_per_s": float(
+             np.sum([r["num_train_tokens"] for r in rows])
+             / np.sum([r["time/step"] for r in rows])),
+         "mean_staleness": float(np.mean(
+             [r["rollout/staleness/mean"] for r in rows]))}
+    figures[name] = f
+  base = figures["static/staleness=0"]
+  for name, f in figures.items():
+    f["step_speedup_vs_sync"] = base["seconds_per_step"] / f["seconds_per_step"]
+    print(f"{name:28s} {f['seconds_per_step']*1e3:7.0f} ms/step "
+          f"({f['step_speedup_vs_sync']:.2f}x)  trained "
+          f"{f['trained_tokens_per_s']:7.0f} tok/s  staleness "
+          f"{f['mean_staleness']:.2f}")
+  return figures
+
+
+def main(argv):
+  del argv
+  config = sampling.SamplerConfig(
+      num_samples=_G.value, max_new_tokens=_T.value,
+      eos_ids=tuple(range(1, 1 + MODEL.vocab_size // _EOS.value)),
+      pad_id=0, cache_dtype="float32", prompt_buckets=(16,))
+  params = models.init_params(MODEL, jax.random.key(0))
+  print(f"part 1: {_B.value} prompts x G={_G.value}, T={_T.value}, one token "
+        f"in {_EOS.value} ends a row; {_SLOTS.value} slots, refill "
+        f"{_REFILL.value}; {jax.devices()[0].platform}")
+  figures = {"sampler": _sampler_part(params, config)}
+  if _LOOP.value:
+    print(f"part 2: the tiny arithmetic loop, {_LOOP_STEPS.value} RL steps")
+    figures["loop"] = _loop_part()
+  if _RECORD_DIR.value:
+    print("record:", benchlib.write_record(
+        "bench_rollout", figures, _RECORD_DIR.value,
+        {"args": {"prompts": _B.value, "group_size": _G.value,
+                  "max_new_tokens": _T.value, "eos_every": _EOS.value,
+                  "slots": _SLOTS.value, "refill_rows": _REFILL.value,
+                  "steps": _STEPS.value, "loop_steps": _LOOP_STEPS.value}}))
+
+
+if __name__ == "__main__":
+  app.run(main)

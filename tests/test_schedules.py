@@ -1,0 +1,159 @@
+"""Rollout schedules in the loop: asynchronous off-policy training, partial
+rollouts and continuous batching from the config, resume and signals."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from rljax import checkpoint, metrics, train
+from rljax.train import build, schedules
+from tests.test_loop import _without_clock, loop_config, rl_rows
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _params(workdir):
+  return jax.tree.leaves(train.load_policy(str(workdir)).params)
+
+
+def _assert_same_params(a, b):
+  for x, y in zip(_params(a), _params(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.slow
+def test_off_policy_that_never_samples_ahead_is_the_synchronous_loop(
+    tmp_path):
+  """With a checkpoint after every update nothing is sampled ahead (no batch
+  crosses a checkpoint), so OffPolicy must train bitwise as Synchronous."""
+  config = loop_config()
+  config.rl.num_steps = 4
+  config.checkpoint.every = 1
+  train.run(config, str(tmp_path / "sync"))
+  config.rl.max_staleness = 1
+  train.run(config, str(tmp_path / "async"))
+  _assert_same_params(tmp_path / "sync", tmp_path / "async")
+  rows = rl_rows(tmp_path / "async")
+  assert [r["rollout/sampler_lag"] for r in rows] == [0, 0, 0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout", ["static", "partial"])
+def test_async_sampler_is_at_most_k_versions_behind(tmp_path, rollout):
+  """max_staleness=1: every trained token was drawn by the params of this
+  update or the one before (from the logged versions); after the first
+  step, batches are drawn one update ahead; and a run stopped at its
+  checkpoint and resumed continues exactly as the uninterrupted one."""
+  config = loop_config(**{"rl.rollout": rollout})
+  config.rl.num_steps = 4
+  config.rl.max_staleness = 1
+  config.checkpoint.every = 2
+  full = tmp_path / "full"
+  train.run(config, str(full))
+  rows = rl_rows(full)
+  # Steps 1 and 3 follow a checkpoint (or the start): drawn with their own
+  # params; steps 2 and 4 were drawn one update ahead.
+  assert [r["rollout/sampler_lag"] for r in rows] == [0, 1, 0, 1]
+  # Per token: the sampler's lag, plus a carried row's age with partial
+  # rollouts (at most rl.partial_max_age).
+  extra = config.rl.partial_max_age if rollout == "partial" else 0
+  assert max(r["rollout/staleness/max"] for r in rows) <= 1 + extra
+  assert rows[1]["rollout/staleness/max"] >= 1
+  if rollout == "partial":
+    assert any(r["rollout/carried_groups"] > 0 for r in rows)
+  split = tmp_path / "split"
+  config.rl.num_steps = 2
+  train.run(config, str(split))
+  config.rl.num_steps = 4
+  train.run(config, str(split))
+  assert ([_without_clock(r) for r in rl_rows(split)]
+          == [_without_clock(r) for r in rows])
+  _assert_same_params(full, split)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_resume_exactly_with_their_carried_rows(tmp_path):
+  """Carried groups are in the checkpoint: stop after step 2, resume, and
+  steps 3-4 train the same rows (and params) as the uninterrupted run."""
+  config = loop_config(**{"rl.rollout": "partial", "rl.rollout_slots": 8,
+                          "rl.partial_max_carried": 1.0})
+  config.rl.num_steps = 4
+  config.checkpoint.every = 2
+  full = tmp_path / "full"
+  train.run(config, str(full))
+  rows = rl_rows(full)
+  assert rows[1]["rollout/carried_groups"] > 0  # something is carried at 2
+  assert max(r["rollout/version_spread"] for r in rows) > 0  # mixed rows
+  split = tmp_path / "split"
+  config.rl.num_steps = 2
+  train.run(config, str(split))
+  config.rl.num_steps = 4
+  train.run(config, str(split))
+  assert ([_without_clock(r) for r in rl_rows(split)]
+          == [_without_clock(r) for r in rows])
+  _assert_same_params(full, split)
+
+
+def test_rollout_settings_are_checked_before_compiling():
+  cases = [
+      ({"rl.rollout_slots": 8}, "rl.rollout_slots=8 with rl.rollout='static'"),
+      ({"rl.rollout": "continuous", "sampler.speculative": True},
+       "sampler.speculative=True"),
+      ({"rl.rollout": "partial", "rl.rollout_slots": 2,
+        "rl.rollout_refill_rows": 3}, "rl.rollout_refill_rows=3 is more"),
+      ({"rl.rollout": "sliding"}, "rl.rollout='sliding'"),
+      ({"rl.max_staleness": -1}, "rl.max_staleness=-1"),
+      ({"rl.partial_max_carried": 1.5}, "rl.partial_max_carried=1.5"),
+  ]
+  for overrides, message in cases:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(
+        "[", r"\[")):
+      build.validate(loop_config(**overrides))
+
+
+def test_staleness_metrics_by_hand():
+  versions = np.array([[3, 3, 4, -1], [4, 4, -1, -1]], np.int32)
+  collected = train.Collected(None, None, {}, [], np.zeros((2, 1)), versions)
+  m = schedules.staleness_metrics(collected, 4, 5)
+  assert m["rollout/sampler_lag"] == 1
+  stale = np.array([2, 2, 1, 1, 1], np.float64)
+  assert m["rollout/staleness/mean"] == pytest.approx(stale.mean())
+  assert m["rollout/staleness/max"] == 2
+  assert m["rollout/version_spread"] == pytest.approx(0.5)  # (1 + 0) / 2
+
+
+@pytest.mark.slow
+def test_sigterm_during_async_partial_run_exits_cleanly_and_resumes(tmp_path):
+  workdir = str(tmp_path)
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  args = [sys.executable, "-m", "launch.train",
+          "--config=configs/arithmetic_grpo.py:tiny", f"--workdir={workdir}",
+          "--config.rl.num_steps=6", "--config.checkpoint.every=100",
+          "--config.eval.every=100", "--config.rl.max_staleness=1",
+          "--config.rl.rollout=partial"]
+  proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  path = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while not (os.path.exists(path) and any(
+      r["step"] >= 2 for r in metrics.read_jsonl(path))):
+    assert time.time() < deadline and proc.poll() is None
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out
+  assert "preempted" in out
+  steps = checkpoint.CheckpointManager(
+      os.path.join(workdir, "checkpoints")).all_steps()
+  assert len(steps) == 1 and 2 <= steps[0] < 6
+  resumed = subprocess.run(args, cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=600)
+  assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+  assert [r["step"] for r in rl_rows(workdir)] == list(range(1, 7))
