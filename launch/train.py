@@ -56,7 +56,13 @@ def _record_stem() -> str:
   records of different configs at one commit do not overwrite each other)."""
   path = config_flags.get_config_filename(flags.FLAGS["config"])
   stem = os.path.splitext(os.path.basename(path.split(":")[0]))[0]
-  return "train" if stem == "arithmetic_grpo" else stem
+  stem = "train" if stem == "arithmetic_grpo" else stem
+  rl = _CONFIG.value.rl  # rollout schedules get records of their own
+  if rl.get("rollout", "static") != "static":
+    stem += f"_{rl.rollout}"
+  if rl.get("max_staleness", 0):
+    stem += f"_async{rl.max_staleness}"
+  return stem
 
 
 def _lost_peer(error: BaseException) -> bool:
