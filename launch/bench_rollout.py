@@ -13,7 +13,11 @@ token in ``--eos_every`` ends a row, so completion lengths are geometric
     ended, carry the rest (params unchanged between steps, so only the
     schedule differs);
 
-and prints slot utilisation (kept tokens over decode row-steps: the static
+Part 1b: SPEC-RL at lenience 0 with the previous epoch's rollouts as drafts
+(params moved by ``--spec_noise`` stds): plain static sampling, the static
+speculative sampler, continuous slots, and slots verifying the drafts.
+
+Part 1 prints slot utilisation (kept tokens over decode row-steps: the static
 batch runs ``N x max length`` row-steps), generated tokens/s, trained
 tokens/s (tokens of the rows handed to the trainer per second of sampling)
 and the ratios to static.
@@ -35,6 +39,7 @@ import time
 
 from absl import app, flags
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from launch import benchlib
@@ -49,6 +54,9 @@ _SLOTS = flags.DEFINE_integer("slots", 32, "continuous / partial slots (M)")
 _REFILL = flags.DEFINE_integer("refill_rows", 8, "rows per refill (R)")
 _STEPS = flags.DEFINE_integer("steps", 6, "batches per variant (timed: all "
                               "but the first)")
+_SPEC_NOISE = flags.DEFINE_float("spec_noise", 0.02, "part 1b: the policy "
+                                  "moves by this many parameter stds")
+_SPEC_REPEATS = flags.DEFINE_integer("spec_repeats", 3, "part 1b: timed runs")
 _LOOP = flags.DEFINE_bool("loop", True, "also time the RL loop (part 2)")
 _LOOP_STEPS = flags.DEFINE_integer("loop_steps", 6, "RL steps per loop run")
 _RECORD_DIR = flags.DEFINE_string(
@@ -133,6 +141,66 @@ def _sampler_part(params, config) -> dict:
   return figures
 
 
+def _spec_part(params, config) -> dict:
+  """SPEC-RL at lenience 0: drafts from the previous epoch, verified by the
+  static speculative sampler and in the continuous slots."""
+  b, m = _B.value, _SLOTS.value
+  moved = jax.tree.map(
+      lambda x: x + _SPEC_NOISE.value * jnp.std(x) * jax.random.normal(
+          jax.random.key(1), x.shape, x.dtype), params)
+  lists, examples = next(_batches(b))
+  tokens, mask = sampling.pad_prompts(lists, config.prompt_buckets)
+  first = jax.device_get(sampling.make_sampler(MODEL, config)(
+      params, tokens, mask, jax.random.key(0)))
+  draft = sampling.Draft(first.completion_tokens, first.completion_mask,
+                         first.sampler_logprobs)
+  plain = sampling.make_sampler(MODEL, config)
+  spec = sampling.make_speculative_sampler(MODEL, config, log_lenience=0.0)
+  timings, accepted = {}, {}
+
+  def timed(name, fn):
+    fn()  # compile
+    best = float("inf")
+    for _ in range(_SPEC_REPEATS.value):
+      t = time.perf_counter()
+      out = fn()
+      best = min(best, time.perf_counter() - t)
+    timings[name] = best
+    return out
+
+  timed("static plain", lambda: jax.device_get(
+      plain(moved, tokens, mask, jax.random.key(5))))
+  _, acc = timed("static SPEC-RL", lambda: jax.device_get(
+      spec(moved, tokens, mask, draft, jax.random.key(5))))
+  accepted["static SPEC-RL"] = float(acc.sum() / first.lengths.sum())
+  for drafts in (False, True):
+    store = sampling.DraftStore(1024)
+    rollouts = partial_lib.SlotRollouts(
+        MODEL, config, partial_lib.PartialConfig("continuous", m,
+                                                 _REFILL.value),
+        b, drafts=store if drafts else None, log_lenience=0.0)
+    name = "slots SPEC-RL" if drafts else "slots plain"
+
+    def run(rollouts=rollouts, store=store, drafts=drafts):
+      if drafts:  # the previous epoch's rollout of each prompt
+        store.update(lists, first.completion_tokens, first.completion_mask,
+                     first.sampler_logprobs)
+      return rollouts.sample(moved, lists, examples, jax.random.key(5), 1,
+                             config.prompt_buckets)
+    out = timed(name, run)
+    if drafts:
+      accepted[name] = out[3]["spec/accept_rate"]
+  base = timings["static plain"]
+  figures = {}
+  for name, seconds in timings.items():
+    figures[name] = {"seconds": seconds, "speedup_vs_static_plain":
+                     base / seconds, "accept_rate": accepted.get(name)}
+    print(f"{name:16s} {seconds * 1e3:8.1f} ms  {base / seconds:.2f}x static "
+          f"plain" + (f"  accepted {accepted[name]:.0%}" if name in accepted
+                      else ""))
+  return figures
+
+
 def _loop_part() -> dict:
   from configs import arithmetic_grpo  # pylint: disable=g-import-not-at-top
   from rljax import metrics as metrics_lib
@@ -183,6 +251,9 @@ def main(argv):
         f"in {_EOS.value} ends a row; {_SLOTS.value} slots, refill "
         f"{_REFILL.value}; {jax.devices()[0].platform}")
   figures = {"sampler": _sampler_part(params, config)}
+  print(f"part 1b: SPEC-RL, log lenience 0, drafts from the previous epoch, "
+        f"params moved by {_SPEC_NOISE.value} std")
+  figures["spec_rl"] = _spec_part(params, config)
   if _LOOP.value:
     print(f"part 2: the tiny arithmetic loop, {_LOOP_STEPS.value} RL steps")
     figures["loop"] = _loop_part()

@@ -297,3 +297,66 @@ def test_carried_rows_survive_a_checkpoint_round_trip(params, prompts):
   bad = dict(saved, tokens=saved["tokens"][:, :, :5])
   with pytest.raises(ValueError, match="tokens has shape"):
     make().load_arrays(bad)
+
+
+# --- SPEC-RL drafts verified in the slots' prefills ---------------------------
+
+
+def _draft_queue(prompts, draft, key=jax.random.key(3)):
+  """The fresh queue with each row's draft as its tokens, to be verified."""
+  q = _queue(prompts, key)
+  return q._replace(
+      tokens=np.where(draft.completion_mask, draft.completion_tokens, 0),
+      length=draft.lengths.astype(np.int32),
+      sampler_logprobs=draft.sampler_logprobs,
+      verify=draft.lengths > 0)
+
+
+@pytest.fixture(scope="module")
+def spec_slots():
+  return cb.make_continuous_sampler(
+      MC, SC, cb.SlotConfig(4, 2, carried=True, log_lenience=0.0))
+
+
+def test_a_draft_from_the_current_policy_is_kept_whole(params, prompts, static,
+                                                       spec_slots):
+  out = jax.device_get(spec_slots(params, _draft_queue(prompts, static), B))
+  np.testing.assert_array_equal(out.accepted, static.lengths)
+  np.testing.assert_array_equal(out.completion_tokens, static.completion_tokens)
+  np.testing.assert_array_equal(out.finished, static.finished)
+  assert int(out.decode_steps) == 0  # nothing left to decode
+  np.testing.assert_allclose(out.sampler_logprobs, static.sampler_logprobs,
+                             atol=2e-5, rtol=0)
+
+
+def test_drafts_are_kept_up_to_the_first_rejection_by_hand(params, prompts,
+                                                           static, spec_slots):
+  """Under moved params, row r keeps draft token j while log u_j <= log p_new
+  - log p_old (lenience 0), u from the row's acceptance key; p_new from a
+  cache-free forward pass; the rows then go on decoding in their slots."""
+  params1 = jax.tree.map(
+      lambda x: x + 0.05 * jax.random.normal(jax.random.key(8), x.shape,
+                                             x.dtype), params)
+  q = _draft_queue(prompts, static)
+  out = jax.device_get(spec_slots(params1, q, B))
+  mask = static.completion_mask
+  lp_new = _logprobs(params1, static.prompt_tokens, static.prompt_mask,
+                     static.completion_tokens, mask)
+  u = np.stack([np.asarray(jax.random.uniform(jax.random.fold_in(
+      jax.random.wrap_key_data(k), cb.ACCEPT_FOLD), (T,))) for k in q.keys])
+  margin = lp_new - static.sampler_logprobs - np.log(u)
+  accept = (margin >= 0) & mask
+  expected = np.cumprod(accept, 1).sum(1)
+  clear = np.all((np.abs(margin) > 1e-4) | ~mask, 1)  # no rounding tie
+  assert clear.sum() >= B * G - 2
+  np.testing.assert_array_equal(out.accepted[clear], expected[clear])
+  assert 0 < expected.sum() < mask.sum()  # some kept, some rejected
+  cols = np.arange(T)[None]
+  kept = cols < out.accepted[:, None]
+  np.testing.assert_array_equal(
+      np.where(kept, out.completion_tokens, -1),
+      np.where(kept, static.completion_tokens, -1))
+  np.testing.assert_allclose(np.where(kept, out.sampler_logprobs, 0.0),
+                             np.where(kept, lp_new, 0.0), atol=2e-5, rtol=0)
+  assert out.done.all() and (out.lengths >= out.accepted).all()
+  assert (out.lengths > out.accepted).any()  # rejected rows decoded on

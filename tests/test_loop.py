@@ -83,9 +83,6 @@ OTHER_AXES = {
 SETTING_FIXUPS = {
     ("rl.is_batch_normalize", True): {"rl.is_correction": "tis",
                                       "rl.is_floor": 0.5},
-    # SPEC-RL runs on the static sampler.
-    ("rl.rollout", "continuous"): {"sampler.speculative": False},
-    ("rl.rollout", "partial"): {"sampler.speculative": False},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)

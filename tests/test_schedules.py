@@ -100,16 +100,41 @@ def test_partial_rollouts_resume_exactly_with_their_carried_rows(tmp_path):
   _assert_same_params(full, split)
 
 
+@pytest.mark.slow
+def test_split_mesh_samples_on_its_own_devices_at_most_one_version_behind(
+    tmp_path):
+  """8 devices, 4 sample and 4 train; params published after each update."""
+  config = loop_config(**{"rl.sampler_devices": 4, "rl.max_staleness": 1,
+                          "rl.rollout": "partial"})
+  config.rl.num_steps = 4
+  c = build.build(config)
+  try:
+    assert set(c.sample_mesh.devices.flat) == set(jax.devices()[4:])
+    assert set(c.mesh.devices.flat) == set(jax.devices()[:4])
+    params = c.init_params(jax.random.key(0))
+    published = c.publish(params)
+    for leaf in jax.tree.leaves(published):
+      assert leaf.sharding.device_set == set(jax.devices()[4:])
+  finally:
+    c.evaluator.close()
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["rollout/sampler_lag"] for r in rows] == [0, 1, 1, 1]
+  assert all(r["grad_norm"] > 0 for r in rows)
+
+
 def test_rollout_settings_are_checked_before_compiling():
   cases = [
       ({"rl.rollout_slots": 8}, "rl.rollout_slots=8 with rl.rollout='static'"),
-      ({"rl.rollout": "continuous", "sampler.speculative": True},
-       "sampler.speculative=True"),
       ({"rl.rollout": "partial", "rl.rollout_slots": 2,
         "rl.rollout_refill_rows": 3}, "rl.rollout_refill_rows=3 is more"),
       ({"rl.rollout": "sliding"}, "rl.rollout='sliding'"),
       ({"rl.max_staleness": -1}, "rl.max_staleness=-1"),
       ({"rl.partial_max_carried": 1.5}, "rl.partial_max_carried=1.5"),
+      ({"rl.sampler_devices": jax.device_count()},
+       f"rl.sampler_devices={jax.device_count()} with"),
+      ({"rl.sampler_devices": 2, "sampler.speculative": True},
+       "SPEC-RL's static speculative sampler samples on the trainer's"),
   ]
   for overrides, message in cases:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(
@@ -157,3 +182,31 @@ def test_sigterm_during_async_partial_run_exits_cleanly_and_resumes(tmp_path):
                            text=True, timeout=600)
   assert resumed.returncode == 0, resumed.stdout + resumed.stderr
   assert [r["step"] for r in rl_rows(workdir)] == list(range(1, 7))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rollout", ["continuous", "partial"])
+def test_spec_rl_drafts_verified_in_slots_from_the_previous_epoch(tmp_path,
+                                                                 rollout):
+  """One epoch per step: from step 2 every prompt has a draft, verified in
+  the slots; the draft store is checkpointed, so a run stopped after step 1
+  and resumed trains exactly as the uninterrupted one."""
+  config = loop_config(**{"sampler.speculative": True, "rl.rollout": rollout,
+                          "rl.rollout_slots": 8})
+  config.task.num_train = config.rl.prompts_per_step
+  config.rl.num_steps = 3
+  config.checkpoint.every = 1
+  full = tmp_path / "full"
+  train.run(config, str(full))
+  rows = rl_rows(full)
+  assert rows[0]["spec/drafted_rows"] == 0
+  assert all(r["spec/drafted_rows"] > 0 for r in rows[1:])
+  assert 0 < rows[1]["spec/accept_rate"] <= 1
+  assert all(r["grad_norm"] > 0 for r in rows)
+  split = tmp_path / "split"
+  config.rl.num_steps = 1
+  train.run(config, str(split))
+  config.rl.num_steps = 3
+  train.run(config, str(split))
+  assert ([_without_clock(r) for r in rl_rows(split)]
+          == [_without_clock(r) for r in rows])

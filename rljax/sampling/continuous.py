@@ -48,7 +48,8 @@ from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache, LayerKV
 from rljax.sampling.sampler import (SamplerConfig, _ended, _fused_logprobs,
-                                    _pick, _setup, token_keys)
+                                    _pick, _setup, _token_logprobs,
+                                    token_keys)
 
 
 class Queue(NamedTuple):
@@ -73,6 +74,10 @@ class Queue(NamedTuple):
     done: ``[Q]`` bool, the row has ended already.
     finished: ``[Q]`` bool, ended by EOS or a stop sequence.
     num_pending: ``[]`` int32, rows to decode (the first ones).
+    verify: ``[Q]`` bool or None: the row's tokens are a SPEC-RL draft
+      (``sampler_logprobs``: their logprobs when drawn), verified when the
+      row is prefilled (``SlotConfig.log_lenience``) and kept up to the
+      first rejected token.
   """
 
   prompt_tokens: Any
@@ -87,6 +92,7 @@ class Queue(NamedTuple):
   done: Any
   finished: Any
   num_pending: Any
+  verify: Any = None
 
 
 class SlotRollout(NamedTuple):
@@ -105,6 +111,9 @@ class SlotRollout(NamedTuple):
     kept_tokens: ``[]`` int32, tokens generated (slot-steps that kept one):
       slot utilisation is ``kept_tokens / (decode_steps * M)``.
     prefills: ``[]`` int32, prefill calls (the first fill and refills).
+    accepted: ``[Q]`` int32, draft tokens kept (rows with ``verify``).
+    started: ``[Q]`` bool, the row was prefilled into a slot (a row not
+      started is returned as queued, its draft unverified).
   """
 
   completion_tokens: jax.Array
@@ -117,6 +126,8 @@ class SlotRollout(NamedTuple):
   decode_steps: jax.Array
   kept_tokens: jax.Array
   prefills: jax.Array
+  accepted: jax.Array
+  started: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,11 +142,18 @@ class SlotConfig:
     carried: whether the queue may hold rows with tokens (partial rows);
       they are prefilled with their tokens, at width ``P + T``, and must all
       fit the first fill (be among the first ``M`` rows).
+    log_lenience: SPEC-RL drafts (``Queue.verify``): every prefill is
+      ``P + T`` wide and verifies a drafted row's tokens with the rule of
+      ``sampling.speculative`` (accept ``y_j`` with probability
+      ``min(1, e^log_lenience p_new / p_old)``, the kept tokens' sampler
+      logprobs are ``p_new``'s), so a row whose draft is rejected early
+      decodes in its own slot and no longer holds the batch. None: off.
   """
 
   slots: int
   refill_rows: int = 1
   carried: bool = False
+  log_lenience: float | None = None
 
   def __post_init__(self):
     for name in ("slots", "refill_rows"):
@@ -143,6 +161,9 @@ class SlotConfig:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"rl.rollout_{name}={value!r}: a positive integer "
                          "is required.")
+    if self.log_lenience is not None and not self.log_lenience >= 0:
+      raise ValueError(f"sampler.spec_log_lenience={self.log_lenience!r}: a "
+                       "number >= 0 is required.")
     if self.refill_rows > self.slots:
       raise ValueError(f"rl.rollout_refill_rows={self.refill_rows} is more "
                        f"than rl.rollout_slots={self.slots}: at most the "
@@ -167,16 +188,50 @@ class _State(NamedTuple):
   steps: jax.Array         # [] int32
   kept: jax.Array          # [] int32
   prefills: jax.Array      # [] int32
+  accepted: jax.Array      # [Q] int32, draft tokens kept
+
+
+def _verify(hidden_RxWxD, tokens_RxT, length_R, old_lp_RxT, key_rows, sample_R,
+            *, p: int, w_DxV, mc: ModelConfig, sc: SamplerConfig,
+            log_lenience: float):
+  """SPEC-RL's acceptance of drafted tokens (``sampling.speculative``):
+  ``(accepted_R, sampler_lp_RxT, policy_lp_RxT)``. Row ``r`` draws its
+  uniforms from ``fold_in(key_r, ACCEPT_FOLD)``."""
+  t = tokens_RxT.shape[1]
+  logits = compute_logits(hidden_RxWxD[:, p - 1:p - 1 + t], w_DxV,
+                          mc.final_logit_softcap)
+  sampler_lp, policy_lp = _token_logprobs(logits, tokens_RxT, sc)
+  is_argmax = tokens_RxT == jnp.argmax(logits, -1).astype(jnp.int32)
+  if sc.method.greedy:
+    accept = is_argmax
+  else:
+    u = jax.vmap(lambda k: jax.random.uniform(
+        jax.random.fold_in(k, ACCEPT_FOLD), (t,)))(key_rows)
+    accept = jnp.log(u) <= log_lenience + sampler_lp - old_lp_RxT
+    every = getattr(sc.method, "greedy_every", 0)
+    if every:  # ReMax's greedy row of each group
+      greedy_row = (sample_R % every == every - 1)[:, None]
+      accept = jnp.where(greedy_row, is_argmax, accept)
+      sampler_lp = jnp.where(greedy_row, 0.0, sampler_lp)
+  accept = accept & (jnp.arange(t)[None] < length_R[:, None])
+  accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
+  return accepted, sampler_lp, policy_lp
+
+
+ACCEPT_FOLD = 0x7FFFFFFF  # a column no token has: the acceptance draws' key
 
 
 def _fill(params, state: _State, queue: Queue, num_rows: int, width: int, *,
           model, w_DxV, mc: ModelConfig, sc: SamplerConfig, cache_dtype,
-          limit) -> _State:
+          limit, log_lenience: float | None = None) -> _State:
   """Starts up to ``num_rows`` waiting rows in free slots (one prefill).
 
   ``limit``: at most this many rows start (a traced int). The rows' prompts
   (and, ``width > P``, their carried tokens) are prefilled into a fresh
-  ``[num_rows, S]`` cache whose rows then replace the chosen slots'.
+  ``[num_rows, S]`` cache whose rows then replace the chosen slots'. With
+  ``log_lenience`` a drafted row (``Queue.verify``) keeps its draft up to
+  the first rejected token; a row whose whole draft is kept and ended
+  (EOS, stop sequence, or ``T`` tokens) is done at once and takes no slot.
   """
   q, p = queue.prompt_tokens.shape
   m, s = state.live.shape[0], state.cache.mask.shape[1]
@@ -201,7 +256,45 @@ def _fill(params, state: _State, queue: Queue, num_rows: int, width: int, *,
   hidden, fresh = model.apply(
       {"params": params}, tokens, positions,
       init_cache(mc, num_rows, s, cache_dtype), input_mask_BxT=mask)
-  last = jnp.take_along_axis(hidden, (p - 1 + length)[:, None, None], 1)
+  key_rows = jax.random.wrap_key_data(queue.keys[row])
+  live = valid
+  q, t = state.tokens.shape
+  if log_lenience is not None and extra and queue.verify is not None:
+    verify = valid & queue.verify[row]
+    draft = queue.tokens[row][:, :extra]
+    accepted, sampler_lp, policy_lp = _verify(
+        hidden, draft, length, queue.sampler_logprobs[row], key_rows,
+        queue.sample[row], p=p, w_DxV=w_DxV, mc=mc, sc=sc,
+        log_lenience=log_lenience)
+    length = jnp.where(verify, accepted, length)
+    kept = jnp.arange(t)[None] < length[:, None]
+    out = jnp.where(verify, row, q)  # q: dropped by the scatters
+    last = jnp.maximum(length - 1, 0)
+    ended = verify & (length > 0) & _ended(
+        draft, last, jnp.take_along_axis(draft, last[:, None], 1)[:, 0],
+        jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32),
+        sc.stop_sequences)
+    over = ended | (verify & (length >= t))
+    zero = jnp.zeros_like(sampler_lp)
+    state = state._replace(
+        tokens=state.tokens.at[out].set(
+            jnp.where(kept, draft, sc.pad_id), mode="drop"),
+        mask=state.mask.at[out].set(kept, mode="drop"),
+        sampler_logp=state.sampler_logp.at[out].set(
+            jnp.where(kept, sampler_lp, zero), mode="drop"),
+        policy_logp=(None if state.policy_logp is None else
+                     state.policy_logp.at[out].set(
+                         jnp.where(kept, policy_lp, zero), mode="drop")),
+        accepted=state.accepted.at[out].set(accepted, mode="drop"),
+        done=state.done.at[jnp.where(over, row, q)].set(True, mode="drop"),
+        finished=state.finished.at[jnp.where(ended, row, q)].set(
+            True, mode="drop"))
+    live = valid & ~over
+    # Rejected draft slots stay in the cache but are never attended to.
+    fresh = fresh._replace(mask=fresh.mask & (
+        jnp.arange(s)[None] < (p + length)[:, None]))
+  last = jnp.take_along_axis(
+      hidden, jnp.minimum(p - 1 + length, width - 1)[:, None, None], 1)
   logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
   cache = state.cache
   layers = tuple(LayerKV(old.k.at[slot].set(new.k, mode="drop"),
@@ -210,10 +303,9 @@ def _fill(params, state: _State, queue: Queue, num_rows: int, width: int, *,
   cache = KVCache(layers, cache.mask.at[slot].set(fresh.mask, mode="drop"),
                   cache.index.at[slot].set(p + length, mode="drop"))
   prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
-  key_rows = jax.random.wrap_key_data(queue.keys[row])
   return state._replace(
       slot_row=state.slot_row.at[slot].set(row, mode="drop"),
-      live=state.live.at[slot].set(True, mode="drop"),
+      live=state.live.at[slot].set(live, mode="drop"),
       logits=state.logits.at[slot].set(logits, mode="drop"),
       cache=cache,
       column=state.column.at[slot].set(length, mode="drop"),
@@ -297,24 +389,32 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
                    else None),
       done=queue.done, finished=queue.finished,
       next_row=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
-      kept=jnp.zeros((), jnp.int32), prefills=jnp.zeros((), jnp.int32))
+      kept=jnp.zeros((), jnp.int32), prefills=jnp.zeros((), jnp.int32),
+      accepted=jnp.zeros((q,), jnp.int32))
   if state.policy_logp is None and sc.record_policy_logprobs:
     raise ValueError("the queue has no policy_logprobs but the sampler "
                      "records them.")
   kw = dict(model=model, w_DxV=w_DxV, mc=mc, sc=sc)
-  fill = functools.partial(_fill, cache_dtype=cache_dtype, **kw)
-  state = fill(params, state, queue, m, p + (t if slots.carried else 0),
-               limit=m)
+  drafts = slots.log_lenience is not None
+  fill = functools.partial(_fill, cache_dtype=cache_dtype,
+                           log_lenience=slots.log_lenience, **kw)
+  state = fill(params, state, queue, m,
+               p + (t if slots.carried or drafts else 0), limit=m)
   r = slots.refill_rows
+  refill_width = p + (t if drafts else 0)
 
   def body(state: _State) -> _State:
-    state = _step(params, state, queue, **kw)
     waiting = queue.num_pending - state.next_row
     free = jnp.sum(~state.live)
     ready = (waiting > 0) & (free >= jnp.minimum(r, waiting))
-    return jax.lax.cond(
-        ready, lambda s: fill(params, s, queue, r, p, limit=r),
+    state = jax.lax.cond(
+        ready, lambda s: fill(params, s, queue, r, refill_width, limit=r),
         lambda s: s, state)
+    # No decode step while every slot is empty (rows a prefill ended: whole
+    # drafts kept); the next iteration refills.
+    return jax.lax.cond(jnp.any(state.live),
+                        lambda s: _step(params, s, queue, **kw),
+                        lambda s: s, state)
 
   def more(state: _State) -> jax.Array:
     busy = jnp.any(state.live) | (state.next_row < queue.num_pending)
@@ -326,7 +426,8 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
       lengths=state.mask.sum(-1).astype(jnp.int32), finished=state.finished,
       done=state.done, policy_logprobs=state.policy_logp,
       sampler_logprobs=state.sampler_logp, decode_steps=state.steps,
-      kept_tokens=state.kept, prefills=state.prefills)
+      kept_tokens=state.kept, prefills=state.prefills,
+      accepted=state.accepted, started=jnp.arange(q) < state.next_row)
 
 
 def make_continuous_sampler(model_config: ModelConfig, config: SamplerConfig,

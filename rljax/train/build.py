@@ -136,6 +136,29 @@ def _validate_algorithm(config: Any) -> None:
       config, any(e.needs_critic for e in adv_entries))
 
 
+def _check_sampler_devices(n: int) -> None:
+  count = jax.device_count()
+  if n >= count:
+    raise ValueError(
+        f"rl.sampler_devices={n} with {count} devices: the trainer needs at "
+        f"least one; accepted: 0 (one mesh) up to {count - 1}.")
+
+
+def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """``(trainer mesh, sampler mesh)``: one mesh twice, or with
+  ``rl.sampler_devices = n`` the first devices laid out as ``config.mesh``
+  says for the trainer and the last ``n`` as one data-parallel (``fsdp``)
+  axis for the sampler."""
+  n = config.rl.sampler_devices
+  if not n:
+    mesh = sharding.mesh_from_config(config.mesh)
+    return mesh, mesh
+  devices = jax.devices()
+  _check_sampler_devices(n)
+  return (sharding.mesh_from_config(config.mesh, devices=devices[:-n]),
+          sharding.make_mesh(1, -1, 1, devices=devices[-n:]))
+
+
 def partial_config(config: Any):
   """The ``partial.PartialConfig`` of ``rl.rollout*`` / ``rl.partial_*``;
   None for ``rl.rollout="static"``."""
@@ -156,6 +179,15 @@ def partial_config(config: Any):
 def _validate_rollout(config: Any) -> None:
   """``rl.rollout*`` and ``rl.max_staleness`` against each other."""
   rl = config.rl
+  if rl.sampler_devices:
+    _check_sampler_devices(rl.sampler_devices)
+    if config.sampler.speculative and rl.rollout == "static":
+      raise ValueError(
+          f"rl.sampler_devices={rl.sampler_devices} with sampler.speculative"
+          "=True and rl.rollout='static': SPEC-RL's static speculative "
+          "sampler samples on the trainer's mesh; accepted: rl.rollout="
+          "'continuous' or 'partial' (drafts verified in the slots), or "
+          "rl.sampler_devices=0.")
   if rl.rollout == "static":
     for name in ("rollout_slots", "rollout_refill_rows"):
       if rl[name] is not None:
@@ -164,10 +196,6 @@ def _validate_rollout(config: Any) -> None:
                          f"rl.rollout='continuous' or 'partial', or rl.{name}="
                          "None.")
     return
-  if config.sampler.speculative:
-    raise ValueError(f"rl.rollout={rl.rollout!r} with sampler.speculative="
-                     "True: SPEC-RL runs on the static sampler; accepted: "
-                     "rl.rollout='static', or sampler.speculative=False.")
   partial_config(config)  # checks slots against refill rows
 
 
@@ -424,6 +452,8 @@ class Components:
     config_json: the config as JSON (saved with the run and its
       checkpoints).
     group: the run's processes (``distributed.ProcessGroup``).
+    sample_mesh, sample_param_shardings: where the training rollouts are
+      sampled (``rl.sampler_devices``; else ``mesh`` and its shardings).
   """
 
   config: Any
@@ -449,6 +479,22 @@ class Components:
   config_json: dict[str, Any] = dataclasses.field(default_factory=dict)
   group: distributed.ProcessGroup = dataclasses.field(
       default_factory=distributed.ProcessGroup)
+  sample_mesh: jax.sharding.Mesh | None = None
+  sample_param_shardings: Any = None
+
+  @property
+  def split(self) -> bool:
+    """Whether the training rollouts are sampled on devices of their own
+    (``rl.sampler_devices``)."""
+    return self.sample_mesh is not None and self.sample_mesh is not self.mesh
+
+  def publish(self, params: Any) -> Any:
+    """The params where the training sampler reads them: a copy on the
+    sampler's devices with a split mesh (``jax.device_put``), else
+    ``params`` themselves."""
+    if not self.split:
+      return params
+    return jax.device_put(params, self.sample_param_shardings)
 
   def init_params(self, key: jax.Array) -> Any:
     """The run's initial params on the mesh: the Hugging Face checkpoint's
@@ -473,7 +519,8 @@ class Components:
       return jax.jit(fn)(params, key)
 
   def sampler(self, num_samples: int, *, greedy: bool = False,
-              record_policy_logprobs: bool | None = None):
+              record_policy_logprobs: bool | None = None,
+              training: bool = False):
     """A jitted sampler with explicit shardings (``sampling.make_sampler``).
 
     ``record_policy_logprobs`` None (the default) records them when the step
@@ -482,7 +529,7 @@ class Components:
     With a ReMax algorithm (``greedy_baseline``), the sampler of the
     training rows (``group_size + 1`` per prompt) decodes the last row of
     each prompt greedily; ``validate`` keeps ``eval.num_samples`` off that
-    count.
+    count. ``training``: on the sampler's devices (``rl.sampler_devices``).
     """
     alg = self.algorithm
     if record_policy_logprobs is None:
@@ -496,13 +543,20 @@ class Components:
         sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
                        record_policy_logprobs=record_policy_logprobs,
                        greedy_every=greedy_every),
-        self.mesh, self.param_shardings)
+        *self._where(training))
 
-  def slot_rollouts(self, *, record_policy_logprobs: bool | None = None
+  def _where(self, training: bool) -> tuple[jax.sharding.Mesh, Any]:
+    if training and self.split:
+      return self.sample_mesh, self.sample_param_shardings
+    return self.mesh, self.param_shardings
+
+  def slot_rollouts(self, *, record_policy_logprobs: bool | None = None,
+                    drafts: sampling.DraftStore | None = None
                     ) -> partial_lib.SlotRollouts | None:
     """Continuous batching or partial rollouts of the training rows
     (``rl.rollout``); None for the static sampler. ``record_policy_logprobs``
-    as ``sampler``'s."""
+    as ``sampler``'s; ``drafts``: SPEC-RL's store (``speculation().store``),
+    whose drafts are verified in the slots' prefills."""
     partial = partial_config(self.config)
     if partial is None:
       return None
@@ -516,7 +570,8 @@ class Components:
         greedy_every=num_samples if alg.greedy_baseline else 0)
     return partial_lib.SlotRollouts(
         self.model_config, config, partial, self.settings.prompts_per_step,
-        self.mesh, self.param_shardings)
+        *self._where(True), drafts=drafts,
+        log_lenience=float(self.config.sampler.spec_log_lenience))
 
   def speculation(self, *, record_policy_logprobs: bool | None = None
                   ) -> sampling.Speculation | None:
@@ -555,17 +610,18 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   """
   config = schema.complete_config(config)
   group = group or distributed.ProcessGroup()
-  mesh = sharding.mesh_from_config(config.mesh)
+  mesh, sample_mesh = meshes(config)
   validate(config, mesh)
   if not group.single:
     group.block(mesh)  # a clear error for a mesh that splits no rows by host
-    if config.rl.rollout != "static" or config.rl.max_staleness:
+    rl = config.rl
+    if rl.rollout != "static" or rl.max_staleness or rl.sampler_devices:
       raise ValueError(
-          f"rl.rollout={config.rl.rollout!r}, rl.max_staleness="
-          f"{config.rl.max_staleness} with {group.count} processes: "
-          "continuous batching, partial rollouts and asynchronous sampling "
-          "run on one process for now; accepted: rl.rollout='static' and "
-          "rl.max_staleness=0.")
+          f"rl.rollout={rl.rollout!r}, rl.max_staleness={rl.max_staleness}, "
+          f"rl.sampler_devices={rl.sampler_devices} with {group.count} "
+          "processes: continuous batching, partial rollouts and asynchronous "
+          "sampling run on one process for now; accepted: rl.rollout="
+          "'static', rl.max_staleness=0 and rl.sampler_devices=0.")
     if config.sft.num_steps:
       sharding.check_batch_divisible(config.sft.batch_size, mesh,
                                      "sft.batch_size")
@@ -607,6 +663,9 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
       train_examples=train_examples, heldout=heldout, tokenizer=tokenizer,
       model_config=model_config,
       param_shardings=models.param_shardings(model_config, mesh),
+      sample_mesh=sample_mesh,
+      sample_param_shardings=models.param_shardings(model_config,
+                                                    sample_mesh),
       evaluator=make_evaluator(config),
       correctness=correctness_reward(config), algorithm=alg,
       step_config=step, sft=sft_config(config), buckets=buckets,

@@ -133,7 +133,7 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
   if schedule is None:
     schedule = functools.partial(schedules.make_schedule,
                                  max_staleness=c.config.rl.max_staleness,
-                                 num_steps=s.num_steps)
+                                 num_steps=s.num_steps, publish=c.publish)
   plan = schedule(run.collector, run.iterator, rl_step, c.mesh)
   last: dict[str, float] = {}
   preempted = False

@@ -64,6 +64,7 @@ class _Group:
   finished: np.ndarray    # [G] bool
   born: int | None        # the version that drew its first token (None:
                           # not started, a waiting group)
+  verify: np.ndarray | None = None  # [G] bool: tokens are a SPEC-RL draft
 
   @property
   def complete(self) -> bool:
@@ -113,20 +114,28 @@ class SlotRollouts:
 
   def __init__(self, model_config, config: sampling.SamplerConfig,
                partial: PartialConfig, num_prompts: int, mesh=None,
-               param_shardings=None):
+               param_shardings=None, *,
+               drafts: sampling.DraftStore | None = None,
+               log_lenience: float = 0.0):
     self.config, self.partial, self.num_prompts = config, partial, num_prompts
     g = config.num_samples
     self.carried: list[_Group] = []
     self.dropped = 0  # groups dropped so far (age or cap)
+    self.drafts = drafts
     # Queue rows, a fixed count: carried started groups (<= max_carried),
     # waiting ones (< B) and the batches drawn to reach B + max_carried.
     self.queue_rows = (2 * num_prompts + partial.max_carried) * g
-    self._samplers = {
-        carried: cb.make_continuous_sampler(
-            model_config, config,
-            cb.SlotConfig(partial.slots, partial.refill_rows, carried),
-            mesh, param_shardings)
-        for carried in (False, True)}
+    make = lambda slots: cb.make_continuous_sampler(  # noqa: E731
+        model_config, config, slots, mesh, param_shardings)
+    if drafts is not None:  # one program: every prefill verifies drafts
+      one = make(cb.SlotConfig(partial.slots, partial.refill_rows, True,
+                               log_lenience=float(log_lenience)))
+      self._samplers = {False: one, True: one}
+    else:
+      self._samplers = {
+          carried: make(cb.SlotConfig(partial.slots, partial.refill_rows,
+                                      carried))
+          for carried in (False, True)}
 
   # --- one step -------------------------------------------------------------
 
@@ -156,6 +165,7 @@ class SlotRollouts:
       extra_prompts, extra_examples = more()
       groups += self._new_groups(extra_prompts, extra_examples,
                                  jax.random.fold_in(key, draws))
+    drafted = self._attach_drafts(groups)
     queue, where = self._queue(groups, buckets)
     carried_rows = any(gr.length.any() for gr in self.carried
                        if not gr.complete)
@@ -167,14 +177,24 @@ class SlotRollouts:
     t = sc.max_new_tokens
     for i, gr in enumerate(groups):
       rows = where[i]
-      old_length = gr.length.copy()
-      gr.tokens = np.asarray(out.completion_tokens[rows])
-      gr.length = np.asarray(out.lengths[rows])
-      gr.sampler_lp = np.asarray(out.sampler_logprobs[rows])
+      # A verified draft's kept tokens count as drawn now (their sampler
+      # logprobs are the current policy's, SPEC-RL's rule); a drafted row
+      # that did not start drops its draft, unverified.
+      old_length, unstarted = gr.length.copy(), np.zeros_like(gr.done)
+      if gr.verify is not None:
+        old_length = np.where(gr.verify, 0, gr.length)
+        unstarted = gr.verify & ~np.asarray(out.started[rows])
+      gr.verify = None
+      gr.tokens = np.where(unstarted[:, None], sc.pad_id,
+                           out.completion_tokens[rows]).astype(np.int32)
+      gr.length = np.where(unstarted, 0, out.lengths[rows]).astype(np.int32)
+      gr.sampler_lp = np.where(unstarted[:, None], 0.0,
+                               out.sampler_logprobs[rows]).astype(np.float32)
       if gr.policy_lp is not None:
-        gr.policy_lp = np.asarray(out.policy_logprobs[rows])
-      gr.done = np.asarray(out.done[rows])
-      gr.finished = np.asarray(out.finished[rows])
+        gr.policy_lp = np.where(unstarted[:, None], 0.0,
+                                out.policy_logprobs[rows]).astype(np.float32)
+      gr.done = np.asarray(out.done[rows]) & ~unstarted
+      gr.finished = np.asarray(out.finished[rows]) & ~unstarted
       cols = np.arange(t)[None]
       fresh = (cols >= old_length[:, None]) & (cols < gr.length[:, None])
       gr.version = np.where(fresh, version, gr.version).astype(np.int32)
@@ -189,6 +209,10 @@ class SlotRollouts:
     self.carried, dropped = self._carry(rest, version + 1)
     self.dropped += dropped
     rollout, versions = self._rollout(trained, buckets)
+    if self.drafts is not None:  # every trained group drafts its next visit
+      self.drafts.update([gr.prompt for gr in trained],
+                         rollout.completion_tokens, rollout.completion_mask,
+                         rollout.sampler_logprobs)
     steps, kept = int(out.decode_steps), int(out.kept_tokens)
     metrics = {
         "rollout/slot_utilization": kept / max(steps * p_cfg.slots, 1),
@@ -201,8 +225,48 @@ class SlotRollouts:
         "rollout/dropped_groups": float(self.dropped),
         "rollout/generated_tokens": float(kept),
     }
+    if drafted is not None:
+      lengths_in, rows_in = drafted
+      index = [where[i][j] for i, j in rows_in]
+      kept = np.asarray(out.accepted)[index]
+      has = (lengths_in > 0) & np.asarray(out.started)[index]
+      lengths_in = np.where(has, lengths_in, 0)
+      metrics.update({
+          "spec/drafted_rows": float(has.sum()),
+          "spec/accepted_tokens/mean": float(kept[has].mean()) if has.any()
+                                       else 0.0,
+          "spec/accept_rate": float(kept.sum() / max(lengths_in.sum(), 1)),
+          "spec/full_accept_fraction": float(
+              (kept[has] == lengths_in[has]).mean()) if has.any() else 0.0})
+    elif self.drafts is not None:
+      metrics["spec/drafted_rows"] = 0.0
     trained_examples = {k: [gr.example[k] for gr in trained] for k in names}
     return rollout, trained_examples, versions, metrics
+
+  def _attach_drafts(self, groups: list[_Group]):
+    """SPEC-RL: a new group whose prompt has an earlier rollout takes it as
+    its rows' tokens, to be verified when they are prefilled. Returns the
+    drafts' lengths and the groups' indices, or None without drafts."""
+    if self.drafts is None:
+      return None
+    sc = self.config
+    g, t = sc.num_samples, sc.max_new_tokens
+    fresh = [i for i, gr in enumerate(groups) if gr.born is None]
+    if not fresh:
+      return None
+    draft = self.drafts.lookup([groups[i].prompt for i in fresh], g, t)
+    if draft is None:
+      return None
+    for k, i in enumerate(fresh):
+      gr, rows = groups[i], slice(k * g, (k + 1) * g)
+      gr.length = draft.mask[rows].sum(1).astype(np.int32)
+      gr.tokens = np.where(draft.mask[rows], draft.tokens[rows],
+                           sc.pad_id).astype(np.int32)
+      gr.sampler_lp = np.where(draft.mask[rows], draft.logprobs[rows],
+                               0.0).astype(np.float32)
+      gr.verify = gr.length > 0
+    return (np.concatenate([groups[i].length for i in fresh]),
+            [(i, j) for i in fresh for j in range(g)])
 
   def _new_groups(self, prompts, examples, key) -> list[_Group]:
     """Waiting groups of new prompts, with the static sampler's row keys."""
@@ -252,6 +316,7 @@ class SlotRollouts:
         "sample": np.zeros((q,), np.int32),
         "group": np.full((q,), q, np.int32),
         "done": np.ones((q,), bool), "finished": np.zeros((q,), bool),
+        "verify": np.zeros((q,), bool),
     }
     queue["prompt_mask"][:, -1] = True  # padding rows: a one-token prompt
     where = [np.zeros((g,), np.int64) for _ in groups]
@@ -270,6 +335,9 @@ class SlotRollouts:
       queue["group"][r] = i
       queue["done"][r] = gr.done[j]
       queue["finished"][r] = gr.finished[j]
+      queue["verify"][r] = gr.verify is not None and gr.verify[j]
+    if self.drafts is None:
+      queue["verify"] = None
     return cb.Queue(**queue, num_pending=np.int32(pending)), where
 
   def _carry(self, rest: list[_Group], next_version: int

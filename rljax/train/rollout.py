@@ -36,6 +36,7 @@ from rljax import data as data_lib
 from rljax import distributed
 from rljax import rewards as rewards_lib
 from rljax import sampling
+from rljax import sharding as sharding_lib
 from rljax import tokenizers as tok_lib
 from rljax.advantages import advantage_metrics
 from rljax.train.algorithm import Algorithm, advantage_extra_args
@@ -192,6 +193,9 @@ class Collector:
       instead of ``sampler``: the step's groups are decoded on a fixed
       number of refilled slots, and with partial rollouts unfinished groups
       are carried to the next step (one process only).
+    sample_mesh: the mesh ``sampler`` runs on, when it is not ``mesh``
+      (``rl.sampler_devices``): the rollout is moved to ``mesh`` before the
+      advantage chain.
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -200,15 +204,19 @@ class Collector:
                mesh: jax.sharding.Mesh | None = None,
                speculation: sampling.Speculation | None = None,
                group: distributed.ProcessGroup | None = None,
-               slots: Any = None):
+               slots: Any = None,
+               sample_mesh: jax.sharding.Mesh | None = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     self.group = group or distributed.ProcessGroup()
     self.slots = slots
-    if slots is not None and (speculation is not None
-                              or not self.group.single):
+    self.sample_mesh = sample_mesh if sample_mesh is not mesh else None
+    if slots is not None and not self.group.single:
       raise ValueError("continuous batching and partial rollouts "
-                       "(rl.rollout) run with one process and without "
-                       "SPEC-RL (sampler.speculative) for now.")
+                       "(rl.rollout) run with one process for now.")
+    if slots is not None and speculation is not None and (
+        slots.drafts is not speculation.store):
+      raise ValueError("with slots, SPEC-RL's draft store must be the slots' "
+                       "(partial.SlotRollouts(drafts=speculation.store)).")
     if not self.group.single and mesh is None:
       raise ValueError("Collector with several processes needs the mesh.")
     self.algorithm, self.group_size = algorithm, group_size
@@ -321,6 +329,9 @@ class Collector:
       rollout, spec_metrics = self._sample(
           params, prompts, group.global_array(tokens, mesh),
           group.global_array(mask, mesh), key)
+      if self.sample_mesh is not None:  # to the trainer's devices
+        rollout = jax.device_put(rollout, jax.tree.map(
+            lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
       if on_dispatch is not None:
         on_dispatch()
     completion_tokens, completion_mask, lengths, finished = (

@@ -12,9 +12,13 @@ train step's metrics. Two schedules are built in:
   step after it, and the host decodes and scores the next batch (and the
   reward workers run) while the devices train: on one mesh shared in time
   that overlaps the host's work with the devices'. Every batch's tokens carry
-  their policy version; ``rollout/staleness/{mean,max}`` are logged, and the
-  trainer's corrections (TIS/MIS, rejection, ESS, SAT) see each token's
-  sampler logprob, the exact behaviour policy.
+  their policy version; ``rollout/sampler_lag`` and
+  ``rollout/staleness/{mean,max}`` are logged, and the trainer's corrections
+  (TIS/MIS, rejection, ESS, SAT) see each token's sampler logprob, the exact
+  behaviour policy. With a split mesh (``rl.sampler_devices``) the params
+  are published to the sampler's devices (``publish``, a ``device_put``)
+  before each update is dispatched, and sampling and training run on
+  different devices at the same time.
 
 Checkpoints. Nothing is sampled ahead across a checkpoint: the step before a
 checkpoint (``barrier``) trains without prefetching, so a checkpoint holds
@@ -110,9 +114,11 @@ class Synchronous:
   """Collect with the current params, then train (``rl.max_staleness=0``)."""
 
   def __init__(self, collector: Collector, iterator: Any, rl_step: Callable,
-               mesh: jax.sharding.Mesh):
+               mesh: jax.sharding.Mesh, *, publish: Callable | None = None):
     self.collector, self.iterator = collector, iterator
     self.rl_step, self.mesh = rl_step, mesh
+    # The params where the sampler reads them (a split mesh: a copy).
+    self.publish = publish or (lambda params: params)
 
   def _train(self, state, collected: Collected, ref_params, extra):
     state = state._replace(adv_state=collected.adv_state)
@@ -123,7 +129,7 @@ class Synchronous:
     del barrier
     version = int(state.step)
     collected = self.collector.collect(
-        state.params, next(self.iterator), sample_key(state),
+        self.publish(state.params), next(self.iterator), sample_key(state),
         state.adv_state, version=version,
         more_examples=lambda: next(self.iterator))
     t = time.time()
@@ -147,8 +153,9 @@ class OffPolicy(Synchronous):
   """
 
   def __init__(self, collector, iterator, rl_step, mesh, *,
-               max_staleness: int, num_steps: int):
-    super().__init__(collector, iterator, rl_step, mesh)
+               max_staleness: int, num_steps: int,
+               publish: Callable | None = None):
+    super().__init__(collector, iterator, rl_step, mesh, publish=publish)
     if max_staleness < 1:
       raise ValueError(f"rl.max_staleness={max_staleness}: OffPolicy needs "
                        ">= 1 (0 is Synchronous).")
@@ -177,13 +184,15 @@ class OffPolicy(Synchronous):
   def step(self, state, ref_params, extra, *, barrier: bool) -> StepOutput:
     t = int(state.step)
     if not self.pending:
-      self.pending.append(self._collect(state, state.params, t, t))
+      self.pending.append(self._collect(state, self.publish(state.params),
+                                        t, t))
     version, collected, _ = self.pending.popleft()
     # Batches still to draw ahead: up to max_staleness, none past the run's
     # end or across a checkpoint.
     ahead = 0 if barrier else min(self.max_staleness,
                                   self.num_steps - t - 1) - len(self.pending)
-    params = state.params
+    # Published before the update is dispatched (it donates state.params).
+    params = self.publish(state.params) if ahead >= 1 else None
     for _ in range(max(ahead - 1, 0)):  # deeper ahead: no overlap for these
       self.pending.append(self._collect(state, params, t,
                                         t + 1 + len(self.pending)))
@@ -216,12 +225,15 @@ class OffPolicy(Synchronous):
 
 def make_schedule(collector: Collector, iterator: Any, rl_step: Callable,
                   mesh: jax.sharding.Mesh, *, max_staleness: int,
-                  num_steps: int) -> Schedule:
-  """The schedule ``rl.max_staleness`` names."""
+                  num_steps: int, publish: Callable | None = None
+                  ) -> Schedule:
+  """The schedule ``rl.max_staleness`` names; ``publish`` puts the params
+  where the sampler reads them (``build.Components.publish``)."""
   if max_staleness == 0:
-    return Synchronous(collector, iterator, rl_step, mesh)
+    return Synchronous(collector, iterator, rl_step, mesh, publish=publish)
   return OffPolicy(collector, iterator, rl_step, mesh,
-                   max_staleness=max_staleness, num_steps=num_steps)
+                   max_staleness=max_staleness, num_steps=num_steps,
+                   publish=publish)
 
 
 __all__ = ["OffPolicy", "Schedule", "StepOutput", "Synchronous",

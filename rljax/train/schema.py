@@ -101,6 +101,9 @@ _BASE: dict[str, Field] = {
                                 "rl.prompts_per_step"),
     "rl.max_staleness": F(0, "int>=0", "asynchronous: sample up to k steps "
                           "ahead with older params (0: synchronous)"),
+    "rl.sampler_devices": F(0, "int>=0", "the last n devices only sample, "
+                            "the others train; params are published to them "
+                            "after each update (0: one mesh shared in time)"),
     # --- rl: the algorithm's names (their entries: rljax/train/table.py) ---
     "rl.advantage": F("grpo", None, "a preset or links joined with '+'"),
     "rl.objective": F("ppo_clip", None, "the per-token coefficient"),

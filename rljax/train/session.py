@@ -126,15 +126,18 @@ def start(c: build_lib.Components, workdir: str) -> Session:
   # from the seed): a seed keeps the initial params and keys it always had.
   init_key, _, eval_key, state_key = jax.random.split(jax.random.key(s.seed), 4)
   sampler_old = c.step_config.old_logprobs == "sampler"
+  speculation = c.speculation(record_policy_logprobs=sampler_old)
   collector = Collector(
       sampler=c.sampler(s.group_size + alg.extra_samples,
-                        record_policy_logprobs=sampler_old),
+                        record_policy_logprobs=sampler_old, training=True),
       tokenizer=c.tokenizer, evaluator=c.evaluator, algorithm=alg,
       group_size=s.group_size, buckets=c.buckets, eos_ids=c.eos_ids,
       correctness=c.correctness, mesh=c.mesh,
-      speculation=c.speculation(record_policy_logprobs=sampler_old),
-      group=c.group,
-      slots=c.slot_rollouts(record_policy_logprobs=sampler_old))
+      speculation=speculation, group=c.group,
+      slots=c.slot_rollouts(
+          record_policy_logprobs=sampler_old,
+          drafts=speculation.store if speculation else None),
+      sample_mesh=c.sample_mesh)
   return Session(
       c=c, workdir=workdir, collector=collector,
       samplers={"eval": c.sampler(s.eval_num_samples,
