@@ -199,7 +199,10 @@ def test_user_built_algorithm_trains_and_moves_the_weights(tmp_path):
   summary = train.run(config, str(tmp_path), algorithm=user_algorithm())
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
-  assert all(r["grad_norm"] > 0 and math.isfinite(r["pg_loss"]) for r in rows)
+  # MAD scaling gives a group whose rewards mostly tie advantage 0: a step
+  # may have no gradient at all (step 2 with this seed), not every step.
+  assert all(math.isfinite(r["pg_loss"]) for r in rows)
+  assert any(r["grad_norm"] > 0 for r in rows)
   assert any(r["adv/advantage_abs_max"] > 0 for r in rows)
   assert not summary["preempted"]
   # The second update moved the weights.
