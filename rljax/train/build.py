@@ -2,8 +2,8 @@
 (with ``_build_inputs.py``, its part for rewards, data, tokenizer and model,
 whose names it re-exports).
 
-``build(config)`` checks the config (``validate``, before anything is
-compiled) and turns it into ``Components``: the mesh, the task's examples,
+``build(config)`` checks the config (``validate``, in ``_validate.py``,
+before anything is compiled) and turns it into ``Components``: the mesh, the task's examples,
 the tokenizer, the model config (and, with ``model.path``, the Hugging Face
 checkpoint's params), the reward evaluator, the ``Algorithm`` and the step
 settings. Everything below this module takes plain arguments or frozen
@@ -24,13 +24,10 @@ import dataclasses
 import functools
 import json
 import logging
-import math
-import os
 from typing import Any
 
 import jax
 
-from rljax import data as data_lib
 from rljax import distributed
 from rljax import models, sampling, sharding
 from rljax import objectives as obj_lib
@@ -47,7 +44,9 @@ from rljax.train._build_inputs import (  # noqa: F401  (re-exported)
     correctness_reward, eos_ids, hf_model_config, hf_overrides, hf_tokenizer,
     load_task, make_evaluator, make_tokenizer, preset_model_config, reward_fn,
     reward_specs, run_model_and_tokenizer, save_hf_files)
-from rljax.train._checks import check_range
+from rljax.train._build_rollouts import (  # noqa: F401  (re-exported)
+    meshes, partial_config)
+from rljax.train._validate import validate  # noqa: F401  (re-exported)
 from rljax.train.sft import SFTConfig
 from rljax.train import policy as policy_lib
 from rljax.train import steps as steps_lib
@@ -58,213 +57,7 @@ log = logging.getLogger("rljax")
 
 
 # ----------------------------------------------------------------------------
-# Validation.
-
-
-def _finite(field: str, value: Any) -> None:
-  if (isinstance(value, bool) or not isinstance(value, (int, float))
-      or not math.isfinite(value)):
-    raise ValueError(f"{field}={value!r}: a finite number is required.")
-
-
-def _validate_critic_and_teacher(config: Any, critic: bool) -> None:
-  """The critic's and the teacher's settings that ranges cannot express."""
-  rl = config.rl
-  if critic:
-    if not isinstance(config.critic.whiten, bool):
-      raise ValueError(f"critic.whiten={config.critic.whiten!r}: True or "
-                       "False is required.")
-    if rl.advantage_clip:
-      raise ValueError(
-          f"rl.advantage_clip={rl.advantage_clip!r} with rl.advantage="
-          f"{rl.advantage!r}: GAE's advantages are token-level and computed "
-          "in the train step, so the clip would only clip the rewards; "
-          "accepted: rl.advantage_clip=None (or rewards.clip for rewards).")
-  coef, path = rl.distill_coef, config.teacher.path
-  if coef and not path:
-    raise ValueError(f"rl.distill_coef={coef!r} > 0 needs a teacher: set "
-                     "teacher.path to an rljax run directory or a Hugging "
-                     "Face checkpoint directory.")
-  if path and not coef:
-    raise ValueError(f"teacher.path={path!r} is set but rl.distill_coef="
-                     f"{coef!r}: the teacher would be loaded and unused; "
-                     "accepted: rl.distill_coef > 0, or teacher.path=''.")
-  if path and not os.path.isdir(path):
-    raise ValueError(f"teacher.path={path!r} is not a directory: accepted an "
-                     "rljax run directory or a Hugging Face checkpoint "
-                     "directory.")
-
-
-def _validate_algorithm(config: Any) -> None:
-  """The names of ``rl.*`` against the table, and each entry's own checks."""
-  rl = config.rl
-  links = table.advantage_links(rl.advantage)
-  for axis in ("rl.objective", "rl.is_correction", "rl.kl_estimator",
-               "rl.aggregation"):
-    table.check_choice(axis, rl[axis.split(".")[1]], table.AXES[axis])
-  obj_lib.parse_rejection(rl.rejection)
-  sampled = rl.group_size + alg_lib.sampling_needs(rl.advantage)[
-      "extra_samples"]
-  ctx = table.Context(sampled, config.sampler.max_new_tokens, config.seed)
-  entries = ([table.ADVANTAGES[n] for n in links]
-             + [table.OBJECTIVES[rl.objective],
-                table.IS_CORRECTIONS[rl.is_correction]])
-  rl_values = rl.to_dict()
-  for entry in entries:
-    if entry.check is not None:
-      entry.check(rl_values, ctx, config.eval.num_samples)
-  adv_entries = entries[:len(links)]
-  singleton = tuple(n for n, e in table.ADVANTAGES.items() if e.singleton_ok)
-  ignores = [n for n, e in zip(links, adv_entries)
-             if e.needs_groups and not e.singleton_ok]
-  if rl.singleton_groups == "raw" and ignores:
-    raise ValueError(
-        f"rl.singleton_groups='raw' with rl.advantage={rl.advantage!r}: "
-        f"{tuple(ignores)} give a group with one valid sample advantage 0 "
-        f"whatever the setting; 'raw' is honoured by {singleton}; accepted: "
-        "rl.singleton_groups='zero' with this chain.")
-  singleton_raw = rl.singleton_groups == "raw" and all(
-      e.singleton_ok for e in adv_entries)
-  if rl.group_size < 2 and not singleton_raw and any(
-      e.needs_groups for e in adv_entries):
-    raise ValueError(
-        f"rl.group_size={rl.group_size} with rl.advantage={rl.advantage!r}: "
-        "a group baseline needs at least 2 samples per prompt; use "
-        "rl.group_size >= 2, or rl.advantage='batch_std' (or, for "
-        f"{singleton}, rl.singleton_groups='raw').")
-  _validate_critic_and_teacher(
-      config, any(e.needs_critic for e in adv_entries))
-
-
-def _check_sampler_devices(n: int) -> None:
-  count = jax.device_count()
-  if n >= count:
-    raise ValueError(
-        f"rl.sampler_devices={n} with {count} devices: the trainer needs at "
-        f"least one; accepted: 0 (one mesh) up to {count - 1}.")
-
-
-def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
-  """``(trainer mesh, sampler mesh)``: one mesh twice, or with
-  ``rl.sampler_devices = n`` the first devices laid out as ``config.mesh``
-  says for the trainer and the last ``n`` as one data-parallel (``fsdp``)
-  axis for the sampler."""
-  n = config.rl.sampler_devices
-  if not n:
-    mesh = sharding.mesh_from_config(config.mesh)
-    return mesh, mesh
-  devices = jax.devices()
-  _check_sampler_devices(n)
-  return (sharding.mesh_from_config(config.mesh, devices=devices[:-n]),
-          sharding.make_mesh(1, -1, 1, devices=devices[-n:]))
-
-
-def partial_config(config: Any):
-  """The ``partial.PartialConfig`` of ``rl.rollout*`` / ``rl.partial_*``;
-  None for ``rl.rollout="static"``."""
-  rl = config.rl
-  if rl.rollout == "static":
-    return None
-  rows = rl.prompts_per_step * (rl.group_size + alg_lib.sampling_needs(
-      rl.advantage)["extra_samples"])
-  slots = rl.rollout_slots or max(1, rows // 2)
-  return partial_lib.PartialConfig(
-      mode=rl.rollout, slots=slots,
-      refill_rows=rl.rollout_refill_rows or max(1, slots // 4),
-      max_age=rl.partial_max_age,
-      max_carried=(math.ceil(rl.partial_max_carried * rl.prompts_per_step)
-                   if rl.rollout == "partial" else 0))
-
-
-def _validate_rollout(config: Any) -> None:
-  """``rl.rollout*`` and ``rl.max_staleness`` against each other."""
-  rl = config.rl
-  if rl.sampler_devices:
-    _check_sampler_devices(rl.sampler_devices)
-    if config.sampler.speculative and rl.rollout == "static":
-      raise ValueError(
-          f"rl.sampler_devices={rl.sampler_devices} with sampler.speculative"
-          "=True and rl.rollout='static': SPEC-RL's static speculative "
-          "sampler samples on the trainer's mesh; accepted: rl.rollout="
-          "'continuous' or 'partial' (drafts verified in the slots), or "
-          "rl.sampler_devices=0.")
-  if rl.rollout == "static":
-    for name in ("rollout_slots", "rollout_refill_rows"):
-      if rl[name] is not None:
-        raise ValueError(f"rl.{name}={rl[name]!r} with rl.rollout='static': "
-                         "the static sampler has no slots; accepted: "
-                         f"rl.rollout='continuous' or 'partial', or rl.{name}="
-                         "None.")
-    return
-  partial_config(config)  # checks slots against refill rows
-
-
-def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
-  """Checks the config before anything is compiled; errors name the field.
-
-  Every field is checked against its ``schema.FIELDS`` rule and choices,
-  every name against the algorithm table (``table.AXES``) and each named
-  entry's own checks; then what spans sections (batch splits, rewards, the
-  mesh).
-  """
-  config = schema.complete_config(config)
-  for name, field in schema.fields().items():
-    *path, leaf = name.split(".")
-    value = config
-    for part in path:
-      value = value[part]
-    value = value[leaf]
-    if field.rule is not None:
-      check_range(name, value, field.rule)
-    if field.choices is not None:
-      table.check_choice(name, value, field.choices)
-  rl = config.rl
-  if rl.is_floor is not None and rl.is_floor > rl.is_cap:
-    raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "
-                     "the truncation interval is empty.")
-  _validate_algorithm(config)
-  n = rl.prompts_per_step * rl.group_size
-  if n % (rl.num_minibatches * rl.num_microbatches):
-    raise ValueError(
-        f"rl.prompts_per_step x rl.group_size = {n} rows do not split into "
-        f"rl.num_minibatches={rl.num_minibatches} x rl.num_microbatches="
-        f"{rl.num_microbatches}: use counts whose product divides {n}.")
-  if config.task.name not in data_lib.TASKS and not config.task.path:
-    raise ValueError(f"task.name={config.task.name!r} is unknown; accepted: "
-                     f"{tuple(data_lib.TASKS)} (or set task.path to a JSONL file).")
-  if not config.rewards.names:
-    raise ValueError("rewards.names=(): at least one reward function is "
-                     "required (a built-in name or 'package.module:function').")
-  for name in config.rewards.names:
-    reward_fn(name)
-  if len(config.rewards.weights) != len(config.rewards.names):
-    raise ValueError(
-        f"rewards.weights has {len(config.rewards.weights)} entries for "
-        f"{len(config.rewards.names)} rewards.names: give one weight each.")
-  for i, w in enumerate(config.rewards.weights):
-    _finite(f"rewards.weights[{i}]", w)
-  correctness = config.eval.reward
-  labels = [reward_fn(n)[0] for n in config.rewards.names]
-  if correctness and correctness not in labels:
-    raise ValueError(f"eval.reward={correctness!r} is not a reward of "
-                     f"rewards.names; accepted: {tuple(labels)}.")
-  _validate_rollout(config)
-  if config.model.path:
-    hf_overrides(config)
-    if config.tokenizer.path:
-      raise ValueError(
-          f"tokenizer.path={config.tokenizer.path!r} is set with model.path="
-          f"{config.model.path!r}: a Hugging Face run uses the checkpoint's "
-          "tokenizer files; accepted: tokenizer.path=''.")
-  if mesh is not None:
-    sharding.check_batch_divisible(rl.prompts_per_step, mesh,
-                                   "rl.prompts_per_step")
-    sharding.check_batch_divisible(config.eval.num_examples, mesh,
-                                   "eval.num_examples")
-    micro = n // (rl.num_minibatches * rl.num_microbatches)
-    sharding.check_batch_divisible(micro, mesh, "rows per microbatch "
-                                   "(rl.prompts_per_step x rl.group_size / "
-                                   "(rl.num_minibatches x rl.num_microbatches))")
+# Validation: rljax/train/_validate.py (``validate``, re-exported here).
 
 
 def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
@@ -550,6 +343,19 @@ class Components:
       return self.sample_mesh, self.sample_param_shardings
     return self.mesh, self.param_shardings
 
+  def _training_sampler_config(self, record_policy_logprobs: bool | None
+                               ) -> sampling.SamplerConfig:
+    """The training rows' ``SamplerConfig`` (``group_size + extra_samples``
+    per prompt, ReMax's greedy row) for the slots and SPEC-RL."""
+    alg = self.algorithm
+    if record_policy_logprobs is None:
+      record_policy_logprobs = self.step_config.old_logprobs == "sampler"
+    num_samples = self.settings.group_size + alg.extra_samples
+    return sampler_config(
+        self.config, self.tokenizer, num_samples,
+        record_policy_logprobs=record_policy_logprobs,
+        greedy_every=num_samples if alg.greedy_baseline else 0)
+
   def slot_rollouts(self, *, record_policy_logprobs: bool | None = None,
                     drafts: sampling.DraftStore | None = None
                     ) -> partial_lib.SlotRollouts | None:
@@ -560,14 +366,7 @@ class Components:
     partial = partial_config(self.config)
     if partial is None:
       return None
-    alg = self.algorithm
-    if record_policy_logprobs is None:
-      record_policy_logprobs = self.step_config.old_logprobs == "sampler"
-    num_samples = self.settings.group_size + alg.extra_samples
-    config = sampler_config(
-        self.config, self.tokenizer, num_samples,
-        record_policy_logprobs=record_policy_logprobs,
-        greedy_every=num_samples if alg.greedy_baseline else 0)
+    config = self._training_sampler_config(record_policy_logprobs)
     return partial_lib.SlotRollouts(
         self.model_config, config, partial, self.settings.prompts_per_step,
         *self._where(True), drafts=drafts,
@@ -578,16 +377,10 @@ class Components:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
     the speculative twin of ``sampler(group_size + extra_samples)`` and a
     draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s."""
-    s, alg = self.config.sampler, self.algorithm
+    s = self.config.sampler
     if not s.speculative:
       return None
-    if record_policy_logprobs is None:
-      record_policy_logprobs = self.step_config.old_logprobs == "sampler"
-    num_samples = self.settings.group_size + alg.extra_samples
-    config = sampler_config(
-        self.config, self.tokenizer, num_samples,
-        record_policy_logprobs=record_policy_logprobs,
-        greedy_every=num_samples if alg.greedy_baseline else 0)
+    config = self._training_sampler_config(record_policy_logprobs)
     return sampling.Speculation(
         sampler=sampling.make_speculative_sampler(
             self.model_config, config, self.mesh, self.param_shardings,

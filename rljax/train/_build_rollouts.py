@@ -1,0 +1,77 @@
+"""The rollout part of ``build``: meshes (one, or the trainer's and the
+sampler's with ``rl.sampler_devices``), ``rl.rollout*`` checks and the
+partial-rollout settings (``docs/rollouts.md``). Re-exported by ``build``."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+
+from rljax import sharding
+from rljax.train import algorithm as alg_lib
+from rljax.train import partial as partial_lib
+
+
+def _check_sampler_devices(n: int) -> None:
+  count = jax.device_count()
+  if n >= count:
+    raise ValueError(
+        f"rl.sampler_devices={n} with {count} devices: the trainer needs at "
+        f"least one; accepted: 0 (one mesh) up to {count - 1}.")
+
+
+def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
+  """``(trainer mesh, sampler mesh)``: one mesh twice, or with
+  ``rl.sampler_devices = n`` the first devices laid out as ``config.mesh``
+  says for the trainer and the last ``n`` as one data-parallel (``fsdp``)
+  axis for the sampler."""
+  n = config.rl.sampler_devices
+  if not n:
+    mesh = sharding.mesh_from_config(config.mesh)
+    return mesh, mesh
+  devices = jax.devices()
+  _check_sampler_devices(n)
+  return (sharding.mesh_from_config(config.mesh, devices=devices[:-n]),
+          sharding.make_mesh(1, -1, 1, devices=devices[-n:]))
+
+
+def partial_config(config: Any):
+  """The ``partial.PartialConfig`` of ``rl.rollout*`` / ``rl.partial_*``;
+  None for ``rl.rollout="static"``."""
+  rl = config.rl
+  if rl.rollout == "static":
+    return None
+  rows = rl.prompts_per_step * (rl.group_size + alg_lib.sampling_needs(
+      rl.advantage)["extra_samples"])
+  slots = rl.rollout_slots or max(1, rows // 2)
+  return partial_lib.PartialConfig(
+      mode=rl.rollout, slots=slots,
+      refill_rows=rl.rollout_refill_rows or max(1, slots // 4),
+      max_age=rl.partial_max_age,
+      max_carried=(math.ceil(rl.partial_max_carried * rl.prompts_per_step)
+                   if rl.rollout == "partial" else 0))
+
+
+def _validate_rollout(config: Any) -> None:
+  """``rl.rollout*`` and ``rl.max_staleness`` against each other."""
+  rl = config.rl
+  if rl.sampler_devices:
+    _check_sampler_devices(rl.sampler_devices)
+    if config.sampler.speculative and rl.rollout == "static":
+      raise ValueError(
+          f"rl.sampler_devices={rl.sampler_devices} with sampler.speculative"
+          "=True and rl.rollout='static': SPEC-RL's static speculative "
+          "sampler samples on the trainer's mesh; accepted: rl.rollout="
+          "'continuous' or 'partial' (drafts verified in the slots), or "
+          "rl.sampler_devices=0.")
+  if rl.rollout == "static":
+    for name in ("rollout_slots", "rollout_refill_rows"):
+      if rl[name] is not None:
+        raise ValueError(f"rl.{name}={rl[name]!r} with rl.rollout='static': "
+                         "the static sampler has no slots; accepted: "
+                         f"rl.rollout='continuous' or 'partial', or rl.{name}="
+                         "None.")
+    return
+  partial_config(config)  # checks slots against refill rows

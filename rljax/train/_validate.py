@@ -1,0 +1,163 @@
+"""``validate``: every config field against its rule, every name against the
+algorithm table, and what spans sections, before anything is compiled. Part
+of ``build`` (which re-exports it), split off for length."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+
+from rljax import data as data_lib
+from rljax import objectives as obj_lib
+from rljax import sharding
+from rljax.train import algorithm as alg_lib
+from rljax.train import schema, table
+from rljax.train._build_inputs import hf_overrides, reward_fn
+from rljax.train._build_rollouts import _validate_rollout
+from rljax.train._checks import check_range
+
+
+def _finite(field: str, value: Any) -> None:
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not math.isfinite(value)):
+    raise ValueError(f"{field}={value!r}: a finite number is required.")
+
+
+def _validate_critic_and_teacher(config: Any, critic: bool) -> None:
+  """The critic's and the teacher's settings that ranges cannot express."""
+  rl = config.rl
+  if critic:
+    if not isinstance(config.critic.whiten, bool):
+      raise ValueError(f"critic.whiten={config.critic.whiten!r}: True or "
+                       "False is required.")
+    if rl.advantage_clip:
+      raise ValueError(
+          f"rl.advantage_clip={rl.advantage_clip!r} with rl.advantage="
+          f"{rl.advantage!r}: GAE's advantages are token-level and computed "
+          "in the train step, so the clip would only clip the rewards; "
+          "accepted: rl.advantage_clip=None (or rewards.clip for rewards).")
+  coef, path = rl.distill_coef, config.teacher.path
+  if coef and not path:
+    raise ValueError(f"rl.distill_coef={coef!r} > 0 needs a teacher: set "
+                     "teacher.path to an rljax run directory or a Hugging "
+                     "Face checkpoint directory.")
+  if path and not coef:
+    raise ValueError(f"teacher.path={path!r} is set but rl.distill_coef="
+                     f"{coef!r}: the teacher would be loaded and unused; "
+                     "accepted: rl.distill_coef > 0, or teacher.path=''.")
+  if path and not os.path.isdir(path):
+    raise ValueError(f"teacher.path={path!r} is not a directory: accepted an "
+                     "rljax run directory or a Hugging Face checkpoint "
+                     "directory.")
+
+
+def _validate_algorithm(config: Any) -> None:
+  """The names of ``rl.*`` against the table, and each entry's own checks."""
+  rl = config.rl
+  links = table.advantage_links(rl.advantage)
+  for axis in ("rl.objective", "rl.is_correction", "rl.kl_estimator",
+               "rl.aggregation"):
+    table.check_choice(axis, rl[axis.split(".")[1]], table.AXES[axis])
+  obj_lib.parse_rejection(rl.rejection)
+  sampled = rl.group_size + alg_lib.sampling_needs(rl.advantage)[
+      "extra_samples"]
+  ctx = table.Context(sampled, config.sampler.max_new_tokens, config.seed)
+  entries = ([table.ADVANTAGES[n] for n in links]
+             + [table.OBJECTIVES[rl.objective],
+                table.IS_CORRECTIONS[rl.is_correction]])
+  rl_values = rl.to_dict()
+  for entry in entries:
+    if entry.check is not None:
+      entry.check(rl_values, ctx, config.eval.num_samples)
+  adv_entries = entries[:len(links)]
+  singleton = tuple(n for n, e in table.ADVANTAGES.items() if e.singleton_ok)
+  ignores = [n for n, e in zip(links, adv_entries)
+             if e.needs_groups and not e.singleton_ok]
+  if rl.singleton_groups == "raw" and ignores:
+    raise ValueError(
+        f"rl.singleton_groups='raw' with rl.advantage={rl.advantage!r}: "
+        f"{tuple(ignores)} give a group with one valid sample advantage 0 "
+        f"whatever the setting; 'raw' is honoured by {singleton}; accepted: "
+        "rl.singleton_groups='zero' with this chain.")
+  singleton_raw = rl.singleton_groups == "raw" and all(
+      e.singleton_ok for e in adv_entries)
+  if rl.group_size < 2 and not singleton_raw and any(
+      e.needs_groups for e in adv_entries):
+    raise ValueError(
+        f"rl.group_size={rl.group_size} with rl.advantage={rl.advantage!r}: "
+        "a group baseline needs at least 2 samples per prompt; use "
+        "rl.group_size >= 2, or rl.advantage='batch_std' (or, for "
+        f"{singleton}, rl.singleton_groups='raw').")
+  _validate_critic_and_teacher(
+      config, any(e.needs_critic for e in adv_entries))
+
+
+def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
+  """Checks the config before anything is compiled; errors name the field.
+
+  Every field is checked against its ``schema.FIELDS`` rule and choices,
+  every name against the algorithm table (``table.AXES``) and each named
+  entry's own checks; then what spans sections (batch splits, rewards, the
+  mesh).
+  """
+  config = schema.complete_config(config)
+  for name, field in schema.fields().items():
+    *path, leaf = name.split(".")
+    value = config
+    for part in path:
+      value = value[part]
+    value = value[leaf]
+    if field.rule is not None:
+      check_range(name, value, field.rule)
+    if field.choices is not None:
+      table.check_choice(name, value, field.choices)
+  rl = config.rl
+  if rl.is_floor is not None and rl.is_floor > rl.is_cap:
+    raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "
+                     "the truncation interval is empty.")
+  _validate_algorithm(config)
+  n = rl.prompts_per_step * rl.group_size
+  if n % (rl.num_minibatches * rl.num_microbatches):
+    raise ValueError(
+        f"rl.prompts_per_step x rl.group_size = {n} rows do not split into "
+        f"rl.num_minibatches={rl.num_minibatches} x rl.num_microbatches="
+        f"{rl.num_microbatches}: use counts whose product divides {n}.")
+  if config.task.name not in data_lib.TASKS and not config.task.path:
+    raise ValueError(f"task.name={config.task.name!r} is unknown; accepted: "
+                     f"{tuple(data_lib.TASKS)} (or set task.path to a JSONL file).")
+  if not config.rewards.names:
+    raise ValueError("rewards.names=(): at least one reward function is "
+                     "required (a built-in name or 'package.module:function').")
+  for name in config.rewards.names:
+    reward_fn(name)
+  if len(config.rewards.weights) != len(config.rewards.names):
+    raise ValueError(
+        f"rewards.weights has {len(config.rewards.weights)} entries for "
+        f"{len(config.rewards.names)} rewards.names: give one weight each.")
+  for i, w in enumerate(config.rewards.weights):
+    _finite(f"rewards.weights[{i}]", w)
+  correctness = config.eval.reward
+  labels = [reward_fn(n)[0] for n in config.rewards.names]
+  if correctness and correctness not in labels:
+    raise ValueError(f"eval.reward={correctness!r} is not a reward of "
+                     f"rewards.names; accepted: {tuple(labels)}.")
+  _validate_rollout(config)
+  if config.model.path:
+    hf_overrides(config)
+    if config.tokenizer.path:
+      raise ValueError(
+          f"tokenizer.path={config.tokenizer.path!r} is set with model.path="
+          f"{config.model.path!r}: a Hugging Face run uses the checkpoint's "
+          "tokenizer files; accepted: tokenizer.path=''.")
+  if mesh is not None:
+    sharding.check_batch_divisible(rl.prompts_per_step, mesh,
+                                   "rl.prompts_per_step")
+    sharding.check_batch_divisible(config.eval.num_examples, mesh,
+                                   "eval.num_examples")
+    micro = n // (rl.num_minibatches * rl.num_microbatches)
+    sharding.check_batch_divisible(micro, mesh, "rows per microbatch "
+                                   "(rl.prompts_per_step x rl.group_size / "
+                                   "(rl.num_minibatches x rl.num_microbatches))")
