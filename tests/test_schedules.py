@@ -13,7 +13,7 @@ import pytest
 
 from rljax import checkpoint, metrics, train
 from rljax.train import build, schedules
-from tests.test_loop import _without_clock, loop_config, rl_rows
+from tests.test_loop import assert_stop_and_resume_matches, loop_config, rl_rows
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -68,12 +68,7 @@ def test_async_sampler_is_at_most_k_versions_behind(tmp_path, rollout):
   if rollout == "partial":
     assert any(r["rollout/carried_groups"] > 0 for r in rows)
   split = tmp_path / "split"
-  config.rl.num_steps = 2
-  train.run(config, str(split))
-  config.rl.num_steps = 4
-  train.run(config, str(split))
-  assert ([_without_clock(r) for r in rl_rows(split)]
-          == [_without_clock(r) for r in rows])
+  assert_stop_and_resume_matches(config, rows, split, 2)
   _assert_same_params(full, split)
 
 
@@ -91,12 +86,7 @@ def test_partial_rollouts_resume_exactly_with_their_carried_rows(tmp_path):
   assert rows[1]["rollout/carried_groups"] > 0  # something is carried at 2
   assert max(r["rollout/version_spread"] for r in rows) > 0  # mixed rows
   split = tmp_path / "split"
-  config.rl.num_steps = 2
-  train.run(config, str(split))
-  config.rl.num_steps = 4
-  train.run(config, str(split))
-  assert ([_without_clock(r) for r in rl_rows(split)]
-          == [_without_clock(r) for r in rows])
+  assert_stop_and_resume_matches(config, rows, split, 2)
   _assert_same_params(full, split)
 
 
@@ -204,9 +194,4 @@ def test_spec_rl_drafts_verified_in_slots_from_the_previous_epoch(tmp_path,
   assert 0 < rows[1]["spec/accept_rate"] <= 1
   assert all(r["grad_norm"] > 0 for r in rows)
   split = tmp_path / "split"
-  config.rl.num_steps = 1
-  train.run(config, str(split))
-  config.rl.num_steps = 3
-  train.run(config, str(split))
-  assert ([_without_clock(r) for r in rl_rows(split)]
-          == [_without_clock(r) for r in rows])
+  assert_stop_and_resume_matches(config, rows, split, 1)
