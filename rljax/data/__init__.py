@@ -23,6 +23,8 @@ from rljax.data.sources import check_answers
 from rljax.data.sources import JsonlSource
 from rljax.data.sources import read_jsonl
 from rljax.data.sources import write_jsonl
+from rljax.data.agent_tasks import GuessNumberTask
+from rljax.data.agent_tasks import WordProblemsTask
 from rljax.data.tasks import ArithmeticTask
 from rljax.data.tasks import CountdownTask
 from rljax.data.tasks import get_task
@@ -34,6 +36,8 @@ from rljax.data.tasks import tokenizer_corpus
 __all__ = [
     "ArithmeticTask",
     "CountdownTask",
+    "GuessNumberTask",
+    "WordProblemsTask",
     "FormatPrompt",
     "JsonlSource",
     "SPLITS",

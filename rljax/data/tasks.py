@@ -339,9 +339,11 @@ class CountdownTask(_GeneratedTask):
     return example["solution"]
 
 
+_REGISTRY: dict[str, type[_GeneratedTask]] = {"arithmetic": ArithmeticTask,
+                                               "countdown": CountdownTask}
+# The environments' tasks (rljax/data/agent_tasks.py) add themselves.
 TASKS: types.MappingProxyType[str, type[_GeneratedTask]] = (
-    types.MappingProxyType({"arithmetic": ArithmeticTask,
-                            "countdown": CountdownTask}))
+    types.MappingProxyType(_REGISTRY))
 
 
 def get_task(name: str, **knobs: Any) -> ArithmeticTask | CountdownTask:

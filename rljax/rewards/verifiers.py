@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import math
 import re
 import types
 from collections.abc import Callable, Sequence
@@ -317,6 +318,29 @@ def format_match(
   return [float(regex.fullmatch(c) is not None) for c in completions]
 
 
+def env_reward(prompts: list[str], completions: list[str], *,
+               env_reward: Sequence[float | None] | None = None,
+               **unused: Any) -> list[float | None]:
+  """The reward function ``"env"``: each episode's environment reward.
+
+  The multi-turn rollout (``rljax.envs.rollout``) adds the field
+  ``env_reward`` to the batch: the sum of the episode's step rewards (0 if
+  none gave one), or None for an episode the environment failed (it raised,
+  hung or answered malformed output), which the evaluator counts as
+  ``reward/env/none``. Listed in ``rewards.names`` with the other reward
+  functions, it is one column of ``[N, R]`` like them, with its weight.
+  """
+  del prompts, unused
+  if env_reward is None:
+    raise ValueError("the reward 'env' needs the batch field env_reward, "
+                     "which only a run with an environment (env.name) has.")
+  if len(env_reward) != len(completions):
+    raise ValueError(f"{len(env_reward)} env_reward values for "
+                     f"{len(completions)} completions.")
+  return [None if r is None or (isinstance(r, float) and math.isnan(r))
+          else float(r) for r in env_reward]
+
+
 REWARD_FNS: types.MappingProxyType[str, Callable[..., list[float | None]]] = (
     types.MappingProxyType({
         "numeric_match": numeric_match,
@@ -325,6 +349,7 @@ REWARD_FNS: types.MappingProxyType[str, Callable[..., list[float | None]]] = (
         "arithmetic": arithmetic,
         "countdown": countdown,
         "format": format_match,
+        "env": env_reward,
     }))
 
 

@@ -132,6 +132,10 @@ class Rollout(NamedTuple):
       sampler was built with ``record_policy_logprobs=True``.
     sampler_logprobs: ``[N, T]`` fp32, under the distribution sampled from
       (0 where masked).
+    observation_mask: ``[N, T]`` bool, tokens inserted by an environment
+      (``rljax.envs``: observations between model turns; inputs, never
+      trained, sampler logprob 0), or None (every completion token was
+      sampled).
   """
 
   prompt_tokens: jax.Array
@@ -142,11 +146,19 @@ class Rollout(NamedTuple):
   finished: jax.Array
   policy_logprobs: jax.Array | None
   sampler_logprobs: jax.Array
+  observation_mask: jax.Array | None = None
 
   def sequences(self) -> tuple[jax.Array, jax.Array]:
     """``(tokens_NxL, mask_NxL)``: prompt and completion, ``L = P + T``."""
     return (jnp.concatenate([self.prompt_tokens, self.completion_tokens], 1),
             jnp.concatenate([self.prompt_mask, self.completion_mask], 1))
+
+  def sampled_mask(self) -> jax.Array:
+    """``[N, T]`` bool, the sampled completion tokens (the trained ones):
+    ``completion_mask`` less the ``observation_mask``."""
+    if self.observation_mask is None:
+      return self.completion_mask
+    return self.completion_mask & ~self.observation_mask
 
 
 def pick_bucket(length: int, buckets: Sequence[int]) -> int:

@@ -20,6 +20,7 @@ Example:
 from rljax.tokenizers.base import Tokenizer
 from rljax.tokenizers.chat import (ChatPromptTokenizer, check_prompt_lengths,
                                    decode_completions, encode_prompts,
+                                   continuation_ids,
                                    prompt_tokenizer, render_prompts)
 from rljax.tokenizers.hf import (ChatTemplate, HFTokenizer,
                                  SentencePieceChatTokenizer,
@@ -33,5 +34,5 @@ __all__ = [
     "load_hf_tokenizer", "HFTokenizer", "ChatTemplate",
     "SentencePieceChatTokenizer", "ChatPromptTokenizer", "prompt_tokenizer",
     "render_prompts", "encode_prompts", "check_prompt_lengths",
-    "decode_completions", "check_tokenizer_vocab",
+    "decode_completions", "check_tokenizer_vocab", "continuation_ids",
 ]

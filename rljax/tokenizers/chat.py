@@ -121,3 +121,21 @@ def decode_completions(tokenizer: Tokenizer, tokens_NxT: np.ndarray,
     ids = [int(i) for i in row[m] if int(i) not in eos_ids]
     out.append(tokenizer.decode(ids))
   return out
+
+
+def continuation_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+  """Ids of ``text`` as it would continue a sequence, not start one.
+
+  Sentencepiece marks the start of a text with a dummy-prefix piece (``▁``),
+  which ``encode`` writes at the start of every call; an observation or a
+  stop string appended mid-sequence has none. This encodes ``"0" + text``
+  and drops the ids of ``"0"``; a tokenizer without a prefix (or one whose
+  ids merge across the boundary) gets ``encode(text)``.
+  """
+  if not text:
+    return []
+  head = tokenizer.encode("0")
+  both = tokenizer.encode("0" + text)
+  if both[:len(head)] == head and tokenizer.decode(both[len(head):]) == text:
+    return both[len(head):]
+  return tokenizer.encode(text)

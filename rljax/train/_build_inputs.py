@@ -164,7 +164,11 @@ def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]],
     corpus = task.tokenizer_corpus(config.tokenizer.corpus_size, config.seed)
   else:
     corpus = [e["prompt"] for e in train_examples]
-  return tok_lib.train_sentencepiece(corpus, config.tokenizer.vocab_size)
+  # A task's tool tags (``<calc>``) are pieces of their own, so that a stop
+  # string encodes to the same ids wherever it occurs.
+  return tok_lib.train_sentencepiece(
+      corpus, config.tokenizer.vocab_size,
+      user_defined_symbols=getattr(task, "tokenizer_symbols", ()))
 
 
 def hf_overrides(config: Any) -> dict[str, Any]:

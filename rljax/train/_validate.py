@@ -95,6 +95,34 @@ def _validate_algorithm(config: Any) -> None:
       config, any(e.needs_critic for e in adv_entries))
 
 
+def _validate_env(config: Any) -> None:
+  """A multi-turn environment's settings and what it cannot run with."""
+  e, rl = config.env, config.rl
+  uses_env_reward = "env" in tuple(config.rewards.names)
+  if not e.name:
+    if uses_env_reward:
+      raise ValueError("rewards.names contains 'env' but env.name is empty: "
+                       "the environment's reward needs an environment; set "
+                       "env.name (e.g. 'calculator') or drop 'env'.")
+    return
+  if not isinstance(e.name, str):
+    raise ValueError(f"env.name={e.name!r}: a string is required.")
+  if not isinstance(e.observation_role, str) or not e.observation_role:
+    raise ValueError(f"env.observation_role={e.observation_role!r}: a chat "
+                     "role such as 'user' or 'tool' is required.")
+  others = {"rl.rollout": (rl.rollout, "static"),
+            "rl.max_staleness": (rl.max_staleness, 0),
+            "rl.sampler_devices": (rl.sampler_devices, 0),
+            "sampler.speculative": (bool(config.sampler.speculative), False)}
+  for field, (value, accepted) in others.items():
+    if value != accepted:
+      raise ValueError(
+          f"{field}={value!r} with env.name={e.name!r}: multi-turn episodes "
+          f"run on the static batch for now; accepted: {field}={accepted!r}.")
+  from rljax import envs  # pylint: disable=g-import-not-at-top
+  envs.get_env(e.name, **dict(e.kwargs or {}))  # a clear error, no compile
+
+
 def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   """Checks the config before anything is compiled; errors name the field.
 
@@ -145,6 +173,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
     raise ValueError(f"eval.reward={correctness!r} is not a reward of "
                      f"rewards.names; accepted: {tuple(labels)}.")
   _validate_rollout(config)
+  _validate_env(config)
   if config.model.path:
     hf_overrides(config)
     if config.tokenizer.path:

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from rljax import distributed
+from rljax import envs as envs_lib
 from rljax import models, sampling, sharding
 from rljax import objectives as obj_lib
 from rljax import rewards as rewards_lib
@@ -108,6 +109,43 @@ def step_config(config: Any) -> RLStepConfig:
       # The objective's own loss term, if any (KL-Cov's, DRO's penalty).
       **(objective.step_settings(rl.to_dict()) if objective.step_settings
          else {}))
+
+
+def env_runner(config: Any) -> envs_lib.EnvRunner | None:
+  """The environment of ``env.name`` on its worker processes (``env.*``),
+  or None for single-turn rollouts. Close it when done."""
+  e = config.env
+  if not e.name:
+    return None
+  return envs_lib.EnvRunner(
+      envs_lib.get_env(e.name, **dict(e.kwargs or {})),
+      num_workers=e.num_workers, timeout_s=float(e.timeout_s),
+      memory_limit_mb=e.memory_limit_mb)
+
+
+def turn_config(config: Any, tokenizer: Any,
+                stop_strings: tuple[str, ...]) -> envs_lib.TurnConfig:
+  """The ``TurnConfig`` of ``env.*``, the environment's stop strings
+  encoded as they occur mid-sequence (``tokenizers.continuation_ids``).
+
+  Raises:
+    ValueError: a stop string that encodes to nothing or does not decode
+      back to itself (it would never match).
+  """
+  e = config.env
+  stops = []
+  for text in stop_strings:
+    ids = tok_lib.continuation_ids(tokenizer, text)
+    if not ids or tokenizer.decode(ids) != text:
+      raise ValueError(
+          f"env.name={e.name!r}: its stop string {text!r} encodes to {ids}, "
+          f"which decodes to {tokenizer.decode(ids)!r}: a stop string must "
+          "be whole pieces of the tokenizer (e.g. a sentencepiece "
+          "user-defined symbol).")
+    stops.append(tuple(ids))
+  return envs_lib.TurnConfig(
+      max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
+      max_turn_tokens=e.max_turn_tokens, stop_sequences=tuple(stops))
 
 
 def needs_critic(config: Any) -> bool:
@@ -247,6 +285,9 @@ class Components:
     group: the run's processes (``distributed.ProcessGroup``).
     sample_mesh, sample_param_shardings: where the training rollouts are
       sampled (``rl.sampler_devices``; else ``mesh`` and its shardings).
+    env: the environment's runner (``env.name``), else None; ``close``
+      closes it with the reward workers.
+    turns: its ``TurnConfig`` (stop strings encoded).
   """
 
   config: Any
@@ -274,6 +315,35 @@ class Components:
       default_factory=distributed.ProcessGroup)
   sample_mesh: jax.sharding.Mesh | None = None
   sample_param_shardings: Any = None
+  env: envs_lib.EnvRunner | None = None
+  turns: envs_lib.TurnConfig | None = None
+
+  def close(self) -> None:
+    """Stops the reward and environment worker processes."""
+    self.evaluator.close()
+    if self.env is not None:
+      self.env.close()
+
+  def episodes(self, num_samples: int, *, greedy: bool = False,
+               record_policy_logprobs: bool = False
+               ) -> envs_lib.MultiTurnSampler | None:
+    """The multi-turn rollout of ``num_samples`` episodes per example
+    (``env.name``), sampled as ``sampler``'s rows; None without an
+    environment."""
+    if self.env is None:
+      return None
+    alg = self.algorithm
+    greedy_every = num_samples if (
+        alg.greedy_baseline and not greedy
+        and num_samples == self.settings.group_size + alg.extra_samples) else 0
+    return envs_lib.MultiTurnSampler(
+        self.model_config,
+        sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
+                       record_policy_logprobs=record_policy_logprobs,
+                       greedy_every=greedy_every),
+        self.turns, self.env, self.tokenizer, self.buckets, mesh=self.mesh,
+        param_shardings=self.param_shardings,
+        observation_role=self.config.env.observation_role)
 
   @property
   def split(self) -> bool:
@@ -444,6 +514,13 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   step = dataclasses.replace(step_config(config),
                              ess_kl_coef=alg.ess_kl_coef,
                              ess_pooling=alg.ess_pooling)
+  if config.env.name and not group.single:
+    raise ValueError(f"env.name={config.env.name!r} with {group.count} "
+                     "processes: multi-turn episodes run on one process for "
+                     "now.")
+  runner = env_runner(config)
+  turns = (turn_config(config, tokenizer, runner.stop_strings)
+           if runner is not None else None)
   teacher = None
   if step.distill_coef:
     teacher = policy_lib.load_teacher(config.teacher.path, mesh,
@@ -465,4 +542,5 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
       eos_ids=eos_ids(tokenizer), hf_path=hf_path,
       critic_optimizer=critic_optimizer(config), teacher=teacher,
       checkpoint_options=checkpoint_options(config),
-      config_json=json.loads(config.to_json_best_effort()), group=group)
+      config_json=json.loads(config.to_json_best_effort()), group=group,
+      env=runner, turns=turns)

@@ -128,6 +128,7 @@ def evaluate(
     prefix: str = "eval/",
     group: distributed.ProcessGroup | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    episodes: Any = None,
 ) -> dict[str, float]:
   """Samples ``num_samples`` completions per held-out prompt and scores them.
 
@@ -147,6 +148,9 @@ def evaluate(
     group, mesh: with several processes, each samples and scores its block
       of ``examples`` (the mesh's batch split) and the per-prompt figures
       are gathered, so the metrics are those of all ``examples``.
+    episodes: a multi-turn environment (``envs.MultiTurnSampler`` with
+      ``num_samples`` per example) instead of ``sample_fn``: each example is
+      an episode, scored as the ``Collector`` scores it (``env_reward``).
 
   Returns:
     ``{prefix + name}`` for ``name`` in ``"accuracy"``,
@@ -156,20 +160,31 @@ def evaluate(
   group = group or distributed.ProcessGroup()
   if not group.single:
     examples = examples[group.rows(mesh, len(examples))]
-  encoded = tok_lib.encode_prompts(tokenizer, [e["prompt"] for e in examples])
-  tokens, mask = sampling.pad_prompts(
-      encoded, buckets, tokenizer.pad_id,
-      longest=group.max_int(max(len(p) for p in encoded)))
-  rollout = sample_fn(params, group.global_array(tokens, mesh),
-                      group.global_array(mask, mesh), key)
+  names = sorted({k for e in examples for k in e})  # optional fields: None
+  env_reward = None
+  if episodes is not None:
+    run = episodes.run(params, {k: [e.get(k) for e in examples]
+                                for k in names}, key)
+    rollout = run.rollout
+    examples = [dict(e, prompt=p) for e, p in zip(examples, run.prompts)]
+    env_reward = [None if np.isnan(r) else float(r) for r in run.env_reward]
+  else:
+    encoded = tok_lib.encode_prompts(tokenizer,
+                                     [e["prompt"] for e in examples])
+    tokens, mask = sampling.pad_prompts(
+        encoded, buckets, tokenizer.pad_id,
+        longest=group.max_int(max(len(p) for p in encoded)))
+    rollout = sample_fn(params, group.global_array(tokens, mesh),
+                        group.global_array(mask, mesh), key)
   completion_tokens, completion_mask, lengths = distributed.local_rows_many(
       group, rollout.completion_tokens, rollout.completion_mask,
       rollout.lengths)
   completions = tok_lib.decode_completions(
       tokenizer, completion_tokens, completion_mask, eos_ids)
-  names = sorted({k for e in examples for k in e})  # optional fields: None
   fields = {k: [e.get(k) for e in examples for _ in range(num_samples)]
             for k in names}
+  if env_reward is not None:
+    fields["env_reward"] = env_reward
   result = evaluator.evaluate(fields["prompt"], completions, fields)
   column = list(result.names).index(correctness_reward)
   scores = np.nan_to_num(result.rewards_NxR[:, column], nan=0.0)
@@ -196,18 +211,21 @@ def heldout_metrics(params: Any, key: jax.Array, *, sampler: Callable,
                     buckets: Sequence[int], eos_ids: Sequence[int],
                     correctness_reward: str,
                     mesh: jax.sharding.Mesh,
-                    group: distributed.ProcessGroup | None = None
-                    ) -> dict[str, float]:
+                    group: distributed.ProcessGroup | None = None,
+                    episodes: bool = False) -> dict[str, float]:
   """The loop's held-out figures: ``evaluate`` at the sampling temperature
-  and, with ``greedy_sampler``, ``eval/greedy_accuracy``."""
+  and, with ``greedy_sampler``, ``eval/greedy_accuracy``. ``episodes``: the
+  two samplers are ``envs.MultiTurnSampler``s (a run with an environment)."""
   kwargs = dict(buckets=buckets, eos_ids=eos_ids,
                 correctness_reward=correctness_reward, group=group, mesh=mesh)
   with jax.set_mesh(mesh):
     out = evaluate(params, sampler, tokenizer, examples, evaluator, key,
-                   num_samples=num_samples, **kwargs)
+                   num_samples=num_samples,
+                   episodes=sampler if episodes else None, **kwargs)
     if greedy_sampler is not None:
       greedy = evaluate(params, greedy_sampler, tokenizer, examples,
                         evaluator, key, num_samples=1, prefix="eval/greedy_",
+                        episodes=greedy_sampler if episodes else None,
                         **kwargs)
       out["eval/greedy_accuracy"] = greedy["eval/greedy_accuracy"]
   return out

@@ -108,7 +108,7 @@ def _run(config: Any, workdir: str, algorithm: Algorithm | None,
   try:
     return _train(c, workdir, t0, stop_signal, schedule)
   finally:
-    c.evaluator.close()
+    c.close()
 
 
 def _train(c: build_lib.Components, workdir: str, t0: float,

@@ -88,6 +88,8 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
                  algorithm: Algorithm, group_size: int):
   """Advantages, the pivot drop and the trainer's layout (jitted)."""
   sampled = group_size + algorithm.extra_samples
+  # The trained tokens: an environment's observations are inputs only.
+  completion_mask = rollout.sampled_mask()
   if rollout.policy_logprobs is None:
     seq_log_ratio_N = jnp.zeros(rollout.lengths.shape, jnp.float32)
   else:  # log pi_old(y) / mu(y), masked positions are 0 in both.
@@ -97,12 +99,11 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
       rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
       reward_weights_R=weights_R,
       **advantage_extra_args(rollout.lengths, seq_log_ratio_N,
-                             rollout.completion_tokens,
-                             rollout.completion_mask))
+                             rollout.completion_tokens, completion_mask))
   total_N = _weighted_total(rewards_NxR, weights_R)
   per_token = advantages_N.ndim == 2  # KTAE: [N, T] on the completion.
   row_advantages_N = advantages_N if not per_token else jnp.sum(
-      advantages_N * rollout.completion_mask, -1) / jnp.maximum(
+      advantages_N * completion_mask, -1) / jnp.maximum(
           rollout.lengths, 1)
   metrics = advantage_metrics(total_N, row_advantages_N, group_size=sampled,
                               mask_N=valid_N)
@@ -110,13 +111,13 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
   zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
   completion_advantages = (
       advantages_N if per_token else jnp.broadcast_to(
-          advantages_N[:, None], rollout.completion_mask.shape))
+          advantages_N[:, None], completion_mask.shape))
   if algorithm.critic:  # the step's GAE turns the rewards into advantages
     completion_advantages = jnp.zeros_like(completion_advantages)
   layout = {
       "tokens_NxL": tokens, "input_mask_NxL": input_mask,
       "loss_mask_NxL": jnp.concatenate(
-          [jnp.zeros_like(rollout.prompt_mask), rollout.completion_mask], 1),
+          [jnp.zeros_like(rollout.prompt_mask), completion_mask], 1),
       "advantages_NxL": jnp.concatenate(
           [zeros, completion_advantages], 1).astype(jnp.float32),
       "sampler_logprobs_NxL": jnp.concatenate(
@@ -196,6 +197,12 @@ class Collector:
     sample_mesh: the mesh ``sampler`` runs on, when it is not ``mesh``
       (``rl.sampler_devices``): the rollout is moved to ``mesh`` before the
       advantage chain.
+    episodes: a multi-turn environment (``envs.MultiTurnSampler``) instead
+      of ``sampler``: each example is an episode (``Environment.reset`` gives
+      its prompt), the rows are its ``G`` trajectories, the reward functions
+      score their transcripts (model turns and observations, decoded) and
+      the reward ``"env"`` reads each episode's environment reward (the
+      batch field ``env_reward``). Observation tokens are not trained.
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -205,8 +212,14 @@ class Collector:
                speculation: sampling.Speculation | None = None,
                group: distributed.ProcessGroup | None = None,
                slots: Any = None,
-               sample_mesh: jax.sharding.Mesh | None = None):
+               sample_mesh: jax.sharding.Mesh | None = None,
+               episodes: Any = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
+    self.episodes = episodes
+    if episodes is not None and (slots is not None or speculation is not None
+                                 or not (group is None or group.single)):
+      raise ValueError("a multi-turn environment (env.name) runs with the "
+                       "static batch, without SPEC-RL, on one process.")
     self.group = group or distributed.ProcessGroup()
     self.slots = slots
     self.sample_mesh = sample_mesh if sample_mesh is not mesh else None
@@ -316,7 +329,17 @@ class Collector:
     t_start = time.time()
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
     token_versions = None
-    if self.slots is not None:
+    env_reward = None
+    if self.episodes is not None:
+      episodes = self.episodes.run(params, examples, key)
+      rollout, spec_metrics = episodes.rollout, episodes.metrics
+      examples = dict(examples, prompt=episodes.prompts)
+      env_reward = [None if np.isnan(r) else float(r)
+                    for r in episodes.env_reward]
+      mask = np.asarray(rollout.prompt_mask[::g])
+      if on_dispatch is not None:
+        on_dispatch()
+    elif self.slots is not None:
       rollout, examples, token_versions, spec_metrics = self.slots.sample(
           params, prompts, examples, key, version, self.buckets,
           on_dispatch=on_dispatch, more=None if more_examples is None
@@ -342,6 +365,8 @@ class Collector:
     completions = tok_lib.decode_completions(
         self.tokenizer, completion_tokens, completion_mask, self.eos_ids)
     fields = data_lib.repeat_each(examples, g)
+    if env_reward is not None:
+      fields["env_reward"] = env_reward
     result = self.evaluator.evaluate(fields["prompt"], completions, fields)
     # The chain's inputs: this process's rows, as blocks of global arrays.
     rewards_NxR = group.global_array(result.rewards_NxR, mesh)

@@ -191,6 +191,21 @@ _BASE: dict[str, Field] = {
     "rewards.max_failure_fraction": F(0.99, "[0,1]", "stop when more (sample, "
                                       "reward) pairs fail ..."),
     "rewards.failure_patience": F(5, "int>=1", "... for this many steps"),
+    # --- env: multi-turn environments (docs/environments.md) ---
+    "env.name": F("", None, "a built-in environment or "
+                  "'package.module:factory' ('': single-turn)"),
+    "env.kwargs": F({}, None, "keyword arguments of the environment"),
+    "env.max_turns": F(4, "int>=1", "model turns per episode"),
+    "env.max_observation_tokens": F(16, "int>=1", "an observation is cut "
+                                    "to this many tokens"),
+    "env.max_turn_tokens": F(None, "int>=1?", "tokens of one model turn "
+                             "(None: the episode's budget)", int),
+    "env.observation_role": F("user", None, "chat role of observations "
+                              "(chat templates only)"),
+    "env.num_workers": F(2, "int>=0", "environment processes (0: inline)"),
+    "env.timeout_s": F(10.0, ">0", "per reset or step call"),
+    "env.memory_limit_mb": F(None, "int>=1?", "per environment worker, over "
+                             "its start-up size", int),
     # --- eval ---
     "eval.every": F(50, "int>=1", "held-out evaluation cadence (RL steps)"),
     "eval.num_examples": F(256, "int>=1", "held-out prompts"),

@@ -81,7 +81,8 @@ class Session:
         greedy_sampler=self.samplers["greedy"], tokenizer=c.tokenizer,
         examples=c.heldout, evaluator=c.evaluator,
         num_samples=s.eval_num_samples, buckets=c.buckets, eos_ids=c.eos_ids,
-        correctness_reward=c.correctness, mesh=c.mesh, group=c.group)
+        correctness_reward=c.correctness, mesh=c.mesh, group=c.group,
+        episodes=c.env is not None)
     self.seconds["evaluation"] += time.time() - t
     return out
 
@@ -137,13 +138,21 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       slots=c.slot_rollouts(
           record_policy_logprobs=sampler_old,
           drafts=speculation.store if speculation else None),
-      sample_mesh=c.sample_mesh)
-  return Session(
-      c=c, workdir=workdir, collector=collector,
-      samplers={"eval": c.sampler(s.eval_num_samples,
+      sample_mesh=c.sample_mesh,
+      episodes=c.episodes(s.group_size + alg.extra_samples,
+                          record_policy_logprobs=sampler_old))
+  if c.env is not None:  # held-out episodes instead of single turns
+    samplers = {"eval": c.episodes(s.eval_num_samples),
+                "greedy": c.episodes(1, greedy=True) if s.eval_greedy
+                          else None}
+  else:
+    samplers = {"eval": c.sampler(s.eval_num_samples,
                                   record_policy_logprobs=False),
                 "greedy": c.sampler(1, greedy=True) if s.eval_greedy
-                          else None},
+                          else None}
+  return Session(
+      c=c, workdir=workdir, collector=collector,
+      samplers=samplers,
       manager=ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                          **c.checkpoint_options),
       iterator=data_lib.make_prompt_iterator(

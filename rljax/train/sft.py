@@ -93,23 +93,59 @@ def noisy_completions(completions: Sequence[str], fraction: float,
   return out
 
 
+SEGMENT_KINDS = ("model", "eos", "observation")
+
+
+def segment_ids(tokenizer: Any, segments: Sequence[Sequence[str]]
+                ) -> tuple[list[int], list[bool]]:
+  """``(ids, trained)`` of a multi-turn demonstration's ``[kind, text]``
+  segments (``data.agent_tasks``): ``"model"`` text and the ``"eos"`` token
+  are trained, ``"observation"`` text is not. Each segment is encoded on its
+  own, the first as a completion (``tokenizer.encode``) and the others as
+  continuations (``tokenizers.continuation_ids``), as the multi-turn
+  rollout encodes them."""
+  ids: list[int] = []
+  trained: list[bool] = []
+  for kind, text in segments:
+    if kind not in SEGMENT_KINDS:
+      raise ValueError(f"a demonstration segment of kind {kind!r}: accepted "
+                       f"{SEGMENT_KINDS}.")
+    if kind == "eos":
+      new = [tokenizer.eos_id]
+    elif not ids:
+      new = tokenizer.encode(text) if text else []
+    else:
+      new = tok_lib.continuation_ids(tokenizer, text)
+    ids += new
+    trained += [kind != "observation"] * len(new)
+  return ids, trained
+
+
 def sft_arrays(tokenizer: Any, prompts: Sequence[str],
-               completions: Sequence[str], width: int):
+               completions: Sequence[str], width: int,
+               segments: Sequence[Any] | None = None):
   """Right-padded ``(tokens, input_mask, loss_mask)``, each ``[N, width]``.
 
-  The loss covers the completion tokens and the EOS after them.
+  The loss covers the completion tokens and the EOS after them. A row with
+  ``segments`` (a multi-turn demonstration, ``segment_ids``) takes them
+  instead of its completion: its observations are inputs, not trained.
   """
   n = len(prompts)
   tokens = np.full((n, width), tokenizer.pad_id, np.int32)
   input_mask = np.zeros((n, width), bool)
   loss_mask = np.zeros((n, width), bool)
-  for i, (p, c) in enumerate(zip(tok_lib.encode_prompts(tokenizer, prompts),
-                                 completions)):
-    ids = tokenizer.encode(c) + [tokenizer.eos_id]
+  segments = segments if segments is not None else [None] * n
+  for i, (p, c, seg) in enumerate(zip(
+      tok_lib.encode_prompts(tokenizer, prompts), completions, segments)):
+    if seg is None:
+      ids, trained = tokenizer.encode(c) + [tokenizer.eos_id], None
+    else:
+      ids, trained = segment_ids(tokenizer, seg)
     row = (p + ids)[:width]
     tokens[i, :len(row)] = row
     input_mask[i, :len(row)] = True
-    loss_mask[i, len(p):len(row)] = True
+    loss_mask[i, len(p):len(row)] = (True if trained is None
+                                     else trained[:len(row) - len(p)])
   return tokens, input_mask, loss_mask
 
 
@@ -136,7 +172,8 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
       [e["completion"] for e in examples], cfg.label_noise,
       np.random.default_rng(cfg.seed + 1))
   tokens, input_mask, loss_mask = sft_arrays(
-      tokenizer, [e["prompt"] for e in examples], completions, cfg.max_length)
+      tokenizer, [e["prompt"] for e in examples], completions, cfg.max_length,
+      segments=[e.get("segments") for e in examples])
   opt = optax.adamw(optax.warmup_cosine_decay_schedule(
       0.0, cfg.learning_rate, max(1, cfg.num_steps // 10), cfg.num_steps,
       cfg.learning_rate * 0.1), weight_decay=0.0)

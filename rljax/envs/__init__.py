@@ -1,0 +1,27 @@
+"""Multi-turn and tool-use environments (docs/environments.md).
+
+``Environment`` (``reset`` / ``step``, states as JSON values) and
+``EnvRunner`` (worker processes with timeouts) are in ``base``; the rollout
+that decodes model turns and prefills observations into each row's KV cache
+is ``rollout.MultiTurnSampler``. Built-in environments: ``calculator``
+(``CalculatorEnv``), ``guess_number`` (``GuessNumberEnv``) and ``python``
+(``PythonToolEnv``, code run in ``sandbox``).
+"""
+
+from rljax.envs.base import (Environment, EnvOutcome, EnvRunner, Step,
+                             builtin_envs, check_reset, check_step,
+                             env_reward, get_env)
+from rljax.envs.calculator import CalculatorEnv
+from rljax.envs.guess import GuessNumberEnv
+from rljax.envs.python_tool import PythonToolEnv
+from rljax.envs.sandbox import SandboxLimits, SandboxResult, run_python
+from rljax.envs.rollout import (Episodes, MultiTurnSampler,
+                                ObservationFormat, TurnConfig)
+
+__all__ = [
+    "CalculatorEnv", "EnvOutcome", "EnvRunner", "Environment", "Episodes",
+    "GuessNumberEnv", "MultiTurnSampler", "ObservationFormat",
+    "PythonToolEnv", "SandboxLimits", "SandboxResult", "Step", "run_python",
+    "TurnConfig", "builtin_envs", "check_reset", "check_step", "env_reward",
+    "get_env",
+]
