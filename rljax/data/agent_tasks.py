@@ -150,9 +150,11 @@ class GuessNumberTask(_GeneratedTask):
   def _key(self, example: dict[str, Any]) -> str:
     return f"{self.name}:{example['high']}:{example['secret']}"
 
-  def segments(self, example: dict[str, Any]) -> list[list[str]]:
-    """A demonstration game (see the class docstring)."""
-    rng = _key_rng(self._key(example))
+  def segments(self, example: dict[str, Any], draw: int = 0
+               ) -> list[list[str]]:
+    """A demonstration game (see the class docstring); ``draw`` picks one of
+    many for the same secret."""
+    rng = _key_rng(f"{self._key(example)}:{draw}")
     lo, hi, secret = 1, int(example["high"]), int(example["secret"])
     out: list[list[str]] = []
     for turn in range(self.max_guesses):
@@ -176,11 +178,29 @@ class GuessNumberTask(_GeneratedTask):
 
   def sft_examples(self, split: str, num_examples: int, seed: int
                    ) -> list[dict[str, Any]]:
-    return [dict(e, completion=self._completion(e), segments=self.segments(e))
-            for e in self.examples(split, num_examples, seed)]
+    """``num_examples`` demonstration games: the split's problems in turn
+    (there are few), each game drawn afresh."""
+    rng = np.random.default_rng([int(seed), 7])
+    problems = self.examples(split, min(num_examples, self.num_problems(
+        split)), seed)
+    out = []
+    for i in range(num_examples):
+      e = problems[int(rng.integers(len(problems)))]
+      segments = self.segments(e, draw=i + 1)
+      out.append(dict(e, completion=_joined(segments), segments=segments))
+    return out
+
+  def num_problems(self, split: str) -> int:
+    """How many distinct problems ``split`` has."""
+    return sum(1 for high in range(self.min_high, self.max_high + 1)
+               for secret in range(1, high + 1)
+               if _tasks.split_of(f"{self.name}:{high}:{secret}",
+                                  self.heldout_fraction) == split)
 
   def tokenizer_corpus(self, num_examples: int, seed: int) -> list[str]:
-    return super().tokenizer_corpus(num_examples, seed) + ["+-?"]
+    texts = [e["prompt"] + e["completion"]
+             for e in self.sft_examples("train", num_examples, seed)]
+    return texts + ["0123456789+-?"]
 
 
 TASKS = {"word_problems": WordProblemsTask, "guess_number": GuessNumberTask}

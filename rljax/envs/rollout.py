@@ -427,6 +427,7 @@ class MultiTurnSampler:
     eos = set(self.config.eos_ids)
     with self._mesh():
       state = self._start(params, tokens_NxP, mask_NxP, key)
+      decoding = ~failed  # the rows that decode a turn next
       if failed.any():  # rows whose reset failed never decode
         state = state._replace(live=state.live & ~failed,
                                done=state.done | failed)
@@ -436,12 +437,9 @@ class MultiTurnSampler:
                                state.ended_turn, state.done))
         toks, column, start, ended, done = (np.asarray(x) for x in host)
         waiting = np.flatnonzero(ended & ~done)
-        for r in range(n):  # the model turns just decoded
-          if column[r] > start[r] and (not spans[r] or spans[r][-1][1]
-                                       < column[r]) and (ended[r] or done[r]):
-            if not spans[r] or spans[r][-1][1] <= start[r]:
-              spans[r].append((int(start[r]), int(column[r]), "model"))
-              turns_N[r] += 1
+        for r in np.flatnonzero(decoding):  # the model turns just decoded
+          spans[r].append((int(start[r]), int(column[r]), "model"))
+          turns_N[r] += 1
         if not len(waiting):
           break
         actions, ended_eos = [], []
@@ -494,6 +492,7 @@ class MultiTurnSampler:
                              "observation"))
         state = self._insert(params, state, obs, obs_len, resume, end,
                              env_done, prompt_width=p)
+        decoding = resume
         if not resume.any():
           break
       rollout = _to_rollout(jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP),

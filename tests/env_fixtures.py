@@ -1,0 +1,80 @@
+"""Environments for the tests (module-level so that spawned environment
+workers can import them): scripted ones with known observations, and ones
+that misbehave the ways user code does."""
+
+import dataclasses
+import os
+import time
+
+from rljax.envs import Step
+
+
+class CharTokenizer:
+  """One id per character of ``ALPHABET`` (id 0 pad, 1 BOS, 2 EOS), a
+  tokenizer double over the tiny model's vocabulary."""
+
+  ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789<>/=;+-?!.,: _"
+  vocab_size = 256
+  bos_id, eos_id, pad_id = 1, 2, 0
+
+  def encode(self, text):
+    return [3 + self.ALPHABET.index(ch) for ch in text]
+
+  def decode(self, ids):
+    return "".join(self.ALPHABET[i - 3] if 3 <= i < 3 + len(self.ALPHABET)
+                   else "" for i in ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scripted:
+  """Observation ``"<k>"`` after turn k; done after ``turns`` turns, each
+  turn rewarded 0.5."""
+
+  turns: int = 3
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    return example["prompt"], {"k": 0}
+
+  def step(self, state, action):
+    k = state["k"] + 1
+    return Step(observation=f"<{k}>", reward=0.5, done=k >= self.turns,
+                state={"k": k}, info={"steps": 1.0})
+
+
+@dataclasses.dataclass(frozen=True)
+class Misbehaves:
+  """Fails on the rows whose prompt names the way: ``raise``, ``hang``,
+  ``not_a_step``, ``nan_reward``, ``not_json_state``, ``huge``; others
+  end well after one turn (reward 1)."""
+
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    if example["prompt"] == "bad_reset":
+      raise ValueError("reset refuses this example")
+    return example["prompt"], {"how": example["prompt"]}
+
+  def step(self, state, action):
+    how = state["how"]
+    if how == "raise":
+      raise RuntimeError("the environment failed")
+    if how == "hang":
+      time.sleep(600)
+    if how == "not_a_step":
+      return {"observation": "x"}
+    if how == "nan_reward":
+      return Step(reward=float("nan"), done=True, state=state)
+    if how == "not_json_state":
+      return Step(observation="x", state={"f": object()})
+    if how == "exit":
+      os._exit(3)
+    return Step(reward=1.0, done=True, state=state)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoStep:
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    return example["prompt"], None
