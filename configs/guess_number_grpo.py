@@ -52,8 +52,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft.num_steps = 400
   c.sft.num_examples = 4000
 
-  c.rl.num_steps = 150
-  c.rl.prompts_per_step = 8
+  c.rl.num_steps = 300
+  c.rl.prompts_per_step = 16
   c.rl.group_size = 8
   c.rl.num_minibatches = 2
   c.rl.old_logprobs = "sampler"
@@ -63,8 +63,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.eval.num_examples = 64
   c.eval.num_samples = 4
-  c.eval.every = 50
-  c.checkpoint.every = 50
+  c.eval.every = 100
+  c.checkpoint.every = 100
   if arg == "tiny":
     c = common.tiny(c)
     _environment(c)

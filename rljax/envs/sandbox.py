@@ -175,6 +175,10 @@ if root:
     os.setuid(cfg["uid"])
     if os.getuid() == 0 or os.geteuid() == 0:
         os._exit(125)
+    # A change of credentials clears the death signal: set it again.
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if not ns and os.getppid() != cfg["parent"]:
+        os._exit(137)
 os.environ.clear()
 os.environ.update({"PATH": "/usr/bin:/bin", "HOME": os.getcwd(),
                    "TMPDIR": os.getcwd(), "LANG": "C.UTF-8"})

@@ -1,0 +1,93 @@
+"""Environments from the config through the training loop: every accepted
+``env.name`` trains, a stopped run resumes to the same rows, and bad
+settings are refused before anything is compiled."""
+
+import os
+
+import numpy as np
+import pytest
+
+from rljax import train
+from rljax.train import build
+from tests.test_loop import assert_stop_and_resume_matches, rl_rows
+from tests.test_train import load_config
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def env_config(name="calculator", **overrides):
+  file = {"calculator": "calculator_grpo.py", "python": "calculator_grpo.py",
+          "guess_number": "guess_number_grpo.py"}[name]
+  c = load_config(os.path.join(CONFIGS, file), "tiny")
+  c.env.name = name
+  if name == "python":  # the sandboxed tool, in a worker process
+    c.env.num_workers = 1
+    c.env.timeout_s = 20.0
+  c.rl.num_steps = 2
+  c.eval.every = 2
+  for key, value in overrides.items():
+    section, field = key.split(".")
+    c[section][field] = value
+  return c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["calculator", "guess_number", "python"])
+def test_every_environment_trains_from_the_config(name, tmp_path):
+  summary = train.run(env_config(name), str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert r["env/failed_episodes"] == 0
+    assert r["env/turns/mean"] >= 1
+    assert np.isfinite(r["loss"]) and r["grad_norm"] > 0
+    assert "reward/env/mean" in r
+  assert "eval/accuracy" in summary["after"]
+  # The trained params moved from the SFT start.
+  assert summary["final"]["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
+  config = env_config("guess_number", **{"rl.num_steps": 3,
+                                         "checkpoint.every": 1,
+                                         "eval.every": 100})
+  train.run(config, str(tmp_path / "whole"))
+  rows = rl_rows(tmp_path / "whole")
+  assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rl.rollout", "continuous", "rl.rollout='continuous' with env.name"),
+    ("rl.max_staleness", 1, "rl.max_staleness=1 with env.name"),
+    ("sampler.speculative", True, "sampler.speculative=True with env.name"),
+    ("env.name", "nope", "env.name='nope'"),
+    ("env.name", "tests.env_fixtures:Missing", "cannot be imported"),
+    ("env.max_turns", 0, "env.max_turns"),
+    ("env.observation_role", "", "env.observation_role"),
+])
+def test_bad_environment_settings_are_refused_before_compiling(field, value,
+                                                               match):
+  config = env_config("calculator", **{field: value})
+  with pytest.raises(ValueError, match=match):
+    build.validate(config)
+
+
+def test_the_env_reward_needs_an_environment():
+  config = env_config("calculator", **{"env.name": ""})
+  with pytest.raises(ValueError, match="rewards.names contains 'env'"):
+    build.validate(config)
+
+
+def test_a_stop_string_the_tokenizer_splits_unevenly_is_refused():
+  class Tok:  # encodes "</calc>" mid-sequence to ids that decode otherwise
+    def encode(self, text):
+      return [ord(c) % 7 for c in text]
+
+    def decode(self, ids):
+      return "".join("?" for _ in ids)
+
+  with pytest.raises(ValueError, match="stop string '</calc>'"):
+    build.turn_config(env_config("calculator"), Tok(), ("</calc>",))
+
+
