@@ -267,3 +267,33 @@ def test_sft_segments_train_model_tokens_and_eos_only():
   np.testing.assert_array_equal(loss[0, p:p + len(ids)], trained)
   with pytest.raises(ValueError, match="kind"):
     sft.segment_ids(TOK, [["tool", "x"]])
+
+
+# --- observations through a chat template ------------------------------------
+
+from tests.test_tokenizers import bpe_dir  # noqa: E402,F401  pylint: disable=wrong-import-position,unused-import
+from tests.hf_extra import requires_hf  # noqa: E402  pylint: disable=wrong-import-position
+
+
+@requires_hf("tokenizers", "jinja2")
+def test_chat_observations_continue_the_conversation_as_the_template_does(
+    bpe_dir):  # pylint: disable=redefined-outer-name
+  from rljax import tokenizers  # pylint: disable=g-import-not-at-top
+  tok = tokenizers.prompt_tokenizer(tokenizers.load_hf_tokenizer(bpe_dir),
+                                    True)
+  fmt = mt.ObservationFormat(tok, role="user", eos_ids=tok.eos_ids)
+  # By hand from the template: a message is "<|role|>\n{content}</s>\n".
+  assert fmt.encode("36", True) == tok.encode(
+      "\n<|user|>\n36</s>\n<|assistant|>\n")
+  assert fmt.encode("36", False) == tok.encode(
+      "</s>\n<|user|>\n36</s>\n<|assistant|>\n")
+  # Prompt + the model's turn (ended by EOS) + the observation are the ids
+  # of the template's rendering of the whole conversation.
+  prompt = tokenizers.encode_prompts(tok, ["What is 7 * 6?"])[0]
+  turn = tok.encode("42") + [tok.eos_id]
+  ids = prompt + turn + fmt.encode("Sure?", True)
+  want = tok.tokenizer.apply_chat_template(
+      [{"role": "user", "content": "What is 7 * 6?"},
+       {"role": "assistant", "content": "42"},
+       {"role": "user", "content": "Sure?"}], add_generation_prompt=True)
+  assert ids == tok.encode(want)

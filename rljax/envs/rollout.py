@@ -293,7 +293,9 @@ class ObservationFormat:
       middle = after[len(before):]
       self.close = close
       self.open, self.tail = middle.split(self._PROBE_OBS)
-      eos_texts = [tokenizer.decode([i]) for i in self.eos_ids]
+      piece = getattr(tokenizer, "id_to_piece", None) or (
+          lambda i: tokenizer.decode([i]))
+      eos_texts = [piece(i) for i in self.eos_ids]
       self.close_after_eos = next(
           (close[len(e):] for e in eos_texts if e and close.startswith(e)),
           close)
