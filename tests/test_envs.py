@@ -162,6 +162,28 @@ def test_an_environment_that_ends_at_once_gives_the_static_rollout(params):
   assert not out.rollout.observation_mask.any()
 
 
+@pytest.mark.parametrize("step_rows", [1, 4])
+def test_rounds_do_not_change_the_episodes(params, step_rows):
+  """With step_rows, environments are stepped as soon as a few rows wait
+  (the others go on decoding): the same tokens, logprobs and rewards as
+  turn by turn, since each draw is keyed by its row and column."""
+  turns = mt.TurnConfig(max_turns=4, max_observation_tokens=O,
+                        max_turn_tokens=5)
+  examples = {"prompt": ["ab+c", "xyz", "q", "0123"]}
+  want = jax.device_get(_sampler(env_fixtures.Scripted(turns=3), turns).run(
+      params, examples, jax.random.key(7)))
+  got = jax.device_get(_sampler(env_fixtures.Scripted(turns=3),
+                                dataclasses.replace(turns, step_rows=step_rows)
+                                ).run(params, examples, jax.random.key(7)))
+  assert got.turn_tokens == want.turn_tokens
+  for name in ("completion_tokens", "completion_mask", "observation_mask"):
+    np.testing.assert_array_equal(getattr(got.rollout, name),
+                                  getattr(want.rollout, name))
+  np.testing.assert_allclose(got.rollout.sampler_logprobs,
+                             want.rollout.sampler_logprobs, atol=1e-5)
+  np.testing.assert_array_equal(got.env_reward, want.env_reward)
+
+
 def test_turn_limit_observation_truncation_and_budget(params):
   long_obs = dataclasses.replace(env_fixtures.Scripted(turns=99))
   sampler = _sampler(long_obs, turns=mt.TurnConfig(

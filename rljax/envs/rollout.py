@@ -38,9 +38,11 @@ References:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -71,12 +73,16 @@ class TurnConfig:
     max_turn_tokens: tokens one model turn may have (None: the budget).
     stop_sequences: token sequences that end a turn (the environment's
       ``stop_strings``, encoded), besides the sampler's EOS ids.
+    step_rows: a decode returns to the host once this many rows wait for
+      their environment (``MultiTurnSampler.run``'s rounds); None: once every
+      row's turn has ended (the batch moves turn by turn).
   """
 
   max_turns: int = 4
   max_observation_tokens: int = 16
   max_turn_tokens: int | None = None
   stop_sequences: tuple[tuple[int, ...], ...] = ()
+  step_rows: int | None = None
 
   def __post_init__(self):
     for name in ("max_turns", "max_observation_tokens"):
@@ -84,11 +90,12 @@ class TurnConfig:
       if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"env.{name}={value!r}: a positive integer is "
                          "required.")
-    v = self.max_turn_tokens
-    if v is not None and (isinstance(v, bool) or not isinstance(v, int)
-                          or v < 1):
-      raise ValueError(f"env.max_turn_tokens={v!r}: a positive integer or "
-                       "None is required.")
+    for name in ("max_turn_tokens", "step_rows"):
+      v = getattr(self, name)
+      if v is not None and (isinstance(v, bool) or not isinstance(v, int)
+                            or v < 1):
+        raise ValueError(f"env.{name}={v!r}: a positive integer or None is "
+                         "required.")
     if any(not s for s in self.stop_sequences):
       raise ValueError("env.stop_strings: a stop string encodes to no "
                        "tokens.")
@@ -154,9 +161,13 @@ def _turn_ended(tokens_NxT, column_N, token_N, turn_start_N, eos_V,
   return hit
 
 
-def _decode_turn(params, state: _Turns, *, mc: ModelConfig, sc: SamplerConfig,
-                 turns: TurnConfig, prompt_width: int) -> _Turns:
-  """Decode steps until no row is live (each ended its turn or its episode)."""
+def _decode_turn(params, state: _Turns, clear_N, min_waiting, *,
+                 mc: ModelConfig, sc: SamplerConfig, turns: TurnConfig,
+                 prompt_width: int) -> _Turns:
+  """Decode steps until no row is live, or until ``min_waiting`` rows have
+  ended a turn (a traced int); ``clear_N``: rows whose ended turn the host
+  has taken (their ``ended_turn`` is cleared first)."""
+  state = state._replace(ended_turn=state.ended_turn & ~clear_N)
   model, w_DxV, _, _ = _setup(params, state.mask[:1, :1], mc, sc)
   n, t = state.tokens.shape
   eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
@@ -203,14 +214,19 @@ def _decode_turn(params, state: _Turns, *, mc: ModelConfig, sc: SamplerConfig,
         ended_turn=s.ended_turn | ((ended | long_turn) & ~over_budget),
         done=s.done | over_budget)
 
-  return jax.lax.while_loop(lambda s: jnp.any(s.live), body, state)
+  def more(s: _Turns) -> jax.Array:
+    waiting = jnp.sum((s.ended_turn & ~s.done).astype(jnp.int32))
+    return jnp.any(s.live) & (waiting < min_waiting)
+
+  return jax.lax.while_loop(more, body, state)
 
 
 def _insert(params, state: _Turns, obs_NxO, obs_len_N, resume_N, end_N,
             env_done_N, *, mc: ModelConfig, sc: SamplerConfig,
             prompt_width: int) -> _Turns:
   """Appends each resumed row's observation (prefilled at its own index)
-  and makes it live; ends the rows in ``end_N``."""
+  and makes it live; ends the rows in ``end_N``. Rows in neither (decoding
+  their turn, or done) are unchanged."""
   model, w_DxV, _, _ = _setup(params, state.mask[:1, :1], mc, sc)
   n, t = state.tokens.shape
   o = obs_NxO.shape[1]
@@ -235,7 +251,7 @@ def _insert(params, state: _Turns, obs_NxO, obs_len_N, resume_N, end_N,
       mask=state.mask | inside, observed=state.observed | inside,
       column=column, position=state.position + obs_len_N,
       turn_start=jnp.where(resume_N, column, state.turn_start),
-      live=resume_N, ended_turn=jnp.zeros_like(resume_N),
+      live=state.live | resume_N,
       done=state.done | end_N,
       finished=state.finished | (end_N & env_done_N))
 
@@ -372,13 +388,22 @@ class MultiTurnSampler:
                            static_argnames=("prompt_width",))
 
   def _mesh(self):
-    import contextlib  # pylint: disable=g-import-not-at-top
     return (jax.set_mesh(self.mesh) if self.mesh is not None
             else contextlib.nullcontext())
 
   def run(self, params: Any, examples: Mapping[str, Sequence[Any]],
           key: jax.Array) -> Episodes:
     """Runs ``G`` episodes of each of the ``B`` examples.
+
+    Rounds: a decode (until every live row has ended its turn, or until
+    ``TurnConfig.step_rows`` rows wait) is dispatched to the devices; while
+    it runs, the host steps the environments of the rows that ended a turn
+    in the previous round; their observations are inserted after it. So an
+    environment's latency overlaps the other rows' decoding, and with
+    ``step_rows`` a row waiting on its environment does not wait for the
+    batch's slowest turn. The draws do not depend on the rounds (each
+    token's key is its row's and column's), so every ``step_rows`` gives the
+    same episodes.
 
     Args:
       params: the policy params.
@@ -387,24 +412,13 @@ class MultiTurnSampler:
       key: PRNG key of the draws.
     """
     t0 = time.monotonic()
-    g, t = self.config.num_samples, self.config.max_new_tokens
-    o = self.turns.max_observation_tokens
+    g = self.config.num_samples
     names = list(examples)
     b = len(examples[names[0]])
     rows = [{k: examples[k][i] for k in names} for i in range(b)]
-    env_seconds = 0.0
-    t_env = time.monotonic()
-    resets = self.runner.reset(rows)
-    env_seconds += time.monotonic() - t_env
     n = b * g
-    failed = np.zeros(n, bool)
-    counts = {"errors": 0, "timeouts": 0}
-
-    def fail(i: int, outcome) -> None:
-      failed[i] = True
-      counts["errors" if outcome.status == "error" else "timeouts"] += 1
-      _log_failure(outcome)
-
+    ep = _Bookkeeping(n)
+    resets = ep.timed(lambda: self.runner.reset(rows))
     prompts, states = [], [None] * n
     for i, outcome in enumerate(resets):
       if outcome.status == "ok":
@@ -414,113 +428,150 @@ class MultiTurnSampler:
       else:  # the example's prompt stands in; its rows end at once
         prompts.append(str(rows[i].get("prompt", "")) or " ")
         for r in range(i * g, (i + 1) * g):
-          fail(r, outcome)
+          ep.fail(r, outcome)
     encoded = tok_lib.encode_prompts(self.tokenizer, prompts)
     tokens_BxP, mask_BxP = pad_prompts(encoded, self.buckets,
                                        self.tokenizer.pad_id)
     p = tokens_BxP.shape[1]
     tokens_NxP = np.repeat(tokens_BxP, g, 0)
     mask_NxP = np.repeat(mask_BxP, g, 0)
-    reward = np.zeros(n, np.float64)
-    turns_N = np.zeros(n, np.int32)
-    info: dict[str, float] = {}
-    obs_tokens = truncated_obs = turn_limit = 0
-    spans: list[list[tuple[int, int, str]]] = [[] for _ in range(n)]
-    eos = set(self.config.eos_ids)
+    min_waiting = np.int32(self.turns.step_rows or n)
+    no_rows = np.zeros(n, bool)
     with self._mesh():
       state = self._start(params, tokens_NxP, mask_NxP, key)
-      decoding = ~failed  # the rows that decode a turn next
-      if failed.any():  # rows whose reset failed never decode
-        state = state._replace(live=state.live & ~failed,
-                               done=state.done | failed)
-      for turn in range(self.turns.max_turns):
-        state = self._decode(params, state, prompt_width=p)
-        host = jax.device_get((state.tokens, state.column, state.turn_start,
+      decoding = ~ep.failed  # the rows live in the decode dispatched next
+      if ep.failed.any():  # rows whose reset failed never decode
+        state = state._replace(live=state.live & ~ep.failed,
+                               done=state.done | ep.failed)
+      taken = np.zeros(0, np.int64)  # rows whose turn waits for its env
+      taken_turns = None
+      while decoding.any() or len(taken):
+        state = self._decode(params, state, _mask(n, taken), min_waiting,
+                             prompt_width=p)
+        resumed = no_rows
+        if len(taken):  # overlaps the decode just dispatched
+          inserts, resumed = self._step(taken, taken_turns, states, ep, p)
+          state = self._insert(params, state, *inserts, prompt_width=p)
+        host = jax.device_get((state.column, state.turn_start,
                                state.ended_turn, state.done))
-        toks, column, start, ended, done = (np.asarray(x) for x in host)
-        waiting = np.flatnonzero(ended & ~done)
-        for r in np.flatnonzero(decoding):  # the model turns just decoded
-          spans[r].append((int(start[r]), int(column[r]), "model"))
-          turns_N[r] += 1
-        if not len(waiting):
-          break
-        actions, ended_eos = [], []
-        for r in waiting:
-          ids = [int(x) for x in toks[r, start[r]:column[r]]]
-          ended_eos.append(bool(ids) and ids[-1] in eos)
-          actions.append(self.tokenizer.decode([x for x in ids
-                                                if x not in eos]))
-        t_env = time.monotonic()
-        outcomes = self.runner.step([states[r] for r in waiting], actions)
-        env_seconds += time.monotonic() - t_env
-        obs = np.full((n, o), self.config.pad_id, np.int32)
-        obs_len = np.zeros(n, np.int32)
-        resume = np.zeros(n, bool)
-        end = np.zeros(n, bool)
-        env_done = np.zeros(n, bool)
-        last_turn = turn + 1 == self.turns.max_turns
-        for r, outcome, eos_end in zip(waiting, outcomes, ended_eos):
-          if outcome.status != "ok":
-            fail(r, outcome)
-            end[r] = True
-            continue
-          value = outcome.value
-          states[r] = value["state"]
-          if value["reward"] is not None:
-            reward[r] += value["reward"]
-          for k, v in value["info"].items():
-            info[k] = info.get(k, 0.0) + v
-          if value["done"]:
-            end[r] = env_done[r] = True
-            continue
-          if last_turn:
-            end[r] = True
-            turn_limit += 1
-            continue
-          ids = self.format.encode(value["observation"], eos_end)
-          room = min(o, t - int(column[r]) - 1)  # keep one model token
-          if room < len(ids):
-            truncated_obs += 1
-          if room <= 0 and ids:
-            end[r] = True  # no room for the observation and a reply
-            continue
-          ids = ids[:max(room, 0)]
-          obs[r, :len(ids)] = ids
-          obs_len[r] = len(ids)
-          obs_tokens += len(ids)
-          resume[r] = True
-          if ids:
-            spans[r].append((int(column[r]), int(column[r]) + len(ids),
-                             "observation"))
-        state = self._insert(params, state, obs, obs_len, resume, end,
-                             env_done, prompt_width=p)
-        decoding = resume
-        if not resume.any():
-          break
+        column, start, ended, done = (np.asarray(x) for x in host)
+        stopped = decoding & (ended | done)  # their turn is over
+        for r in np.flatnonzero(stopped):
+          ep.spans[r].append((int(start[r]), int(column[r]), "model"))
+          ep.turns[r] += 1
+        taken = np.flatnonzero(stopped & ended & ~done)
+        taken_turns = (jax.device_get(state.tokens), column, start)
+        decoding = (decoding & ~stopped) | resumed
       rollout = _to_rollout(jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP),
                             state)
-    reward = np.where(failed, np.nan, reward)
+    return ep.episodes(rollout, prompts, self.runner.restarts,
+                       time.monotonic() - t0)
+
+  def _step(self, taken, turns, states, ep: "_Bookkeeping", p: int):
+    """Steps the environments of the ``taken`` rows: the arrays of
+    ``_insert`` and the rows that go on."""
+    del p
+    toks, column, start = turns
+    n, t = toks.shape
+    o = self.turns.max_observation_tokens
+    eos = set(self.config.eos_ids)
+    actions, ended_eos = [], []
+    for r in taken:
+      ids = [int(x) for x in toks[r, start[r]:column[r]]]
+      ended_eos.append(bool(ids) and ids[-1] in eos)
+      actions.append(self.tokenizer.decode([x for x in ids if x not in eos]))
+    outcomes = ep.timed(lambda: self.runner.step([states[r] for r in taken],
+                                                 actions))
+    obs = np.full((n, o), self.config.pad_id, np.int32)
+    obs_len = np.zeros(n, np.int32)
+    resume, end, env_done = (np.zeros(n, bool) for _ in range(3))
+    for r, outcome, eos_end in zip(taken, outcomes, ended_eos):
+      if outcome.status != "ok":
+        ep.fail(r, outcome)
+        end[r] = True
+        continue
+      value = outcome.value
+      states[r] = value["state"]
+      if value["reward"] is not None:
+        ep.reward[r] += value["reward"]
+      for k, v in value["info"].items():
+        ep.info[k] = ep.info.get(k, 0.0) + v
+      if value["done"]:
+        end[r] = env_done[r] = True
+        continue
+      if ep.turns[r] >= self.turns.max_turns:
+        end[r] = True
+        ep.turn_limit += 1
+        continue
+      ids = self.format.encode(value["observation"], eos_end)
+      room = min(o, t - int(column[r]) - 1)  # keep one model token
+      if room < len(ids):
+        ep.truncated_obs += 1
+      if room <= 0 and ids:
+        end[r] = True  # no room for the observation and a reply
+        continue
+      ids = ids[:max(room, 0)]
+      obs[r, :len(ids)] = ids
+      obs_len[r] = len(ids)
+      ep.obs_tokens += len(ids)
+      resume[r] = True
+      if ids:
+        ep.spans[r].append((int(column[r]), int(column[r]) + len(ids),
+                            "observation"))
+    return (obs, obs_len, resume, end, env_done), resume
+
+
+def _mask(n: int, rows: np.ndarray) -> np.ndarray:
+  out = np.zeros(n, bool)
+  out[rows] = True
+  return out
+
+
+class _Bookkeeping:
+  """The host's figures of one ``run``: rewards, failures, turns, spans."""
+
+  def __init__(self, n: int):
+    self.failed = np.zeros(n, bool)
+    self.reward = np.zeros(n, np.float64)
+    self.turns = np.zeros(n, np.int32)
+    self.spans: list[list[tuple[int, int, str]]] = [[] for _ in range(n)]
+    self.info: dict[str, float] = {}
+    self.counts = {"errors": 0, "timeouts": 0}
+    self.obs_tokens = self.truncated_obs = self.turn_limit = 0
+    self.env_seconds = 0.0
+
+  def timed(self, fn):
+    t = time.monotonic()
+    try:
+      return fn()
+    finally:
+      self.env_seconds += time.monotonic() - t
+
+  def fail(self, r: int, outcome) -> None:
+    self.failed[r] = True
+    self.counts["errors" if outcome.status == "error" else "timeouts"] += 1
+    logging.getLogger("rljax").warning("environment %s: %s", outcome.status,
+                                       outcome.message)
+
+  def episodes(self, rollout, prompts, restarts: int, seconds: float
+               ) -> Episodes:
     metrics = {
-        "env/turns/mean": float(turns_N.mean()),
-        "env/turns/max": float(turns_N.max()),
-        "env/observation_tokens": float(obs_tokens),
-        "env/observation_truncated": float(truncated_obs),
-        "env/turn_limit": float(turn_limit),
-        "env/failed_episodes": float(failed.sum()),
-        "env/errors": float(counts["errors"]),
-        "env/timeouts": float(counts["timeouts"]),
-        "env/worker_restarts": float(self.runner.restarts),
-        "env/seconds": env_seconds,
-        "env/rollout_seconds": time.monotonic() - t0,
+        "env/turns/mean": float(self.turns.mean()),
+        "env/turns/max": float(self.turns.max()),
+        "env/observation_tokens": float(self.obs_tokens),
+        "env/observation_truncated": float(self.truncated_obs),
+        "env/turn_limit": float(self.turn_limit),
+        "env/failed_episodes": float(self.failed.sum()),
+        "env/errors": float(self.counts["errors"]),
+        "env/timeouts": float(self.counts["timeouts"]),
+        "env/worker_restarts": float(restarts),
+        "env/seconds": self.env_seconds,
+        "env/rollout_seconds": seconds,
     }
-    metrics.update({f"env/{k}": float(v) for k, v in info.items()})
-    return Episodes(rollout, prompts, reward, failed, metrics, spans)
-
-
-def _log_failure(outcome) -> None:
-  import logging  # pylint: disable=g-import-not-at-top
-  logging.getLogger("rljax").warning("environment %s: %s", outcome.status,
-                                     outcome.message)
+    metrics.update({f"env/{k}": float(v) for k, v in self.info.items()})
+    return Episodes(rollout, prompts,
+                    np.where(self.failed, np.nan, self.reward), self.failed,
+                    metrics, self.spans)
 
 
 __all__ = ["Episodes", "MultiTurnSampler", "ObservationFormat", "TurnConfig"]

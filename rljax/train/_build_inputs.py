@@ -148,17 +148,20 @@ def check_data(config: Any, train_examples: list[dict[str, Any]],
 
 
 def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]],
-                   group: distributed.ProcessGroup | None = None):
+                   group: distributed.ProcessGroup | None = None,
+                   symbols: tuple[str, ...] = ()):
   """The sentencepiece tokenizer of ``tokenizer.path``, or one trained on the
   task (by process 0 alone when there are several: the others receive its
-  model, so every process encodes with the same one)."""
+  model, so every process encodes with the same one). ``symbols`` (an
+  environment's stop strings) and the task's ``tokenizer_symbols`` become
+  pieces of their own."""
   if config.tokenizer.path:
     return tok_lib.SentencePieceTokenizer(config.tokenizer.path)
   group = group or distributed.ProcessGroup()
   if not group.single:
     model = group.from_primary(base64.b64encode(make_tokenizer(
-        config, task, train_examples, distributed.ProcessGroup(0, 1)
-    ).serialized).decode() if group.primary else None)
+        config, task, train_examples, distributed.ProcessGroup(0, 1),
+        symbols).serialized).decode() if group.primary else None)
     return tok_lib.SentencePieceTokenizer(base64.b64decode(model))
   if task is not None:
     corpus = task.tokenizer_corpus(config.tokenizer.corpus_size, config.seed)
@@ -166,9 +169,10 @@ def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]],
     corpus = [e["prompt"] for e in train_examples]
   # A task's tool tags (``<calc>``) are pieces of their own, so that a stop
   # string encodes to the same ids wherever it occurs.
+  wanted = tuple(getattr(task, "tokenizer_symbols", ())) + tuple(symbols)
   return tok_lib.train_sentencepiece(
       corpus, config.tokenizer.vocab_size,
-      user_defined_symbols=getattr(task, "tokenizer_symbols", ()))
+      user_defined_symbols=tuple(dict.fromkeys(wanted)))
 
 
 def hf_overrides(config: Any) -> dict[str, Any]:

@@ -145,7 +145,8 @@ def turn_config(config: Any, tokenizer: Any,
     stops.append(tuple(ids))
   return envs_lib.TurnConfig(
       max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
-      max_turn_tokens=e.max_turn_tokens, stop_sequences=tuple(stops))
+      max_turn_tokens=e.max_turn_tokens, stop_sequences=tuple(stops),
+      step_rows=e.step_rows)
 
 
 def needs_critic(config: Any) -> bool:
@@ -498,12 +499,20 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
                              num_rewards, rl.group_size + alg.extra_samples)
   task, train_examples, heldout = load_task(config)
   check_data(config, train_examples, heldout, mesh)
+  if config.env.name and not group.single:
+    raise ValueError(f"env.name={config.env.name!r} with {group.count} "
+                     "processes: multi-turn episodes run on one process for "
+                     "now.")
+  stops = (tuple(envs_lib.get_env(config.env.name, **dict(
+      config.env.kwargs or {})).stop_strings) if config.env.name else ())
   hf_path = config.model.path
   if hf_path:
     model_config = hf_model_config(hf_path, config)
     tokenizer = hf_tokenizer(hf_path, config)
   else:
-    tokenizer = make_tokenizer(config, task, train_examples, group)
+    tokenizer = make_tokenizer(
+        config, task, train_examples, group,
+        symbols=stops)
     model_config = preset_model_config(config, tokenizer.vocab_size)
   tok_lib.check_tokenizer_vocab(
       tokenizer, model_config.vocab_size,
@@ -514,13 +523,8 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   step = dataclasses.replace(step_config(config),
                              ess_kl_coef=alg.ess_kl_coef,
                              ess_pooling=alg.ess_pooling)
-  if config.env.name and not group.single:
-    raise ValueError(f"env.name={config.env.name!r} with {group.count} "
-                     "processes: multi-turn episodes run on one process for "
-                     "now.")
-  runner = env_runner(config)
-  turns = (turn_config(config, tokenizer, runner.stop_strings)
-           if runner is not None else None)
+  turns = (turn_config(config, tokenizer, stops) if config.env.name
+           else None)
   teacher = None
   if step.distill_coef:
     teacher = policy_lib.load_teacher(config.teacher.path, mesh,
@@ -528,6 +532,9 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
                                       step=config.teacher.step)
     log.info("teacher for on-policy distillation: %s (%s params)",
              config.teacher.path, f"{models.count_params(teacher[1]):,}")
+  # Worker processes last, once nothing else can fail.
+  evaluator = make_evaluator(config)
+  runner = env_runner(config)
   return Components(
       config=config, settings=loop_settings(config), mesh=mesh, task=task,
       train_examples=train_examples, heldout=heldout, tokenizer=tokenizer,
@@ -536,7 +543,7 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
       sample_mesh=sample_mesh,
       sample_param_shardings=models.param_shardings(model_config,
                                                     sample_mesh),
-      evaluator=make_evaluator(config),
+      evaluator=evaluator,
       correctness=correctness_reward(config), algorithm=alg,
       step_config=step, sft=sft_config(config), buckets=buckets,
       eos_ids=eos_ids(tokenizer), hf_path=hf_path,

@@ -200,6 +200,9 @@ _BASE: dict[str, Field] = {
                                     "to this many tokens"),
     "env.max_turn_tokens": F(None, "int>=1?", "tokens of one model turn "
                              "(None: the episode's budget)", int),
+    "env.step_rows": F(None, "int>=1?", "step the environments once this "
+                       "many rows wait (their latency overlaps the others' "
+                       "decoding; None: turn by turn)", int),
     "env.observation_role": F("user", None, "chat role of observations "
                               "(chat templates only)"),
     "env.num_workers": F(2, "int>=0", "environment processes (0: inline)"),
