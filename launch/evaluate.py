@@ -3,7 +3,9 @@ r"""Held-out accuracy of a trained run: greedy, avg@k, pass@k, maj@k.
   python -m launch.evaluate --workdir=/tmp/rljax_demo --num_samples=8 \
       --output=/tmp/rljax_demo/eval.json
 
-Uses the run's task, held-out split, reward functions and sampler settings.
+Uses the run's task, held-out split, reward functions and sampler settings;
+a run with an environment (``env.name``) is evaluated on whole episodes, the
+environment stepped in this process.
 Prints an aligned table of the metrics, then the same metrics as JSON;
 ``--output`` also writes the JSON to a file.
 """
@@ -14,7 +16,7 @@ from absl import app, flags
 import jax
 
 from launch import cli
-from rljax import sampling
+from rljax import envs, sampling
 from rljax.train import build, evaluation, load_policy
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run directory",
@@ -45,16 +47,26 @@ def main(argv):
   _, _, heldout = build.load_task(config)
   tok = policy.tokenizer
   results = {"step": policy.step}
-  with build.make_evaluator(config, num_workers=0) as evaluator:
-    for label, k, greedy in (("greedy_", 1, True), ("", _NUM.value, False)):
-      sc = build.sampler_config(config, tok, k, greedy=greedy)
-      fn = sampling.make_sampler(policy.model_config, sc)
-      results.update(evaluation.evaluate(
-          policy.params, fn, tok, heldout, evaluator,
-          jax.random.key(_SEED.value), num_samples=k,
-          buckets=sc.prompt_buckets, eos_ids=sc.eos_ids,
-          correctness_reward=build.correctness_reward(config),
-          prefix=f"eval/{label}"))
+  config.env.num_workers = 0
+  runner = build.env_runner(config)
+  try:
+    with build.make_evaluator(config, num_workers=0) as evaluator:
+      for label, k, greedy in (("greedy_", 1, True), ("", _NUM.value, False)):
+        sc = build.sampler_config(config, tok, k, greedy=greedy)
+        fn = sampling.make_sampler(policy.model_config, sc)
+        episodes = None if runner is None else envs.MultiTurnSampler(
+            policy.model_config, sc,
+            build.turn_config(config, tok, runner.stop_strings), runner, tok,
+            sc.prompt_buckets, observation_role=config.env.observation_role)
+        results.update(evaluation.evaluate(
+            policy.params, fn, tok, heldout, evaluator,
+            jax.random.key(_SEED.value), num_samples=k,
+            buckets=sc.prompt_buckets, eos_ids=sc.eos_ids,
+            correctness_reward=build.correctness_reward(config),
+            prefix=f"eval/{label}", episodes=episodes))
+  finally:
+    if runner is not None:
+      runner.close()
   text = json.dumps(results, indent=2, sort_keys=True)
   print(_table(results))
   print(text)

@@ -47,6 +47,16 @@ def test_every_environment_trains_from_the_config(name, tmp_path):
     assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
     assert "reward/env/mean" in r and "reward/parity/mean" in r
   assert "eval/accuracy" in summary["after"]
+  if name == "calculator":  # launch.evaluate runs the run's episodes
+    import json  # pylint: disable=g-import-not-at-top
+    from tests.test_launchers import _run  # pylint: disable=g-import-not-at-top
+    _run("launch.evaluate", f"--workdir={tmp_path}", "--num_samples=2",
+         f"--output={tmp_path / 'eval.json'}")
+    with open(tmp_path / "eval.json") as f:
+      results = json.load(f)
+    assert 0.0 <= results["eval/accuracy"] <= 1.0
+    # Episodes: a tool call's observation is part of the completion.
+    assert results["eval/completion_length"] > 0
 
 
 @pytest.mark.slow
