@@ -53,6 +53,8 @@ class Misbehaves:
   def reset(self, example):
     if example["prompt"] == "bad_reset":
       raise ValueError("reset refuses this example")
+    if example["prompt"] == "long_prompt":
+      return "a" * 100, {"how": "fine"}
     return example["prompt"], {"how": example["prompt"]}
 
   def step(self, state, action):

@@ -205,7 +205,7 @@ def test_turn_limit_observation_truncation_and_budget(params):
 @pytest.mark.parametrize("workers", [0, 1])
 def test_failing_environments_fail_their_episodes_only(params, workers):
   ways = ["raise", "not_a_step", "nan_reward", "not_json_state", "fine",
-          "bad_reset"]
+          "bad_reset", "long_prompt"]
   if workers:
     ways += ["hang", "exit"]
   runner = envs.EnvRunner(env_fixtures.Misbehaves(), num_workers=workers,
@@ -226,8 +226,10 @@ def test_failing_environments_fail_their_episodes_only(params, workers):
   assert out.metrics["env/failed_episodes"] == len(ways) - 1
   if workers:
     assert out.metrics["env/timeouts"] == 1
-  # A failed reset's rows never decode.
-  assert out.rollout.completion_mask[ways.index("bad_reset")].sum() == 0
+  # A failed reset's rows never decode, nor do those of a prompt longer
+  # than the largest bucket.
+  for way in ("bad_reset", "long_prompt"):
+    assert out.rollout.completion_mask[ways.index(way)].sum() == 0
 
 
 def test_runner_refuses_what_is_not_an_environment():

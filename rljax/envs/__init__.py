@@ -9,11 +9,11 @@ is ``rollout.MultiTurnSampler``. Built-in environments: ``calculator``
 """
 
 from rljax.envs.base import (Environment, EnvOutcome, EnvRunner, Step,
-                             builtin_envs, check_reset, check_step,
-                             env_reward, get_env)
+                             check_reset, check_step, env_reward)
 from rljax.envs.calculator import CalculatorEnv
 from rljax.envs.guess import GuessNumberEnv
 from rljax.envs.python_tool import PythonToolEnv
+from rljax.envs.registry import builtin_envs, get_env
 from rljax.envs.sandbox import SandboxLimits, SandboxResult, run_python
 from rljax.envs.rollout import (Episodes, MultiTurnSampler,
                                 ObservationFormat, TurnConfig)

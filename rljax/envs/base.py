@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
 import math
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
@@ -287,46 +285,3 @@ class EnvRunner:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
-
-
-def builtin_envs() -> dict[str, type]:
-  """The built-in environments by name."""
-  from rljax.envs import calculator, guess, python_tool  # pylint: disable=g-import-not-at-top
-  return {"calculator": calculator.CalculatorEnv,
-          "guess_number": guess.GuessNumberEnv,
-          "python": python_tool.PythonToolEnv}
-
-
-def get_env(name: str, **kwargs: Any) -> Environment:
-  """A built-in environment by name, or ``"package.module:factory"``
-  called with ``kwargs``; a clear error naming ``env.name`` otherwise."""
-  if ":" in name:
-    module, _, attr = name.partition(":")
-    try:
-      factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-      raise ValueError(f"env.name={name!r} cannot be imported ({exc}); "
-                       "accepted: a built-in name or "
-                       "'package.module:factory'.") from exc
-  else:
-    envs = builtin_envs()
-    if name not in envs:
-      raise ValueError(f"env.name={name!r}: accepted {tuple(sorted(envs))} "
-                       "or 'package.module:factory'.")
-    factory = envs[name]
-  try:
-    env = factory(**kwargs)
-  except TypeError as exc:
-    raise ValueError(f"env.kwargs={kwargs!r} for env.name={name!r}: "
-                     f"{exc}") from exc
-  if not isinstance(env, Environment):
-    raise TypeError(f"env.name={name!r} made {type(env).__name__}, which has "
-                    "no reset/step/stop_strings: an rljax.envs.Environment "
-                    "is required.")
-  return env
-
-
-def timed(fn):
-  """``(result, seconds)`` of ``fn()``."""
-  t = time.monotonic()
-  return fn(), time.monotonic() - t

@@ -53,7 +53,7 @@ import numpy as np
 
 from rljax import sharding
 from rljax import tokenizers as tok_lib
-from rljax.envs.base import EnvRunner
+from rljax.envs.base import EnvOutcome, EnvRunner
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _fused_logprobs,
@@ -430,6 +430,14 @@ class MultiTurnSampler:
         for r in range(i * g, (i + 1) * g):
           ep.fail(r, outcome)
     encoded = tok_lib.encode_prompts(self.tokenizer, prompts)
+    longest = max(self.buckets)
+    for i, ids in enumerate(encoded):
+      if len(ids) > longest or not ids:  # fails its episodes, not the run
+        for r in range(i * g, (i + 1) * g):
+          ep.fail(r, EnvOutcome(
+              "error", None, f"reset's prompt has {len(ids)} tokens; "
+              f"accepted 1 to {longest} (sampler.prompt_buckets)"))
+        encoded[i] = [self.tokenizer.pad_id]
     tokens_BxP, mask_BxP = pad_prompts(encoded, self.buckets,
                                        self.tokenizer.pad_id)
     p = tokens_BxP.shape[1]
