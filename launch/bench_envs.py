@@ -89,12 +89,12 @@ def main(_):
         best = min(best, time.perf_counter() - t)
       outs[name] = jax.device_get(out)
       figures[name] = {"seconds": best,
-                       "env_seconds": out.metrics["env/seconds"],
+                       "env_seconds": out.metrics["time/env"],
                        "turns_mean": out.metrics["env/turns/mean"],
                        "tokens": int(np.asarray(
                            out.rollout.completion_mask).sum())}
       print(f"{name:>12}: {best:.3f} s per rollout, environments "
-            f"{out.metrics['env/seconds']:.3f} s, turns/episode "
+            f"{out.metrics['time/env']:.3f} s, turns/episode "
             f"{out.metrics['env/turns/mean']:.2f}, tokens "
             f"{figures[name]['tokens']}")
   finally:

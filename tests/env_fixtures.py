@@ -80,3 +80,27 @@ class NoStep:
 
   def reset(self, example):
     return example["prompt"], None
+
+
+@dataclasses.dataclass(frozen=True)
+class FlakyGuess:
+  """The guessing game, failing on some secrets: raises when it is a
+  multiple of 3, hangs when it is 7 or 8, returns a malformed step when 5."""
+
+  max_guesses: int = 5
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    from rljax.envs import GuessNumberEnv  # pylint: disable=g-import-not-at-top
+    return GuessNumberEnv(self.max_guesses).reset(example)
+
+  def step(self, state, action):
+    from rljax.envs import GuessNumberEnv  # pylint: disable=g-import-not-at-top
+    secret = state["secret"]
+    if secret % 3 == 0:
+      raise RuntimeError(f"flaky environment on secret {secret}")
+    if secret in (7, 8):
+      time.sleep(600)
+    if secret == 5:
+      return "not a step"
+    return GuessNumberEnv(self.max_guesses).step(state, action)

@@ -60,6 +60,22 @@ def test_every_environment_trains_from_the_config(name, tmp_path):
 
 
 @pytest.mark.slow
+def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
+  config = env_config("guess_number", **{
+      "env.name": "tests.env_fixtures:FlakyGuess", "env.num_workers": 2,
+      "env.timeout_s": 2.0, "eval.every": 100})
+  summary = train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  failed = sum(r["env/failed_episodes"] for r in rows)
+  assert failed > 0
+  assert failed == sum(r["env/errors"] + r["env/timeouts"] for r in rows)
+  assert sum(r["reward/env/none"] for r in rows) == failed
+  assert all(r["grad_norm"] > 0 for r in rows)
+  assert not summary["preempted"]
+
+
+@pytest.mark.slow
 def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
   config = env_config("guess_number", **{"rl.num_steps": 3,
                                          "checkpoint.every": 1,

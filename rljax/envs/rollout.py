@@ -335,7 +335,8 @@ class Episodes(NamedTuple):
       none gave one); NaN for a failed episode.
     failed: ``[N]`` bool, the environment raised, hung or answered malformed
       output (or its reset did).
-    metrics: ``env/*`` host floats.
+    metrics: ``env/*`` host floats, and ``time/env`` (seconds in the
+      environments' calls).
     turn_tokens: each row's turns as ``(start, end, kind)`` column spans,
       ``kind`` ``"model"`` or ``"observation"`` (tests and debugging).
   """
@@ -411,7 +412,6 @@ class MultiTurnSampler:
         ``Environment.reset`` as the example dict).
       key: PRNG key of the draws.
     """
-    t0 = time.monotonic()
     g = self.config.num_samples
     names = list(examples)
     b = len(examples[names[0]])
@@ -472,8 +472,7 @@ class MultiTurnSampler:
         decoding = (decoding & ~stopped) | resumed
       rollout = _to_rollout(jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP),
                             state)
-    return ep.episodes(rollout, prompts, self.runner.restarts,
-                       time.monotonic() - t0)
+    return ep.episodes(rollout, prompts, self.runner.restarts)
 
   def _step(self, taken, turns, states, ep: "_Bookkeeping", p: int):
     """Steps the environments of the ``taken`` rows: the arrays of
@@ -561,8 +560,7 @@ class _Bookkeeping:
     logging.getLogger("rljax").warning("environment %s: %s", outcome.status,
                                        outcome.message)
 
-  def episodes(self, rollout, prompts, restarts: int, seconds: float
-               ) -> Episodes:
+  def episodes(self, rollout, prompts, restarts: int) -> Episodes:
     metrics = {
         "env/turns/mean": float(self.turns.mean()),
         "env/turns/max": float(self.turns.max()),
@@ -573,8 +571,7 @@ class _Bookkeeping:
         "env/errors": float(self.counts["errors"]),
         "env/timeouts": float(self.counts["timeouts"]),
         "env/worker_restarts": float(restarts),
-        "env/seconds": self.env_seconds,
-        "env/rollout_seconds": seconds,
+        "time/env": self.env_seconds,  # within time/sample
     }
     metrics.update({f"env/{k}": float(v) for k, v in self.info.items()})
     return Episodes(rollout, prompts,
