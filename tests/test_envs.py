@@ -162,7 +162,8 @@ def test_an_environment_that_ends_at_once_gives_the_static_rollout(params):
   assert not out.rollout.observation_mask.any()
 
 
-@pytest.mark.parametrize("step_rows", [1, 4])
+@pytest.mark.parametrize("step_rows", [pytest.param(1, marks=pytest.mark.slow),
+                                       4])
 def test_rounds_do_not_change_the_episodes(params, step_rows):
   """With step_rows, environments are stepped as soon as a few rows wait
   (the others go on decoding): the same tokens, logprobs and rewards as
@@ -202,7 +203,7 @@ def test_turn_limit_observation_truncation_and_budget(params):
   assert out.metrics["env/turn_limit"] >= 1
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_failing_environments_fail_their_episodes_only(params, workers):
   ways = ["raise", "not_a_step", "nan_reward", "not_json_state", "fine",
           "bad_reset", "long_prompt"]
@@ -301,7 +302,7 @@ from tests.hf_extra import requires_hf  # noqa: E402  pylint: disable=wrong-impo
 
 @requires_hf("tokenizers", "jinja2")
 def test_chat_observations_continue_the_conversation_as_the_template_does(
-    bpe_dir):  # pylint: disable=redefined-outer-name
+    bpe_dir):  # noqa: F811  pylint: disable=redefined-outer-name
   from rljax import tokenizers  # pylint: disable=g-import-not-at-top
   tok = tokenizers.prompt_tokenizer(tokenizers.load_hf_tokenizer(bpe_dir),
                                     True)

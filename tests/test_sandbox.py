@@ -75,6 +75,7 @@ def test_an_infinite_loop_is_stopped():
   assert result.seconds < LIMITS.timeout_s + 2
 
 
+@pytest.mark.slow
 def test_a_sleeping_program_is_stopped_at_the_wall_clock():
   result = _run("import time\ntime.sleep(60)")
   assert result.status == "timeout"
