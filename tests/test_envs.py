@@ -17,6 +17,8 @@ from rljax import envs, models, sampling
 from rljax.envs import rollout as mt
 from rljax.train import sft
 from tests import env_fixtures
+# log softmax(logits)[token] from one forward pass without a cache.
+from tests.test_continuous import _logprobs as full_forward_logprobs
 
 MC = models.get_preset("tiny")
 TOK = env_fixtures.CharTokenizer()
@@ -47,19 +49,6 @@ def _sampler(env, turns=mt.TurnConfig(max_turns=4, max_observation_tokens=O),
 def scripted(params):
   sampler = _sampler(env_fixtures.Scripted(turns=3))
   return jax.device_get(sampler.run(params, EXAMPLES, jax.random.key(3)))
-
-
-def _full_forward_logprobs(params, prompt_tokens, prompt_mask, tokens, mask):
-  seq = np.concatenate([prompt_tokens, tokens], 1)
-  seq_mask = np.concatenate([prompt_mask, mask], 1)
-  positions = np.maximum(np.cumsum(seq_mask, 1) - 1, 0)
-  logits, _ = models.Decoder(MC).apply({"params": params}, seq, positions,
-                                       input_mask_BxT=seq_mask,
-                                       return_logits=True)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), -1)
-  p = prompt_tokens.shape[1]
-  picked = jnp.take_along_axis(logp[:, p - 1:-1], tokens[..., None], -1)[..., 0]
-  return np.asarray(picked)
 
 
 def test_observations_are_the_tokenizers_ids_and_carry_no_loss(scripted):
@@ -104,8 +93,8 @@ def test_first_turn_is_the_static_samplers_row(params, scripted):
 
 def test_kv_continuation_matches_a_full_forward_pass(params, scripted):
   r = scripted.rollout
-  want = _full_forward_logprobs(params, r.prompt_tokens, r.prompt_mask,
-                                r.completion_tokens, r.completion_mask)
+  want = full_forward_logprobs(params, r.prompt_tokens, r.prompt_mask,
+                               r.completion_tokens, r.completion_mask)
   model = r.completion_mask & ~r.observation_mask
   assert model.sum() > 20 and r.observation_mask.sum() > 5
   np.testing.assert_allclose(np.where(model, r.policy_logprobs, 0),
