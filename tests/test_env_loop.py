@@ -60,6 +60,22 @@ def test_every_environment_trains_from_the_config(name, tmp_path):
 
 
 @pytest.mark.slow
+def test_rounds_and_turn_caps_train_from_the_config(tmp_path):
+  """env.step_rows (environments stepped as rows wait) and
+  env.max_turn_tokens from the config, through the loop."""
+  config = env_config("guess_number", **{"env.step_rows": 4,
+                                         "env.max_turn_tokens": 3,
+                                         "eval.every": 100})
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  assert all(r["grad_norm"] > 0 and r["env/failed_episodes"] == 0
+             for r in rows)
+  # A turn of at most 3 tokens: 5 turns of 3 plus observations fit T=20.
+  assert all(r["completion_length/max"] <= 15 for r in rows)
+
+
+@pytest.mark.slow
 def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
   config = env_config("guess_number", **{
       "env.name": "tests.env_fixtures:FlakyGuess", "env.num_workers": 2,
