@@ -227,6 +227,24 @@ def test_user_algorithm_with_wrong_advantage_shape_fails_before_compile():
     train.build.build(loop_config(), algorithm_override=bad)
 
 
+def test_a_chain_whose_second_axis_does_not_follow_t_is_refused():
+  """[N, R + 1] once passed as per-token ([N, T] with T = R + 1) and crashed
+  after SFT and evaluation (issue 25)."""
+
+  def with_extra_column():
+    def update(updates, state, params=None, **unused):
+      del params, unused
+      return jnp.concatenate([updates, updates[:, :1]], 1), state
+    return optax.GradientTransformationExtraArgs(lambda p: (), update)
+
+  bad = train.Algorithm(advantage=optax.chain(with_extra_column()),
+                        coefficient=obj.ppo_clip(0.2),
+                        optimizer=optax.sgd(1e-3))
+  for r in (1, 2, 3):
+    with pytest.raises(ValueError, match=r"following T"):
+      bad.check_advantage_shapes(32, r, 4)
+
+
 # --- collecting: rewards [N, R], GDPO, all-failed rows, MC-GRPO ------------------
 
 @pytest.mark.slow

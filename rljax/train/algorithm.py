@@ -147,9 +147,28 @@ class Algorithm:
       ValueError: naming the shape the chain returned.
     """
     rewards = jax.ShapeDtypeStruct((num_rows, num_rewards), jnp.float32)
-    # A per-token chain (KTAE) returns [N, T]; a completion length unequal
-    # to R keeps a chain that returns its rewards [N, R] from passing.
-    t = num_rewards + 1
+    # A per-token chain (KTAE) returns [N, T]. The chain is traced with two
+    # completion lengths unlike every other dimension: an output whose
+    # second axis does not follow T (e.g. [N, R + 1]) cannot pass.
+    t_first = max(num_rows, num_rewards, group_size) + 3
+    out = self._advantage_shape(rewards, num_rows, num_rewards, group_size,
+                                t_first)
+    if len(out) == 2 and out[1] == t_first:
+      again = self._advantage_shape(rewards, num_rows, num_rewards,
+                                    group_size, t_first + 1)
+      if again != (num_rows, t_first + 1):
+        out = again
+    if out not in ((num_rows,), (num_rows, t_first)):
+      raise ValueError(
+          f"Algorithm.advantage maps rewards [{num_rows}, {num_rewards}] to "
+          f"shape {out}; advantages [{num_rows}] (or per completion "
+          f"token, [{num_rows}, T], following T) are required. Start "
+          "the chain with advantages.sum_rewards() or "
+          "advantages.normalize_each_reward().")
+
+  def _advantage_shape(self, rewards, num_rows: int, num_rewards: int,
+                       group_size: int, t: int) -> tuple[int, ...]:
+    """The chain's output shape with completions of ``t`` tokens."""
 
     def run(r):
       state = self.advantage.init(r)
@@ -162,20 +181,13 @@ class Algorithm:
                                  jnp.ones((num_rows, t), bool)))[0]
 
     try:
-      out = jax.eval_shape(run, rewards)
+      return tuple(jax.eval_shape(run, rewards).shape)
     except (ValueError, TypeError) as e:
       raise ValueError(
           f"Algorithm.advantage cannot take rewards [N, R] = [{num_rows}, "
           f"{num_rewards}] with group_size={group_size}: {e} Start the chain "
           "with advantages.sum_rewards() or advantages.normalize_each_reward()."
       ) from e
-    if out.shape not in ((num_rows,), (num_rows, t)):
-      raise ValueError(
-          f"Algorithm.advantage maps rewards [{num_rows}, {num_rewards}] to "
-          f"shape {out.shape}; advantages [{num_rows}] (or per completion "
-          f"token, [{num_rows}, T]) are required. Start "
-          "the chain with advantages.sum_rewards() or "
-          "advantages.normalize_each_reward().")
 
 
 def advantage_extra_args(lengths_N: jax.Array, seq_log_ratio_N: jax.Array,
