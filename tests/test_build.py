@@ -515,3 +515,34 @@ def test_nan_learning_rate_is_refused(config):
   config.optimizer.learning_rate = math.nan
   with raises("optimizer.learning_rate=nan", "finite number > 0"):
     build_lib.validate(config)
+
+
+# --- issue 25: validation that a careless config cannot slip past -----------
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("rl.advantage", "grpo++", "empty link at position 1"),
+    ("rl.advantage", "+grpo", "empty link at position 0"),
+    ("rl.rank_weights", "nonsense", "rl.rank_weights preset='nonsense'"),
+    ("rl.rank_weights", "median:x", "must be an integer"),
+])
+def test_resume_fields_are_validated_even_when_unused(field, value, match):
+  from configs import common  # pylint: disable=g-import-not-at-top
+  c = common.tiny(common.base())
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(ValueError, match=match):
+    build_lib.validate(c)
+
+
+def test_a_tiny_temperature_warns(caplog):
+  from configs import common  # pylint: disable=g-import-not-at-top
+  c = common.tiny(common.base())
+  c.rl.training_temperature = 1e-6
+  build_lib.validate(c)
+  assert any("rl.training_temperature=1e-06 is below 0.05" in r.getMessage()
+             for r in caplog.records)
+  c.rl.training_temperature = 1.0
+  caplog.clear()
+  build_lib.validate(c)
+  assert not any("below" in r.getMessage() for r in caplog.records)

@@ -4,6 +4,7 @@ of ``build`` (which re-exports it), split off for length."""
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any
@@ -95,6 +96,26 @@ def _validate_algorithm(config: Any) -> None:
       config, any(e.needs_critic for e in adv_entries))
 
 
+LOW_TEMPERATURE = 0.05
+
+
+def _validate_always(config: Any) -> None:
+  """Fields checked whether or not the run uses them (they are part of the
+  resume check), and temperatures that are legal but almost surely wrong."""
+  from rljax.train.advantage_entries import parse_rank_weights  # pylint: disable=g-import-not-at-top
+  if "rank_weights" in config.rl:  # its form; k against G where it is used
+    parse_rank_weights(config.rl.rank_weights, 1 << 20)
+  for field, value in (("rl.training_temperature",
+                        config.rl.training_temperature),
+                       ("sampler.temperature", config.sampler.temperature)):
+    if 0 < value < LOW_TEMPERATURE:
+      logging.getLogger("rljax").warning(
+          "%s=%g is below %g: logits are divided by it, so losses and "
+          "logprobs grow as 1/%s (greedy decoding is sampler.temperature "
+          "with eval.greedy, not a tiny temperature).", field, value,
+          LOW_TEMPERATURE, field)
+
+
 def _validate_env(config: Any) -> None:
   """A multi-turn environment's settings and what it cannot run with."""
   e, rl = config.env, config.rl
@@ -174,6 +195,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
                      f"rewards.names; accepted: {tuple(labels)}.")
   _validate_rollout(config)
   _validate_env(config)
+  _validate_always(config)
   if config.model.path:
     hf_overrides(config)
     if config.tokenizer.path:

@@ -259,6 +259,12 @@ EXAMPLE_CHAIN = "center_by_group_median+scale_by_group_mad+clip_advantages"
 def advantage_links(name: str) -> list[str]:
   """The entries of ``rl.advantage``: one preset, or links joined by ``"+"``."""
   links = name.split("+")
+  if len(links) > 1 and not all(links):
+    empty = [i for i, link in enumerate(links) if not link]
+    raise ValueError(
+        f"rl.advantage={name!r} has an empty link at position {empty[0]} "
+        f"(of {len(links)}, counting from 0): links are names joined by one "
+        f"'+', e.g. {EXAMPLE_CHAIN!r}.")
   if len(links) > 1:
     for link in links:
       check_choice("rl.advantage (a link of a '+' chain)", link,
