@@ -219,6 +219,35 @@ def test_user_built_algorithm_trains_and_moves_the_weights(tmp_path):
   assert max(moved) > 1e-5
 
 
+def nan_on_odd_rows():
+  """A buggy user link: NaN advantages on every odd row."""
+  def update(updates, state, params=None, **unused):
+    del params, unused
+    odd = jnp.arange(updates.shape[0]) % 2 == 1
+    return jnp.where(odd, jnp.nan, updates), state
+  return optax.GradientTransformationExtraArgs(lambda p: (), update)
+
+
+@pytest.mark.slow
+def test_nan_advantages_never_reach_the_update(tmp_path):
+  """A chain that returns NaN for some rows, with a plain optimizer (no
+  non-finite guard): the rows are out of the loss and counted, and every
+  parameter stays finite (issue 25: all NaN before)."""
+  alg = train.Algorithm(
+      advantage=optax.chain(adv.sum_rewards(), adv.grpo(), nan_on_odd_rows()),
+      coefficient=obj.ppo_clip(0.2), optimizer=optax.adamw(1e-3))
+  config = loop_config()
+  config.checkpoint.every = 1
+  train.run(config, str(tmp_path), algorithm=alg)
+  rows = rl_rows(tmp_path)
+  n = config.rl.prompts_per_step * config.rl.group_size
+  assert [r["adv/nonfinite_rows"] for r in rows] == [n // 2, n // 2]
+  assert all(math.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
+             for r in rows)
+  params = train.load_policy(str(tmp_path), 2).params
+  assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(params))
+
+
 def test_user_algorithm_with_wrong_advantage_shape_fails_before_compile():
   bad = train.Algorithm(advantage=adv.grpo(),  # [N] transforms, no head
                         coefficient=obj.ppo_clip(0.2),

@@ -33,7 +33,13 @@ algorithm=...)``:
         advantage=optax.chain(adv.sum_rewards(), adv.center_by_group_median(),
                               adv.scale_by_group_mad(), adv.rank_weights(w)),
         coefficient=optax.chain(obj.ppo_clip(0.2, 0.28), obj.truncated_is(2.0)),
-        optimizer=optim.make_optimizer("adamw", 1e-4))
+        optimizer=optim.make_optimizer("adamw", 1e-4, max_grad_norm=1.0,
+                                       max_consecutive_nonfinite=5))
+
+The guarded optimizer skips an update whose gradients are not finite (and
+the loop stops after 5 in a row); non-finite advantages never reach it:
+their rows are out of the loss, counted as ``adv/nonfinite_rows``
+(``train/rollout.py``).
 
 Only ``rljax/train/build.py`` reads a ConfigDict; the builders here take the
 config's sections as plain mappings.

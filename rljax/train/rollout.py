@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
@@ -41,6 +42,8 @@ from rljax import tokenizers as tok_lib
 from rljax.advantages import advantage_metrics
 from rljax.train.algorithm import Algorithm, advantage_extra_args
 from rljax.train.steps import RLBatch, batch_shardings
+
+log = logging.getLogger("rljax")
 
 
 def pivot_rows(rewards_N: jax.Array, valid_N: jax.Array,
@@ -102,11 +105,19 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
                              rollout.completion_tokens, completion_mask))
   total_N = _weighted_total(rewards_NxR, weights_R)
   per_token = advantages_N.ndim == 2  # KTAE: [N, T] on the completion.
+  # Non-finite advantages never reach the update: their rows are out of the
+  # loss (and counted), whatever the user's chain or optimizer.
+  finite = jnp.isfinite(advantages_N)
+  finite_N = (jnp.all(finite | ~completion_mask, -1) if per_token
+              else finite)
+  advantages_N = jnp.where(finite, advantages_N, 0.0)
+  completion_mask = completion_mask & finite_N[:, None]
   row_advantages_N = advantages_N if not per_token else jnp.sum(
       advantages_N * completion_mask, -1) / jnp.maximum(
           rollout.lengths, 1)
   metrics = advantage_metrics(total_N, row_advantages_N, group_size=sampled,
                               mask_N=valid_N)
+  metrics["nonfinite_rows"] = jnp.sum(~finite_N).astype(jnp.float32)
   tokens, input_mask = rollout.sequences()
   zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
   completion_advantages = (
@@ -391,6 +402,12 @@ class Collector:
                                          self._weights_R, adv_state)
       adv_metrics = jax.device_get(adv_metrics)
     t_advantage = time.time()
+    if adv_metrics["nonfinite_rows"]:
+      log.warning(
+          "the advantage chain (Algorithm.advantage of %r) returned non-"
+          "finite advantages for %d of %d rows: they are out of this step's "
+          "loss (adv/nonfinite_rows).", self.algorithm.name,
+          int(adv_metrics["nonfinite_rows"]), len(result.rewards_NxR))
     correct = np.nan_to_num(result.rewards_NxR[:, self._correct_column],
                             nan=0.0) >= 1.0
     metrics = dict(result.metrics)
