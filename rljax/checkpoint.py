@@ -172,7 +172,16 @@ class CheckpointManager:
     return {k: np.asarray(v) for k, v in restored[name].items()}
 
   def restore_latest_valid(self, target: Any) -> tuple[int, Any, dict]:
-    """Restores the newest checkpoint that reads back whole.
+    """``restore_latest_valid_with(target)`` without host arrays:
+    ``(step, tree, metadata)``."""
+    return self.restore_latest_valid_with(target)[:3]
+
+  def restore_latest_valid_with(self, target: Any,
+                                host_arrays: tuple[str, ...] = ()
+                                ) -> tuple[int, Any, dict, dict[str, Any]]:
+    """Restores the newest checkpoint that reads back whole: its state, its
+    metadata and each of its ``host_arrays`` items (e.g. the SPEC-RL draft
+    store), all of them verified together.
 
     A checkpoint that fails to restore (truncated or corrupted files) is
     skipped with a warning naming its directory, and the one before it is
@@ -183,7 +192,7 @@ class CheckpointManager:
     checkpoint restores.
 
     Returns:
-      ``(step, tree, metadata)``.
+      ``(step, tree, metadata, {name: host arrays or None})``.
 
     Raises:
       FileNotFoundError: if no checkpoint can be restored.
@@ -192,6 +201,8 @@ class CheckpointManager:
     for step in reversed(self.all_steps()):
       try:
         tree, metadata = self.restore(step, target)
+        extras = {name: self.restore_host_arrays(step, name)
+                  for name in host_arrays}
         failure = None
       except Exception as e:  # orbax/tensorstore raise many kinds
         failure = e
@@ -207,7 +218,7 @@ class CheckpointManager:
         continue
       if errors:
         self._move_aside([s for s, _ in errors])
-      return step, tree, metadata
+      return step, tree, metadata, extras
     raise FileNotFoundError(
         f"no readable checkpoint in {self.directory}"
         + (f" (unreadable: {[b for _, b in errors]})" if errors else "") + ".")

@@ -72,6 +72,27 @@ def test_corrupted_latest_falls_back_to_previous(tmp_path, caplog):
   m.close()
 
 
+def test_a_damaged_host_array_falls_back_and_is_moved_aside(tmp_path):
+  """A corrupt draft store in the newest checkpoint (its state intact) once
+  blocked every resume (issue 25): now the checkpoint is unreadable as a
+  whole, the previous one is restored and the damaged one moved aside."""
+  m = checkpoint.CheckpointManager(tmp_path, max_to_keep=3, async_save=False)
+  drafts = {"tokens": np.arange(12, dtype=np.int32).reshape(3, 4)}
+  m.save(1, _tree(1), host_arrays={"drafts": drafts})
+  m.save(2, _tree(2), host_arrays={"drafts": {"tokens": drafts["tokens"] + 1}})
+  m.wait()
+  _corrupt(os.path.join(m.directory, "2", "drafts"))
+  with pytest.raises(Exception):  # what every resume met before
+    m.restore_host_arrays(2, "drafts")
+  step, tree, _, extras = m.restore_latest_valid_with(_tree(0), ("drafts",))
+  assert step == 1
+  _assert_equal(tree, _tree(1))
+  np.testing.assert_array_equal(extras["drafts"]["tokens"], drafts["tokens"])
+  assert m.all_steps() == [1]
+  assert glob.glob(os.path.join(str(tmp_path) + ".corrupt", "2-*"))
+  m.close()
+
+
 def test_no_readable_checkpoint_is_an_error(tmp_path):
   m = checkpoint.CheckpointManager(tmp_path, async_save=False)
   with pytest.raises(FileNotFoundError, match="no readable checkpoint"):

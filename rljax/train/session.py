@@ -195,14 +195,18 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   target = {"state": c.init_state(params, run.state_key)}
   if kl:
     target["ref_params"] = params
-  resumed, tree, meta = run.manager.restore_latest_valid(target)
+  # The state, the metadata and the host arrays are verified together: a
+  # damaged draft store falls back to the previous checkpoint like a
+  # damaged state.
+  resumed, tree, meta, extras = run.manager.restore_latest_valid_with(
+      target, ("drafts", "partial"))
   del target
   run.iterator.set_state(meta["data_iterator"])
   if run.collector.speculation is not None:
-    drafts = run.manager.restore_host_arrays(resumed, "drafts")
+    drafts = extras["drafts"]
     if drafts is not None:
       run.collector.speculation.store.load_arrays(drafts)
-  carried = run.manager.restore_host_arrays(resumed, "partial")
+  carried = extras["partial"]
   if run.collector.slots is not None and carried is not None:
     run.collector.slots.load_arrays(carried)
   elif carried is not None and "prompts" in carried:
