@@ -160,3 +160,37 @@ def test_a_hugging_face_checkpoint_is_a_teacher(tmp_path):
     train.load_teacher(str(tmp_path), None, 40)
   with pytest.raises(ValueError, match=r"teacher.step=3"):
     train.load_teacher(str(tmp_path), None, 32, step=3)
+
+
+# --- issue 25: a teacher must share the student's tokenizer, by content ------
+
+
+def test_a_teacher_tokenizer_of_the_same_size_with_other_ids_is_refused():
+  from rljax import tokenizers  # pylint: disable=g-import-not-at-top
+  from rljax.train import policy  # pylint: disable=g-import-not-at-top
+  # Same size, same characters, other frequencies: other ids.
+  a = tokenizers.train_sentencepiece(["aaab abab"] * 50 + ["0123456789"], 24)
+  b = tokenizers.train_sentencepiece(["abbb baba"] * 50 + ["0123456789"], 24)
+  assert a.vocab_size == b.vocab_size == 24
+  policy.check_same_tokenizer(a, a, "/teacher")  # the same: accepted
+  with pytest.raises(ValueError, match=r"teacher.path='/teacher': token \d+ "
+                     r"is .* for the teacher and .* for the student"):
+    policy.check_same_tokenizer(a, b, "/teacher")
+
+
+def test_a_hugging_face_teacher_without_tokenizer_files_is_refused(tmp_path):
+  config = models.model_config_from_hf({
+      "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+      "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
+      "num_hidden_layers": 1, "num_attention_heads": 4,
+      "num_key_value_heads": 2, "max_position_embeddings": 64,
+      "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+      "tie_word_embeddings": True, "torch_dtype": "float32"})
+  models.save_hf_checkpoint(tmp_path, config,
+                            models.init_params(config, jax.random.key(3)))
+  from rljax import tokenizers  # pylint: disable=g-import-not-at-top
+  student = tokenizers.train_sentencepiece(
+      [f"{x}+{y}={x + y}" for x in range(40) for y in range(40)], 32)
+  with pytest.raises(ValueError, match=r"has no tokenizer.json or "
+                     r"tokenizer.model"):
+    train.load_teacher(str(tmp_path), None, 32, tokenizer=student)

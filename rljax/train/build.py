@@ -527,9 +527,10 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
            else None)
   teacher = None
   if step.distill_coef:
-    teacher = policy_lib.load_teacher(config.teacher.path, mesh,
-                                      model_config.vocab_size,
-                                      step=config.teacher.step)
+    teacher = policy_lib.load_teacher(
+        config.teacher.path, mesh, model_config.vocab_size,
+        step=config.teacher.step,
+        tokenizer=getattr(tokenizer, "tokenizer", tokenizer))
     log.info("teacher for on-policy distillation: %s (%s params)",
              config.teacher.path, f"{models.count_params(teacher[1]):,}")
   # Worker processes last, once nothing else can fail.

@@ -73,8 +73,57 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
                 tokenizer, config, int(step))
 
 
+def _pieces(tokenizer: Any, size: int) -> list[str]:
+  piece = getattr(tokenizer, "id_to_piece", None)
+  if piece is None:
+    return [tokenizer.decode([i]) for i in range(size)]
+  return [str(piece(i)) for i in range(size)]
+
+
+def check_same_tokenizer(student: Any, teacher: Any, path: str) -> None:
+  """Raises unless ``teacher`` gives every id the student's token string and
+  the same special ids (by content: a vocabulary of the same size with other
+  ids is refused), naming ``teacher.path`` and one differing token."""
+  size = student.vocab_size
+  if teacher.vocab_size != size:
+    raise ValueError(
+        f"teacher.path={path!r}: its tokenizer has {teacher.vocab_size} "
+        f"tokens, the student's {size}: the teacher must share the student's "
+        "tokenizer.")
+  for name in ("bos_id", "eos_id", "pad_id"):
+    if getattr(student, name) != getattr(teacher, name):
+      raise ValueError(
+          f"teacher.path={path!r}: its {name} is {getattr(teacher, name)}, "
+          f"the student's {getattr(student, name)}: the teacher must share "
+          "the student's tokenizer.")
+  mine, theirs = _pieces(student, size), _pieces(teacher, size)
+  for i, (a, b) in enumerate(zip(mine, theirs)):
+    if a != b:
+      raise ValueError(
+          f"teacher.path={path!r}: token {i} is {b!r} for the teacher and "
+          f"{a!r} for the student: the teacher must share the student's "
+          "tokenizer (the same vocabulary and ids), or the per-token KL "
+          "compares unrelated tokens.")
+
+
+def _teacher_tokenizer(path: str) -> Any:
+  """The tokenizer files of a Hugging Face teacher directory."""
+  from rljax import tokenizers as tok_lib  # pylint: disable=g-import-not-at-top
+  if not any(os.path.isfile(os.path.join(path, name))
+             for name in ("tokenizer.json", "tokenizer.model")):
+    raise ValueError(
+        f"teacher.path={path!r} has no tokenizer.json or tokenizer.model: "
+        "rljax cannot check that the teacher shares the student's tokenizer; "
+        "copy the tokenizer files next to its config.json.")
+  try:
+    return tok_lib.load_hf_tokenizer(path)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"teacher.path={path!r}: its tokenizer cannot be read "
+                     f"({e}).") from e
+
+
 def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
-                 step: int | None = None
+                 step: int | None = None, tokenizer: Any = None
                  ) -> tuple[models.ModelConfig, Any]:
   """``(model_config, params)`` of a teacher, sharded on ``mesh``.
 
@@ -85,6 +134,9 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
     mesh: the device mesh.
     vocab_size: the student's vocabulary size; the teacher's must equal it.
     step: the run directory's checkpoint.
+    tokenizer: the student's tokenizer; given, the teacher's must be the
+      same by content (``check_same_tokenizer``): its tokenizer files for a
+      Hugging Face directory, the run's tokenizer for a run directory.
 
   Raises:
     ValueError: naming ``teacher.path`` when it is neither, or when the
@@ -92,6 +144,9 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
   """
   if os.path.isdir(os.path.join(path, "checkpoints")):
     loaded = load_policy(path, step)
+    if tokenizer is not None:
+      check_same_tokenizer(tokenizer, getattr(loaded.tokenizer, "tokenizer",
+                                              loaded.tokenizer), path)
     model_config = loaded.model_config
     params = jax.device_put(loaded.params,
                             models.param_shardings(model_config, mesh))
@@ -99,6 +154,8 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
     if step is not None:
       raise ValueError(f"teacher.step={step} with teacher.path={path!r}, a "
                        "Hugging Face checkpoint: accepted teacher.step=None.")
+    if tokenizer is not None:
+      check_same_tokenizer(tokenizer, _teacher_tokenizer(path), path)
     model_config, params = models.load_hf_pretrained(path, mesh)
   else:
     raise ValueError(
