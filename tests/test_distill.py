@@ -3,6 +3,7 @@ against the exact reverse KL, the step against an independent surrogate, and
 a loop whose teacher is a run directory loaded from the config."""
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -194,3 +195,74 @@ def test_a_hugging_face_teacher_without_tokenizer_files_is_refused(tmp_path):
   with pytest.raises(ValueError, match=r"has no tokenizer.json or "
                      r"tokenizer.model"):
     train.load_teacher(str(tmp_path), None, 32, tokenizer=student)
+
+
+def _MESH1():  # pylint: disable=invalid-name
+  from rljax import sharding  # pylint: disable=g-import-not-at-top
+  return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+
+
+def _teacher_run(directory, steps=(1, 2)):
+  """A run directory as training leaves it: config.json, tokenizer.model and
+  checkpoints of {"state": {"params"}} (each step's params scaled by it)."""
+  import json as json_lib  # pylint: disable=g-import-not-at-top
+  from configs import common  # pylint: disable=g-import-not-at-top
+  from rljax import checkpoint, tokenizers  # pylint: disable=g-import-not-at-top
+  os.makedirs(directory)
+  config = common.tiny(common.base())
+  tok = tokenizers.train_sentencepiece(["aaab abab"] * 50 + ["0123456789"], 24)
+  tok.save(os.path.join(directory, "tokenizer.model"))
+  with open(os.path.join(directory, "config.json"), "w") as f:
+    json_lib.dump(json_lib.loads(config.to_json_best_effort()), f)
+  mc = train.build.preset_model_config(config, tok.vocab_size)
+  params = models.init_params(mc, jax.random.key(0))
+  m = checkpoint.CheckpointManager(os.path.join(directory, "checkpoints"),
+                                   async_save=False)
+  for step in steps:
+    m.save(step, {"state": {"params": jax.tree.map(lambda x: x * step,
+                                                   params)}})
+  m.wait()
+  m.close()
+  return tok, params
+
+
+def test_a_teacher_whose_newest_checkpoint_is_corrupt_falls_back(tmp_path,
+                                                                 caplog):
+  import glob  # pylint: disable=g-import-not-at-top
+  teacher = str(tmp_path / "teacher")
+  tok, params = _teacher_run(teacher)
+  for f in glob.glob(os.path.join(teacher, "checkpoints", "2", "**", "*"),
+                     recursive=True):
+    if os.path.isfile(f) and "metadata" not in os.path.basename(f).lower():
+      with open(f, "r+b") as fh:
+        fh.truncate(os.path.getsize(f) // 3)
+  _, got = train.load_teacher(teacher, _MESH1(), tok.vocab_size,
+                              tokenizer=tok)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # step 1's
+  assert f"teacher.path={teacher!r}: checkpoint 2 is unreadable" in caplog.text
+  # Both unreadable: a named error, not an orbax traceback.
+  import shutil  # pylint: disable=g-import-not-at-top
+  shutil.rmtree(os.path.join(teacher, "checkpoints", "1"))
+  with pytest.raises(ValueError, match=r"teacher.path=.*no readable "
+                     r"checkpoint \(step 2: "):
+    train.load_teacher(teacher, _MESH1(), tok.vocab_size)
+
+
+def test_a_teacher_run_is_pinned_against_pruning(tmp_path, monkeypatch):
+  """The checkpoint is copied before it is read: pruning the live run's step
+  while it is read (here: right after the copy) cannot break the load."""
+  from rljax.train import policy  # pylint: disable=g-import-not-at-top
+  teacher = str(tmp_path / "teacher")
+  tok, params = _teacher_run(teacher, steps=(3,))
+  real_load = policy.load_policy
+
+  def prune_then_load(workdir, step):
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(os.path.join(teacher, "checkpoints", str(step)))
+    return real_load(workdir, step)
+
+  monkeypatch.setattr(policy, "load_policy", prune_then_load)
+  _, got = train.load_teacher(teacher, _MESH1(), tok.vocab_size)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(a) * 3, np.asarray(b))

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -122,6 +125,47 @@ def _teacher_tokenizer(path: str) -> Any:
                      f"({e}).") from e
 
 
+def _load_pinned(path: str, step: int | None) -> Policy:
+  """A teacher run's policy from its newest readable checkpoint (or
+  ``step``), pinned: the checkpoint is copied before it is read, so a live
+  run pruning its old steps cannot remove it mid-restore. An unreadable or
+  vanished checkpoint falls back to the one before it (a warning names it);
+  every failure names ``teacher.path``."""
+  directory = os.path.join(path, "checkpoints")
+  steps = ([step] if step is not None else sorted(
+      (int(n) for n in os.listdir(directory) if n.isdigit()), reverse=True))
+  if not steps:
+    raise ValueError(f"teacher.path={path!r} has no checkpoint in "
+                     f"{directory}.")
+  hf = os.path.isdir(os.path.join(path, inputs_lib.HF_DIR))
+  errors = []
+  for candidate in steps:
+    with tempfile.TemporaryDirectory(prefix="rljax-teacher-") as pinned:
+      try:
+        for name in ("config.json",):
+          shutil.copy2(os.path.join(path, name), pinned)
+        if hf:
+          shutil.copytree(os.path.join(path, inputs_lib.HF_DIR),
+                          os.path.join(pinned, inputs_lib.HF_DIR))
+        else:
+          shutil.copy2(os.path.join(path, "tokenizer.model"), pinned)
+        shutil.copytree(os.path.join(directory, str(candidate)),
+                        os.path.join(pinned, "checkpoints", str(candidate)))
+        loaded = load_policy(pinned, candidate)
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        # orbax / tensorstore / the file system raise many kinds.
+        why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+        errors.append(f"step {candidate}: {why}")
+        logging.getLogger("rljax").warning(
+            "teacher.path=%r: checkpoint %d is unreadable (%s)%s", path,
+            candidate, why, "; trying the one before it" if
+            candidate != steps[-1] else "")
+        continue
+    return loaded
+  raise ValueError(f"teacher.path={path!r}: no readable checkpoint ("
+                   + "; ".join(errors) + ").")
+
+
 def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
                  step: int | None = None, tokenizer: Any = None
                  ) -> tuple[models.ModelConfig, Any]:
@@ -129,7 +173,8 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
 
   Args:
     path: an rljax run directory (``checkpoints/`` and ``config.json``;
-      checkpoint ``step``, latest if None) or a Hugging Face checkpoint
+      checkpoint ``step``, else the newest readable one, copied before it
+      is read: ``_load_pinned``) or a Hugging Face checkpoint
       directory (``config.json`` and safetensors).
     mesh: the device mesh.
     vocab_size: the student's vocabulary size; the teacher's must equal it.
@@ -143,7 +188,7 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
       vocabularies differ.
   """
   if os.path.isdir(os.path.join(path, "checkpoints")):
-    loaded = load_policy(path, step)
+    loaded = _load_pinned(path, step)
     if tokenizer is not None:
       check_same_tokenizer(tokenizer, getattr(loaded.tokenizer, "tokenizer",
                                               loaded.tokenizer), path)
