@@ -18,6 +18,7 @@ PRNG keys must be stored as raw ``uint32`` key data
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -206,6 +207,7 @@ class CheckpointManager:
         failure = None
       except Exception as e:  # orbax/tensorstore raise many kinds
         failure = e
+        self._check_structure(step, target)  # another run's state: raise
       # With several processes, all of them fall back together.
       if not self._group.all(failure is None):
         bad = os.path.join(self.directory, str(step))
@@ -222,6 +224,37 @@ class CheckpointManager:
     raise FileNotFoundError(
         f"no readable checkpoint in {self.directory}"
         + (f" (unreadable: {[b for _, b in errors]})" if errors else "") + ".")
+
+  def _check_structure(self, step: int, target: Any) -> None:
+    """Raises when checkpoint ``step`` is readable but holds another state
+    than ``target`` (a changed optimizer or model): a different run, not a
+    damaged checkpoint, so nothing falls back or is moved aside. A
+    checkpoint whose metadata cannot be read is left to the restore."""
+    if target is None:
+      return
+    try:
+      saved = self._local_target(step)
+    except Exception:  # pylint: disable=broad-exception-caught
+      return  # damaged: the restore falls back
+    state = target.get("state", target) if isinstance(target, dict) else target
+    saved_state = (saved.get("state", saved) if isinstance(saved, dict)
+                   else saved)
+    # Shapes as multisets: the saved tree's order need not be the target's.
+    old = collections.Counter(tuple(x.shape) for x in jax.tree.leaves(
+        saved_state) if hasattr(x, "shape"))
+    new = collections.Counter(tuple(x.shape) for x in jax.tree.leaves(state)
+                              if hasattr(x, "shape"))
+    if old == new:
+      return
+    only_old = sorted((old - new).elements())[:3]
+    only_new = sorted((new - old).elements())[:3]
+    raise ValueError(
+        f"checkpoint {os.path.join(self.directory, str(step))} holds a "
+        f"different state than this run builds (old -> new): "
+        f"{sum(old.values())} -> {sum(new.values())} arrays; shapes only "
+        f"saved {only_old}, only now {only_new}. The optimizer, the "
+        "algorithm or the model changed since it was saved: resume with the "
+        "same ones, or start in a new --workdir.")
 
   def _move_aside(self, steps: list[int]) -> None:
     aside = self.directory + ".corrupt"

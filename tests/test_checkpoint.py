@@ -93,6 +93,20 @@ def test_a_damaged_host_array_falls_back_and_is_moved_aside(tmp_path):
   m.close()
 
 
+def test_a_state_of_another_shape_is_named_not_called_unreadable(tmp_path):
+  """Resuming with another optimizer once said "no readable checkpoint ...
+  unreadable: [3, 2]" of fine checkpoints (issue 25); nothing is moved."""
+  m = checkpoint.CheckpointManager(tmp_path, async_save=False)
+  m.save(1, {"state": {"params": np.ones(4), "mu": np.ones(4)}})
+  m.wait()
+  with pytest.raises(ValueError, match=r"different state than this run "
+                     r"builds \(old -> new\): 2 -> 1 arrays"):
+    m.restore_latest_valid({"state": {"params": np.ones(4)}})
+  assert m.all_steps() == [1]
+  assert not os.path.exists(str(tmp_path) + ".corrupt")
+  m.close()
+
+
 def test_no_readable_checkpoint_is_an_error(tmp_path):
   m = checkpoint.CheckpointManager(tmp_path, async_save=False)
   with pytest.raises(FileNotFoundError, match="no readable checkpoint"):
