@@ -192,6 +192,9 @@ def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(params, prompt
   r = jax.device_get(fn(params8, tokens[:3], mask[:3], jax.random.key(1)))
   assert r.completion_tokens.shape == (3 * BASE.num_samples, BASE.max_new_tokens)
   for got, want in zip(r, expected):
+    if want is None:  # fields the sampler does not fill (observation_mask)
+      assert got is None
+      continue
     np.testing.assert_allclose(got, want, atol=1e-5)
   np.testing.assert_array_equal(r.prompt_tokens, np.repeat(tokens[:3], 3, 0))
   assert r.completion_mask.any(1).all()
