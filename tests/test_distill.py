@@ -143,14 +143,19 @@ def test_a_directory_that_is_no_teacher_is_named(tmp_path):
     train.load_teacher(str(tmp_path), None, MC.vocab_size)
 
 
-def test_a_hugging_face_checkpoint_is_a_teacher(tmp_path):
-  config = models.model_config_from_hf({
+def _tiny_hf_config():
+  """A one-layer Qwen2 of 32 tokens, as a Hugging Face config.json gives it."""
+  return models.model_config_from_hf({
       "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
       "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
       "num_hidden_layers": 1, "num_attention_heads": 4,
       "num_key_value_heads": 2, "max_position_embeddings": 64,
       "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
       "tie_word_embeddings": True, "torch_dtype": "float32"})
+
+
+def test_a_hugging_face_checkpoint_is_a_teacher(tmp_path):
+  config = _tiny_hf_config()
   params = models.init_params(config, jax.random.key(3))
   models.save_hf_checkpoint(tmp_path, config, params)
   got_config, got = train.load_teacher(str(tmp_path), None, 32)
@@ -180,13 +185,7 @@ def test_a_teacher_tokenizer_of_the_same_size_with_other_ids_is_refused():
 
 
 def test_a_hugging_face_teacher_without_tokenizer_files_is_refused(tmp_path):
-  config = models.model_config_from_hf({
-      "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
-      "vocab_size": 32, "hidden_size": 32, "intermediate_size": 64,
-      "num_hidden_layers": 1, "num_attention_heads": 4,
-      "num_key_value_heads": 2, "max_position_embeddings": 64,
-      "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-      "tie_word_embeddings": True, "torch_dtype": "float32"})
+  config = _tiny_hf_config()
   models.save_hf_checkpoint(tmp_path, config,
                             models.init_params(config, jax.random.key(3)))
   from rljax import tokenizers  # pylint: disable=g-import-not-at-top
