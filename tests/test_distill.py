@@ -196,6 +196,33 @@ def test_a_hugging_face_teacher_without_tokenizer_files_is_refused(tmp_path):
     train.load_teacher(str(tmp_path), None, 32, tokenizer=student)
 
 
+def test_a_hugging_face_teacher_with_another_32_token_vocabulary_is_refused(
+    tmp_path):
+  """The issue's case: an HF directory whose WordLevel tokenizer has the
+  student's 32 tokens' count but its own ids passes the size check; the
+  content check names a differing token."""
+  hf_tokenizers = pytest.importorskip("tokenizers")
+  import json as json_lib  # pylint: disable=g-import-not-at-top
+  from rljax import tokenizers  # pylint: disable=g-import-not-at-top
+  student = tokenizers.train_sentencepiece(
+      ["aaab abab cd"] * 50 + ["0123456789 efghij"] * 20, 32)
+  words = ["<pad>", "<s>", "</s>"] + list("0123456789+=abcdefghijklmnopq")
+  assert len(words) == student.vocab_size == 32
+  tok = hf_tokenizers.Tokenizer(hf_tokenizers.models.WordLevel(
+      {t: i for i, t in enumerate(words)}, unk_token="<pad>"))
+  tok.add_special_tokens(words[:3])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  with open(tmp_path / "tokenizer_config.json", "w") as f:
+    json_lib.dump({"bos_token": "<s>", "eos_token": "</s>",
+                   "pad_token": "<pad>"}, f)
+  config = _tiny_hf_config()
+  models.save_hf_checkpoint(tmp_path, config,
+                            models.init_params(config, jax.random.key(3)))
+  with pytest.raises(ValueError, match=r"teacher.path=.*(token \d+ is|its "
+                     r"(bos|eos|pad)_id is)"):
+    train.load_teacher(str(tmp_path), None, 32, tokenizer=student)
+
+
 def _MESH1():  # pylint: disable=invalid-name
   from rljax import sharding  # pylint: disable=g-import-not-at-top
   return sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])

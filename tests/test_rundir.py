@@ -305,3 +305,74 @@ def test_tokenizer_ids_beyond_the_model_vocab_are_refused_before_compile():
   with pytest.raises(ValueError, match=r"model.preset='tiny'.*largest id is "
                      r"\d+.*vocab_size=8"):
     train.build.build(config)
+
+
+# --- issue 25: refused starts through the launcher ----------------------------
+
+
+def _snapshot(directory):
+  """Every file under ``directory``: its bytes and mode (what a refused start
+  must leave as it was). The lock file is left out: it names the last process
+  that took the lock, and a start refused after taking it (at build) rewrites
+  that line."""
+  out = {}
+  for root, dirs, files in os.walk(directory):
+    for name in dirs + files:
+      path = os.path.join(root, name)
+      rel = os.path.relpath(path, directory)
+      if rel == rundir.LOCK_FILE:
+        continue
+      out[rel] = (os.stat(path).st_mode, open(path, "rb").read()
+                  if os.path.isfile(path) else None)
+  return out
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tmp_path_factory):
+  """A teacher run directory whose tokenizer is not the student's."""
+  from tests.test_distill import _teacher_run  # pylint: disable=g-import-not-at-top
+  directory = str(tmp_path_factory.mktemp("teacher") / "run")
+  _teacher_run(directory, steps=(1,))
+  return directory
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags,match", [
+    (["--config.rl.rank_weights=nonsense"], r"rl.rank_weights preset="
+     r"'nonsense'"),
+    (["--config.rl.advantage=grpo++"], r"empty link at position 1"),
+    (["--config.rl.training_temperature=0.0"], r"rl.training_temperature"),
+    (["--config.sampler.temperature=-1.0"], r"sampler.temperature"),
+    # Checked at build (it needs the student's tokenizer): a directory
+    # without checkpoints, so that no resume check comes first.
+    (["--config.rl.distill_coef=1.0", "--config.teacher.path={teacher}"],
+     r"teacher.path=.*tokenizer"),
+])
+def test_a_refused_start_through_the_launcher_leaves_the_run_directory(
+    tmp_path, other_teacher, flags, match):
+  """``python -m launch.train`` with a bad field exits non-zero with an
+  error naming it (not a difference from the saved run), and the run
+  directory it was pointed at (one holding an earlier run's files) is
+  byte-for-byte as it was."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  (workdir / "config.json").write_text('{"seed": 0}')
+  (workdir / "metrics.jsonl").write_text('{"step": 3}\n')
+  if "teacher" not in match:
+    (workdir / "checkpoints" / "3").mkdir(parents=True)
+    (workdir / "checkpoints" / "3" / "state").write_bytes(b"\x00" * 64)
+  before = _snapshot(workdir)
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--workdir={workdir}",
+       "--config=configs/arithmetic_grpo.py:tiny"]
+      + [f.format(teacher=other_teacher) for f in flags],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+      check=False)
+  out = proc.stdout + proc.stderr
+  assert proc.returncode != 0, out[-3000:]
+  import re  # pylint: disable=g-import-not-at-top
+  assert re.search(match, out), out[-3000:]
+  assert "Traceback" not in out or "ValueError" in out, out[-3000:]
+  assert _snapshot(workdir) == before

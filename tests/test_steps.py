@@ -620,3 +620,40 @@ def test_sequence_logprobs_num_scored_is_the_tail_of_the_full_result(params_1l,
   with pytest.raises(ValueError, match=f"num_scored={L_OFF}"):
     models.sequence_logprobs(params_1l, MC_1L, off_batch.tokens_NxL,
                              off_batch.input_mask_NxL, num_scored=L_OFF)
+
+
+@pytest.mark.slow
+def test_a_coefficient_chain_that_returns_nan_never_reaches_the_update():
+  """Issue 25: a user coefficient link giving NaN/inf on some tokens. Those
+  tokens weigh 0 and are counted (``coef/nonfinite_tokens``): the update
+  equals the one where their rows' advantages are 0 (the normaliser keeps
+  every token), and every parameter stays finite."""
+  params = models.init_params(MC, jax.random.key(2))
+  optimizer = optax.sgd(0.1)
+  base = train.coefficient_chain({"objective": "ppo_clip"})
+
+  def update(ratio, state, params=None, *, advantages_BxT, **kw):
+    c, state = base.update(ratio, state, params,
+                           advantages_BxT=advantages_BxT, **kw)
+    bad = advantages_BxT < 0
+    return jnp.where(bad, jnp.where(jnp.arange(c.shape[1]) % 2, jnp.nan,
+                                    jnp.inf), c), state
+
+  broken = optax.GradientTransformationExtraArgs(base.init, update)
+  batch = _random_batch(seed=3)
+  negative = np.asarray(batch.advantages_NxL) < 0
+  assert 0 < negative.sum() < len(negative)
+  step = jax.jit(train.make_rl_step(MC, train.RLStepConfig(), optimizer,
+                                    broken))
+  state, metrics = step(_fresh_state(optimizer, broken, params), batch)
+  zeroed = batch._replace(advantages_NxL=np.where(
+      negative, 0.0, batch.advantages_NxL).astype(np.float32))
+  ref_step = jax.jit(train.make_rl_step(MC, train.RLStepConfig(), optimizer,
+                                        base))
+  ref, ref_metrics = ref_step(_fresh_state(optimizer, base, params), zeroed)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref.params)):
+    assert np.all(np.isfinite(a))
+    np.testing.assert_allclose(a, b, atol=1e-6)
+  assert float(metrics["coef/nonfinite_tokens"]) == float(
+      np.asarray(batch.loss_mask_NxL)[negative].sum())
+  assert float(ref_metrics["coef/nonfinite_tokens"]) == 0.0

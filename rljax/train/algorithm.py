@@ -39,7 +39,8 @@ algorithm=...)``:
 The guarded optimizer skips an update whose gradients are not finite (and
 the loop stops after 5 in a row); non-finite advantages never reach it:
 their rows are out of the loss, counted as ``adv/nonfinite_rows``
-(``train/rollout.py``).
+(``train/rollout.py``); a coefficient chain's NaN/inf tokens weigh 0 and are
+counted as ``coef/nonfinite_tokens`` (``train/steps.py``).
 
 Only ``rljax/train/build.py`` reads a ConfigDict; the builders here take the
 config's sections as plain mappings.

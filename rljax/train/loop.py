@@ -66,6 +66,9 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None,
     advantage, train, evaluation, checkpoint), tokens and tokens/s of
     sampling and training, and the paths written.
   """
+  # A bad field is named as such (not as a difference from a saved run) and
+  # a refused start leaves the run directory as it was: no lock file either.
+  build_lib.validate(config)
   group = distributed.ProcessGroup()
   lock, error = None, None
   if group.primary:  # one lock for the run (a shared filesystem's workdir)
@@ -180,6 +183,12 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
     run.writer.write(step, m)
     progress.update(step, m)
     last = metrics_lib.to_floats(m)
+    if last.get("coef/nonfinite_tokens"):
+      log.warning("step %d: the coefficient chain of %r returned NaN/inf for "
+                  "%d trained tokens; they weighed 0 in the update "
+                  "(coef/nonfinite_tokens).", step,
+                  run.collector.algorithm.name,
+                  int(last["coef/nonfinite_tokens"]))
     stop.check(step, last, run.manager, run.writer)
     if step % s.checkpoint_every == 0 or step == s.num_steps:
       run.save(step, state, ref_params, last,

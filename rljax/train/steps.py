@@ -269,15 +269,23 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     coef, coef_state = coef_tx.update(
         ratio, coef_state, advantages_BxT=adv, mask_BxT=mask,
         old_logprobs_BxT=old, sampler_logprobs_BxT=sampler_lp, ess=ess)
+    # A user coefficient chain's NaN/inf never reaches the update: those
+    # tokens weigh 0 (``c`` carries no gradient) and are counted.
+    finite = jnp.isfinite(coef)
+    nonfinite = jnp.sum(mask & ~finite, dtype=jnp.float32)
+    coef = jnp.where(finite, coef, 0.0)
     return Forward(lp, ent, old, ratio, coef, adv, reverse_kl, ess, mask,
-                   sampler_lp), coef_state
+                   sampler_lp), coef_state, nonfinite
 
   def loss_fn(trained, mb: StepInputs, coef_state, norm: Normalizers,
               pooled_ess):
     params, critic_params = trained if cfg.critic is not None else (trained,
                                                                      None)
-    fwd, coef_state = forward(params, mb, coef_state, pooled_ess)
+    fwd, coef_state, nonfinite = forward(params, mb, coef_state, pooled_ess)
     loss, metrics = policy_gradient_term(fwd, mb, cfg, norm)
+    # Summed over microbatches: the count per update (nonzero means the
+    # coefficient chain returned NaN/inf there; those tokens weighed 0).
+    metrics["coef/nonfinite_tokens"] = nonfinite
     for term in terms:
       term_loss, term_metrics = term(fwd, mb, cfg, norm)
       loss = loss + term_loss
