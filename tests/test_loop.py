@@ -308,10 +308,22 @@ def test_the_loop_compiles_nothing_after_the_first_step_of_a_bucket(
     return original(self, step, values)
 
   monkeypatch.setattr(metrics.MetricWriter, "write", write)
+  # Padding-free: each step's packed shape (its bucket of buffers).
+  from rljax.train import packing  # pylint: disable=import-outside-toplevel
+  shapes = []
+  plan = packing.PaddingFree.plan
+
+  def recorded(self, state, batch):
+    out = plan(self, state, batch)
+    shapes.append(out.packing.segment_BpxLp.shape)
+    return out
+
+  monkeypatch.setattr(packing.PaddingFree, "plan", recorded)
   from jax._src import monitoring  # pylint: disable=import-outside-toplevel
   jax.monitoring.register_event_duration_secs_listener(listener)
+  steps = 10
   try:
-    config = loop_config(**{"rl.num_steps": 4})
+    config = loop_config(**{"rl.num_steps": steps})
     config.sampler.prompt_buckets = (16,)  # one bucket: shapes never change
     train.run(config, str(tmp_path))
   finally:
@@ -319,4 +331,10 @@ def test_the_loop_compiles_nothing_after_the_first_step_of_a_bucket(
   first = compiles[marks[0]:marks[1]]
   assert first.count("jit(rl_step)") == 1, first
   assert first.count("jit(_sample_impl)") == 1, first  # one bucket, one program
-  assert compiles[marks[1]:marks[4]] == [], compiles[marks[1]:]
+  # Later steps compile the step only for a bucket not seen before, never
+  # anything else; at most NUM_BUCKETS programs in all.
+  assert len(shapes) == steps, shapes
+  new_buckets = len(set(shapes)) - 1
+  assert compiles[marks[1]:marks[steps]] == ["jit(rl_step)"] * new_buckets, (
+      compiles[marks[1]:], shapes)
+  assert len(set(shapes)) <= packing.NUM_BUCKETS

@@ -8,6 +8,7 @@ from rljax.models.hf_config import (ARCHITECTURES, hf_config_from_model_config,
 from rljax.models.hf_weights import (HFModel, copy_files, load_hf_checkpoint,
                                      load_hf_pretrained, save_hf_checkpoint)
 from rljax.models.kv_cache import KVCache, LayerKV, init_cache
+from rljax.models.packing import Packing, pack_rows
 from rljax.models.scoring import map_row_chunks, sequence_logprobs
 from rljax.models.params import (count_params, init_params, param_logical_axes,
                                  param_shapes, param_shardings)
@@ -18,7 +19,8 @@ __all__ = [
     "PRESETS", "ModelConfig", "RopeScaling", "get_preset", "count_params",
     "init_params", "param_logical_axes", "param_shapes", "param_shardings",
     "Decoder", "KVCache", "LayerKV", "attend", "compute_logits", "init_cache",
-    "map_row_chunks", "output_projection", "positions_from_mask",
+    "map_row_chunks", "output_projection", "Packing", "pack_rows",
+    "positions_from_mask",
     "sequence_logprobs",
     "ARCHITECTURES", "HFModel", "copy_files", "hf_config_from_model_config",
     "infer_architecture", "load_hf_checkpoint", "load_hf_config",

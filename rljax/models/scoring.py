@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax import logprobs as logprobs_lib
+from rljax.models import packing as packing_lib
 from rljax.models.config import ModelConfig
 from rljax.models.transformer import (Decoder, output_projection,
                                       positions_from_mask)
@@ -25,6 +26,7 @@ def sequence_logprobs(
     num_scored: int | None = None,
     with_entropy: bool = True,
     remat: bool | None = None,
+    packing: packing_lib.Packing | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Per-token ``log pi(tokens[t] | tokens[<t])`` and entropy, aligned to T.
 
@@ -48,6 +50,8 @@ def sequence_logprobs(
     with_entropy: compute the entropy (else the second output is None).
     remat: rematerialisation of the logprob chunks
       (``rljax.logprobs.token_logprobs``; None chooses by size).
+    packing: run the decoder padding-free on these rows' ``Packing``
+      (``models/packing.py``): the same result, on the real tokens only.
 
   Returns:
     ``(logp_BxS, entropy_BxS)`` in fp32 (``S = T`` without ``num_scored``):
@@ -63,11 +67,16 @@ def sequence_logprobs(
     raise ValueError(
         f"num_scored={num_scored}: between 1 and the row length - 1 = {t - 1} "
         "(the first token has no predecessor) is accepted, or None.")
-  positions = positions_from_mask(input_mask_BxT)
-  hidden, _ = Decoder(config).apply({"params": params}, tokens_BxT, positions,
-                                    input_mask_BxT=input_mask_BxT)
+  if packing is None:
+    positions = positions_from_mask(input_mask_BxT)
+    hidden, _ = Decoder(config).apply({"params": params}, tokens_BxT,
+                                      positions, input_mask_BxT=input_mask_BxT)
+    hidden = hidden[:, t - s - 1:t - 1]
+  else:
+    hidden = packing_lib.hidden_states(params, config, tokens_BxT, packing,
+                                       (t - s - 1, t - 1))
   logp, ent = logprobs_lib.token_logprobs(
-      hidden[:, t - s - 1:t - 1], output_projection(params, config),
+      hidden, output_projection(params, config),
       tokens_BxT[:, t - s:], temperature=temperature,
       softcap=config.final_logit_softcap, chunk_size=chunk_size,
       vocab_chunk_size=vocab_chunk_size, with_entropy=with_entropy,

@@ -452,18 +452,23 @@ class Decoder(nn.Module):
   """The policy network.
 
   ``__call__(tokens_BxT, positions_BxT, cache=None, *, input_mask_BxT=None,
-  return_logits=False) -> (hidden_BxTxD | logits_BxTxV, cache)``.
+  segment_ids_BxT=None, return_logits=False) -> (hidden_BxTxD |
+  logits_BxTxV, cache)``.
 
-  Without a cache, token ``t`` attends to the real tokens ``<= t``. With a
-  cache, the new tokens are written at ``cache.index`` and attend to every
-  real slot before them (prefix slots first).
+  Without a cache, token ``t`` attends to the real tokens ``<= t``; with
+  ``segment_ids_BxT`` (packed rows, ``models/packing.py``) only to those of
+  its own segment, so each segment is computed as if it were a row of its own
+  (its positions restart at 0). With a cache, the new tokens are written at
+  ``cache.index`` and attend to every real slot before them (prefix slots
+  first).
   """
 
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens_BxT, positions_BxT, cache: KVCache | None = None,
-               *, input_mask_BxT=None, return_logits: bool = False):
+               *, input_mask_BxT=None, segment_ids_BxT=None,
+               return_logits: bool = False):
     c = self.config
     b, t = tokens_BxT.shape
     if input_mask_BxT is None:
@@ -500,6 +505,12 @@ class Decoder(nn.Module):
         None, :, None]
     causal = k_slot_S[None, None, :] <= q_slot
     global_mask = key_mask_BxS[:, None, :] & causal
+    if segment_ids_BxT is not None:  # packed rows: block-diagonal by segment
+      if cache is not None:
+        raise ValueError("Decoder: segment_ids_BxT is for a forward without "
+                         "a cache (packed training rows).")
+      global_mask = global_mask & (segment_ids_BxT[:, :, None]
+                                   == segment_ids_BxT[:, None, :])
     local_mask = global_mask
     prefix = None if cache is None else cache.prefix
     prefix_global = prefix_local = None

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from rljax import models
+from rljax.models import packing as packing_lib
 from rljax import objectives as obj_lib
 
 
@@ -99,21 +100,29 @@ def make_optimizer(learning_rate: float, max_grad_norm: float | None = 1.0,
 
 
 def values(params: Any, model_config: models.ModelConfig, tokens_BxT: jax.Array,
-           input_mask_BxT: jax.Array) -> jax.Array:
+           input_mask_BxT: jax.Array,
+           packing: packing_lib.Packing | None = None) -> jax.Array:
   """``V_t`` aligned like ``sequence_logprobs``: ``[B, T]`` fp32.
 
   Entry ``t`` is the value of the state before token ``t`` is emitted: the
   head on the hidden state at ``t - 1`` (which also gives the logits of
   token ``t``). Column 0 is 0, and so is every column where token ``t`` or
   ``t - 1`` is padding (as ``sequence_logprobs``). Gradients flow into
-  ``params``.
+  ``params``. With ``packing`` the decoder runs padding-free
+  (``models/packing.py``; the same values).
   """
-  positions = models.positions_from_mask(input_mask_BxT)
-  hidden, _ = models.Decoder(model_config).apply(
-      {"params": params["decoder"]}, tokens_BxT, positions,
-      input_mask_BxT=input_mask_BxT)
+  t = tokens_BxT.shape[1]
+  if packing is None:
+    positions = models.positions_from_mask(input_mask_BxT)
+    hidden, _ = models.Decoder(model_config).apply(
+        {"params": params["decoder"]}, tokens_BxT, positions,
+        input_mask_BxT=input_mask_BxT)
+    hidden = hidden[:, :-1]
+  else:
+    hidden = packing_lib.hidden_states(params["decoder"], model_config,
+                                       tokens_BxT, packing, (0, t - 1))
   head = params["head"]
-  v = jnp.einsum("btd,d->bt", hidden[:, :-1].astype(jnp.float32),
+  v = jnp.einsum("btd,d->bt", hidden.astype(jnp.float32),
                  head["kernel"].astype(jnp.float32)) + head["bias"]
   mask = input_mask_BxT.astype(jnp.bool_)
   v = jnp.where(mask[:, 1:] & mask[:, :-1], v, 0.0)
@@ -146,7 +155,8 @@ def value_loss(params: Any, model_config: models.ModelConfig,
                tokens_BxL: jax.Array, input_mask_BxL: jax.Array,
                mask_BxT: jax.Array, old_values_BxT: jax.Array,
                returns_BxT: jax.Array, config: CriticConfig,
-               aggregation: str, normalizers: dict[str, Any]
+               aggregation: str, normalizers: dict[str, Any],
+               packing: packing_lib.Packing | None = None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The critic's loss on one microbatch and its metrics.
 
@@ -157,7 +167,7 @@ def value_loss(params: Any, model_config: models.ModelConfig,
   means).
   """
   mask = mask_BxT
-  v = values(params, model_config, tokens_BxL, input_mask_BxL)
+  v = values(params, model_config, tokens_BxL, input_mask_BxL, packing)
   v = v[:, v.shape[1] - mask.shape[1]:]  # the columns the loss mask covers
   loss_BxT, clipped_BxT = clipped_value_loss(v, old_values_BxT, returns_BxT,
                                              config.value_clip)

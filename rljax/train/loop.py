@@ -32,6 +32,7 @@ from rljax import distributed
 from rljax import metrics as metrics_lib
 from rljax.train import build as build_lib
 from rljax.train import guards, rundir, schedules, session
+from rljax.train import packing as packing_lib
 from rljax.train.algorithm import Algorithm
 from rljax.train.steps import jit_rl_step, make_rl_step
 
@@ -130,7 +131,10 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
       old_logprobs=sc.old_logprobs == "sampler",
       teacher_shardings=(None if teacher_params is None else jax.tree.map(
           lambda x: x.sharding, teacher_params)),
-      rewards=sc.critic is not None)
+      rewards=sc.critic is not None,
+      packed=bool(c.config.rl.padding_free))
+  if c.config.rl.padding_free:  # the host plans each step's packing
+    rl_step = packing_lib.PaddingFree(rl_step, sc, c.mesh)
   # The teacher is an extra argument only when there is one.
   teacher_args = () if teacher_params is None else (teacher_params,)
   if schedule is None:
@@ -166,6 +170,8 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
     step = int(state.step)
     m: dict[str, Any] = {**collected.metrics, **out.train_metrics,
                          **out.metrics}
+    if isinstance(rl_step, packing_lib.PaddingFree):
+      m["packing/fill"] = rl_step.last_fill  # real tokens / buffer slots
     trained_tokens = m["num_train_tokens"] * sc.num_epochs
     m.update({
         "time/step": time.time() - t_start,

@@ -133,6 +133,9 @@ _BASE: dict[str, Field] = {
     "rl.count_empty_sequences": F(False, None, "the sequence normaliser "
                                   "counts every row (TRL grpo)"),
     "rl.max_log_ratio": F(20.0, ">0", "clamp of the log-ratio (verl 20)"),
+    "rl.padding_free": F(True, None, "the step's forward passes run on "
+                         "packed rows, real tokens only (the same loss; "
+                         "False: padded rows)"),
     "rl.kl_coef": F(0.0, ">=0", "weight of the KL to the reference params"),
     "rl.entropy_coef": F(0.0, ">=0", "weight of the entropy bonus"),
     "rl.training_temperature": F(1.0, ">0", "logits are divided by it"),

@@ -47,6 +47,20 @@ class TrainState(NamedTuple):
   critic: Any = None
 
 
+class StepPlan(NamedTuple):
+  """A padding-free step's plan, built on the host (``train/packing.py``).
+
+  Attributes:
+    order_UxKxM: int32, the rows of each update's microbatches (the step's
+      own shuffle, ``steps.update_order``, computed ahead).
+    packing: a ``models.Packing`` of each microbatch's rows, every leaf with
+      leading ``[U, K]``.
+  """
+
+  order_UxKxM: Any
+  packing: Any
+
+
 class RLBatch(NamedTuple):
   """One rollout batch for ``rl_step``; ``N`` rows, ``L = P + T`` columns.
 
@@ -63,6 +77,8 @@ class RLBatch(NamedTuple):
       ``policy_logprobs``) with ``old_logprobs="sampler"``; None otherwise.
     rewards_N: fp32, each row's weighted reward: GAE's input with a critic
       (``RLStepConfig.critic``); None otherwise.
+    plan: a ``StepPlan``: every forward pass of the step runs padding-free
+      on packed rows (``train/packing.py`` adds it); None: padded rows.
   """
 
   tokens_NxL: jax.Array
@@ -72,6 +88,7 @@ class RLBatch(NamedTuple):
   sampler_logprobs_NxL: jax.Array
   old_logprobs_NxL: jax.Array | None = None
   rewards_N: jax.Array | None = None
+  plan: StepPlan | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +215,8 @@ class StepInputs(NamedTuple):
     teacher_logprobs_NxT: the teacher's, with distillation; else None.
     old_values_NxT, returns_NxT: the critic's ``V_old`` and GAE's returns;
       None without a critic.
+    packing: a microbatch's ``models.Packing`` (padding-free forward
+      passes); None: padded.
   """
 
   tokens_NxL: jax.Array
@@ -210,6 +229,7 @@ class StepInputs(NamedTuple):
   teacher_logprobs_NxT: jax.Array | None = None
   old_values_NxT: jax.Array | None = None
   returns_NxT: jax.Array | None = None
+  packing: Any = None
 
 
 class Normalizers(NamedTuple):
@@ -271,3 +291,15 @@ def check_batch(batch: RLBatch) -> None:
   if batch.rewards_N is not None and batch.rewards_N.shape != (n,):
     raise ValueError(f"RLBatch.rewards_N has shape {batch.rewards_N.shape}; "
                      f"[N] = ({n},) is required.")
+  if batch.plan is not None:
+    order = batch.plan.order_UxKxM
+    if order.ndim != 3 or order.shape[0] * order.shape[1] * order.shape[2] \
+        % n:
+      raise ValueError(f"RLBatch.plan.order_UxKxM has shape {order.shape}; "
+                       f"[U, K, M] covering the {n} rows is required "
+                       "(train/packing.py builds it).")
+    slot = batch.plan.packing.slot_BxL
+    if slot.shape != order.shape + (length,):
+      raise ValueError(f"RLBatch.plan.packing.slot_BxL has shape "
+                       f"{slot.shape}; {order.shape + (length,)} is "
+                       "required.")

@@ -67,18 +67,55 @@ from rljax.train.loss_terms import (  # noqa: F401  (re-exported)
     loss_terms, policy_gradient_term)
 from rljax.train.step_inputs import (  # noqa: F401  (re-exported)
     ESS_POOLINGS, OLD_LOGPROBS, Forward, Normalizers, RLBatch, RLStepConfig,
-    StepInputs, TrainState, check_batch)
+    StepInputs, StepPlan, TrainState, check_batch)
 
 
 def _scored_logprobs(params, model_config, tokens, input_mask,
-                     cfg: RLStepConfig, with_entropy=False):
-  """``(logp, entropy or None)`` of the scored columns."""
+                     cfg: RLStepConfig, with_entropy=False, packing=None):
+  """``(logp, entropy or None)`` of the scored columns (padding-free with
+  ``packing``)."""
   return models.sequence_logprobs(params, model_config, tokens, input_mask,
                                   temperature=cfg.training_temperature,
                                   chunk_size=cfg.logprob_chunk_size,
                                   num_scored=cfg.scored_columns,
                                   with_entropy=with_entropy,
-                                  remat=cfg.logprob_remat)
+                                  remat=cfg.logprob_remat, packing=packing)
+
+
+def update_order(cfg: RLStepConfig, key_data: jax.Array | None, n: int
+                 ) -> tuple[jax.Array | None, jax.Array]:
+  """``(key, order_UxKxM)``: the step's next key and the rows of each
+  update's microbatches (a fresh permutation per epoch; in order with one
+  update). ``train/packing.py`` computes the same order on the host."""
+  key = None
+  if key_data is not None:
+    key, shuffle_key = jax.random.split(jax.random.wrap_key_data(key_data))
+  if cfg.num_updates == 1:
+    order = jnp.arange(n)[None]
+  else:
+    keys = jax.random.split(shuffle_key, cfg.num_epochs)
+    order = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)
+  return key, order.reshape(cfg.num_updates, cfg.num_microbatches,
+                            n // (cfg.num_minibatches * cfg.num_microbatches))
+
+
+def _map_rows(fn, chunks: int, tokens, input_mask, plan):
+  """``fn(tokens, input_mask, packing)`` over the batch in ``chunks`` row
+  chunks, no gradient, rows back in order: padded chunks of consecutive rows
+  (``models.map_row_chunks``) or, with a ``StepPlan``, its first epoch's
+  packed microbatches (every row once)."""
+  if plan is None:
+    return models.map_row_chunks(lambda x, m: fn(x, m, None), chunks, tokens,
+                                 input_mask)
+  rows = plan.order_UxKxM.reshape(-1, plan.order_UxKxM.shape[-1])[:chunks]
+  packs = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:])[:chunks],
+                       plan.packing)
+  out = jax.lax.map(lambda a: fn(jnp.take(tokens, a[0], axis=0),
+                                 jnp.take(input_mask, a[0], axis=0), a[1]),
+                    (rows, packs))
+  out = out.reshape(-1, *out.shape[2:])
+  return jax.lax.stop_gradient(
+      jnp.take(out, jnp.argsort(rows.reshape(-1)), axis=0))
 
 
 def _token_ess_stats(lp, sampler_lp, mask, max_log_ratio):
@@ -164,10 +201,13 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
          else scored(adv)).astype(jnp.float32)
   chunks = cfg.num_minibatches * cfg.num_microbatches
 
+  plan = batch.plan
+
   def no_grad_logprobs(params):
-    return models.map_row_chunks(
-        lambda x, m: _scored_logprobs(params, model_config, x, m, cfg)[0],
-        chunks, tokens, input_mask)
+    return _map_rows(
+        lambda x, m, p: _scored_logprobs(params, model_config, x, m, cfg,
+                                         packing=p)[0],
+        chunks, tokens, input_mask, plan)
 
   old = None
   if cfg.old_logprobs == "sampler":
@@ -194,11 +234,12 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
   teacher = None
   if cfg.distill_coef:
     teacher_config = teacher_config or model_config
-    teacher = last(models.map_row_chunks(
-        lambda x, m: models.sequence_logprobs(
+    teacher = last(_map_rows(
+        lambda x, m, p: models.sequence_logprobs(
             teacher_params, teacher_config, x, m,
             temperature=cfg.teacher_temperature,
-            chunk_size=cfg.logprob_chunk_size)[0], chunks, tokens, input_mask))
+            chunk_size=cfg.logprob_chunk_size, packing=p)[0], chunks, tokens,
+        input_mask, plan))
   old_values = returns = None
   if cfg.critic is not None:
     if batch.rewards_N is None:
@@ -206,9 +247,10 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
                        "RLBatch.rewards_N is None: GAE needs each row's "
                        "reward.")
     # verl's order: V_old of the whole batch, then GAE, then the updates.
-    old_values = last(models.map_row_chunks(
-        lambda x, m: critic_lib.values(state.critic.params, model_config, x,
-                                       m), chunks, tokens, input_mask))
+    old_values = last(_map_rows(
+        lambda x, m, p: critic_lib.values(state.critic.params, model_config,
+                                          x, m, p), chunks, tokens,
+        input_mask, plan))
     adv, returns = gae_lib.gae_advantages(batch.rewards_N, old_values,
                                           loss_mask, cfg.critic.gamma,
                                           cfg.critic.lam)
@@ -253,7 +295,8 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
   def forward(params, mb: StepInputs, coef_state, pooled_ess):
     """The microbatch's ``Forward`` and the coefficient chain's new state."""
     lp, ent = _scored_logprobs(params, model_config, mb.tokens_NxL,
-                               mb.input_mask_NxL, cfg, with_entropy)
+                               mb.input_mask_NxL, cfg, with_entropy,
+                               mb.packing)
     mask, sampler_lp = mb.loss_mask_NxT, mb.sampler_logprobs_NxT
     old = (jax.lax.stop_gradient(lp) if mb.old_logprobs_NxT is None
            else mb.old_logprobs_NxT)
@@ -294,7 +337,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       value_loss, critic_metrics = critic_lib.value_loss(
           critic_params, model_config, mb.tokens_NxL, mb.input_mask_NxL,
           mb.loss_mask_NxT, mb.old_values_NxT, mb.returns_NxT, cfg.critic,
-          cfg.aggregation, norm._asdict())
+          cfg.aggregation, norm._asdict(), mb.packing)
       loss = loss + value_loss
       metrics.update(critic_metrics)
     sums = {"seq_ess": _sequence_ess_stats(fwd.old_logprobs,
@@ -309,13 +352,14 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     """FeynRL's ESS pooled over the whole minibatch (one no-grad pass)."""
     def stats(mb):
       lp, _ = _scored_logprobs(params, model_config, mb.tokens_NxL,
-                               mb.input_mask_NxL, cfg)
+                               mb.input_mask_NxL, cfg, packing=mb.packing)
       return _token_ess_stats(lp, mb.sampler_logprobs_NxT, mb.loss_mask_NxT,
                               cfg.max_log_ratio)
     return obj_lib.ess_from_statistics(
         jax.tree.map(jnp.sum, jax.lax.map(stats, micro)))
 
-  def update(carry, indices_KxM, inputs: StepInputs):
+  def update(carry, xs, inputs: StepInputs):
+    indices_KxM, packing_K = xs
     params, opt_state, coef_state, critic = carry
     trained = params if critic is None else (params, critic.params)
     k, m = indices_KxM.shape
@@ -328,6 +372,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     norm = Normalizers(jnp.maximum(jnp.sum(mask, dtype=jnp.float32), 1.0),
                        jnp.maximum(num_sequences, 1.0), cfg.completion_length)
     micro = jax.tree.map(lambda x: x.reshape(k, m, *x.shape[1:]), minibatch)
+    micro = micro._replace(packing=packing_K)
     pooled = (minibatch_token_ess(params, micro)
               if cfg.ess_pooling == "minibatch" else None)
 
@@ -373,18 +418,14 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
                                            ref_params, teacher_params,
                                            teacher_config)
     n = batch.tokens_NxL.shape[0]
-    key, shuffle_key = jax.random.split(jax.random.wrap_key_data(state.key))
-    if cfg.num_updates == 1:
-      order = jnp.arange(n)[None]
-    else:
-      keys = jax.random.split(shuffle_key, cfg.num_epochs)
-      order = jax.vmap(lambda k: jax.random.permutation(k, n))(keys)
-    indices = order.reshape(cfg.num_updates, cfg.num_microbatches,
-                            n // (cfg.num_minibatches * cfg.num_microbatches))
+    key, indices = update_order(cfg, state.key, n)
+    packing = None
+    if batch.plan is not None:  # the same order, computed on the host
+      indices, packing = batch.plan.order_UxKxM, batch.plan.packing
     (params, opt_state, coef_state, critic), (metrics, mismatch) = (
-        jax.lax.scan(lambda carry, idx: update(carry, idx, inputs),
+        jax.lax.scan(lambda carry, xs: update(carry, xs, inputs),
                      (state.params, state.opt_state, state.coef_state,
-                      state.critic), indices))
+                      state.critic), (indices, packing)))
     metrics = jax.tree.map(jnp.mean, metrics)
     if old is not None and cfg.old_logprobs == "recompute":
       # The recomputed pi_old is the trainer at the sampler's params.
@@ -449,16 +490,20 @@ def init_state(params: Any, key: jax.Array, *, algorithm: Any,
 
 
 def batch_shardings(mesh: jax.sharding.Mesh, old_logprobs: bool,
-                    rewards: bool = False) -> RLBatch:
-  """``RLBatch`` of shardings: rows split over the mesh's batch axes."""
+                    rewards: bool = False, packed: bool = False) -> RLBatch:
+  """``RLBatch`` of shardings: rows split over the mesh's batch axes (a
+  padding-free step's plan replicated: it is small)."""
   b2, b1 = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 1)
+  r = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  plan = StepPlan(r, models.Packing(r, r, r, r)) if packed else None
   return RLBatch(b2, b2, b2, b2, b2, b2 if old_logprobs else None,
-                 b1 if rewards else None)
+                 b1 if rewards else None, plan)
 
 
 def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
                 ref_shardings: Any = None, *, old_logprobs: bool = False,
-                teacher_shardings: Any = None, rewards: bool = False):
+                teacher_shardings: Any = None, rewards: bool = False,
+                packed: bool = False):
   """``jax.jit(rl_step)`` with explicit shardings and the state donated.
 
   Args:
@@ -471,13 +516,15 @@ def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
     teacher_shardings: shardings of the teacher's params (on-policy
       distillation); the jitted step then takes them as a fourth argument.
     rewards: whether batches carry ``rewards_N`` (a critic).
+    packed: whether batches carry a ``StepPlan`` (padding-free;
+      ``train/packing.py``).
   """
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   teacher = () if teacher_shardings is None else (teacher_shardings,)
   return jax.jit(
       rl_step,
       in_shardings=(state_shardings,
-                    batch_shardings(mesh, old_logprobs, rewards),
+                    batch_shardings(mesh, old_logprobs, rewards, packed),
                     ref_shardings) + teacher,
       out_shardings=(state_shardings, replicated),
       donate_argnums=(0,))

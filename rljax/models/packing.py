@@ -1,0 +1,155 @@
+"""Padding-free forward passes: rows packed into token buffers by segment.
+
+A batch of ``B`` rows of length ``L`` (left-padded prompt, right-padded
+completion) holds far fewer real tokens than ``B * L`` when completion lengths
+are long-tailed. ``pack_rows`` (host, NumPy) lays each row's real tokens
+end to end in ``Bp`` buffers of length ``Lp``, first-fit by decreasing
+length, a row never split across buffers. Each buffer slot knows the row it
+came from (its *segment*, ``1 + row``; 0 is an empty slot) and its position
+in that row; ``Packing.slot_BxL`` maps every row column back to its slot.
+
+``hidden_states`` runs the decoder on the buffers, attention block-diagonal
+by segment and positions restarting per segment (``Decoder``'s
+``segment_ids_BxT``), and gathers the hidden states back to the rows'
+layout. Every real token then sees exactly the tokens it sees in the padded
+forward, at the same RoPE positions, so logprobs, entropies, values and every
+loss read from them are the padded ones (up to float summation order), while
+the decoder runs on ``Bp * Lp`` slots instead of ``B * L``. The output
+projection and everything after it still run in the rows' layout (on the
+scored columns only, ``scoring.sequence_logprobs``).
+
+This is verl's ``use_remove_padding`` and TRL's ``padding_free`` for the
+training forward; ``rljax/train/packing.py`` plans it for the RL step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.models.config import ModelConfig
+from rljax.models.transformer import Decoder
+
+
+class Packing(NamedTuple):
+  """Where ``B`` rows of length ``L`` sit in ``Bp`` buffers of length ``Lp``.
+
+  Attributes:
+    source_BpxLp: int32, each slot's token as a flat index ``row * L +
+      column`` into the rows (0 for an empty slot).
+    segment_BpxLp: int32, ``1 + row`` of each slot; 0 for an empty slot.
+    position_BpxLp: int32, the token's position within its row (its RoPE
+      position in the padded forward, ``positions_from_mask``).
+    slot_BxL: int32, each row column's slot as a flat index ``buffer * Lp +
+      offset`` (0 where the column is padding: read nothing from it).
+  """
+
+  source_BpxLp: Any
+  segment_BpxLp: Any
+  position_BpxLp: Any
+  slot_BxL: Any
+
+
+def row_lengths(input_mask_BxL: np.ndarray) -> np.ndarray:
+  """Real tokens per row."""
+  return np.asarray(input_mask_BxL, bool).sum(-1)
+
+
+def first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
+                                                            np.ndarray]:
+  """First-fit decreasing: ``(buffer, offset)`` of each row in buffers of
+  ``capacity`` tokens (every length must be ``<= capacity``)."""
+  lengths = np.asarray(lengths, np.int64)
+  if lengths.size and lengths.max() > capacity:
+    raise ValueError(f"pack_rows: a row of {int(lengths.max())} real tokens "
+                     f"does not fit a buffer of {capacity}.")
+  buffer = np.zeros(len(lengths), np.int64)
+  offset = np.zeros(len(lengths), np.int64)
+  used: list[int] = []
+  for i in np.argsort(-lengths, kind="stable"):
+    for b, u in enumerate(used):
+      if u + lengths[i] <= capacity:
+        break
+    else:
+      b = len(used)
+      used.append(0)
+    buffer[i], offset[i] = b, used[b]
+    used[b] += int(lengths[i])
+  return buffer, offset
+
+
+def buffers_needed(lengths: np.ndarray, capacity: int) -> int:
+  """How many buffers ``first_fit`` fills."""
+  buffer, _ = first_fit(lengths, capacity)
+  return int(buffer.max()) + 1 if len(buffer) else 0
+
+
+def pack_rows(input_mask_BxL: np.ndarray, num_buffers: int,
+              buffer_length: int | None = None) -> Packing:
+  """The ``Packing`` of rows into ``num_buffers`` buffers (NumPy, host).
+
+  Args:
+    input_mask_BxL: bool, the rows' real tokens (any layout; their order is
+      kept within a row).
+    num_buffers: ``Bp``; at least ``buffers_needed`` (more leaves empty
+      buffers, as shape buckets do).
+    buffer_length: ``Lp`` (default ``L``).
+
+  Raises:
+    ValueError: the rows need more than ``num_buffers`` buffers.
+  """
+  mask = np.asarray(input_mask_BxL, bool)
+  b, length = mask.shape
+  lp = length if buffer_length is None else buffer_length
+  lengths = mask.sum(-1)
+  buffer, offset = first_fit(lengths, lp)
+  needed = int(buffer.max()) + 1 if b else 0
+  if needed > num_buffers:
+    raise ValueError(f"pack_rows: these rows need {needed} buffers of {lp} "
+                     f"tokens; num_buffers={num_buffers}.")
+  source = np.zeros((num_buffers, lp), np.int32)
+  segment = np.zeros((num_buffers, lp), np.int32)
+  position = np.zeros((num_buffers, lp), np.int32)
+  slot = np.zeros((b, length), np.int32)
+  for i in range(b):
+    cols = np.flatnonzero(mask[i])
+    at = offset[i] + np.arange(len(cols))
+    source[buffer[i], at] = i * length + cols
+    segment[buffer[i], at] = i + 1
+    position[buffer[i], at] = np.arange(len(cols))
+    slot[i, cols] = buffer[i] * lp + at
+  return Packing(source, segment, position, slot)
+
+
+def hidden_states(params: Any, config: ModelConfig, tokens_BxL: jax.Array,
+                  packing: Packing, columns: tuple[int, int] | None = None
+                  ) -> jax.Array:
+  """The decoder's final hidden states of the rows, computed packed.
+
+  Args:
+    params: the decoder's params.
+    config: its model config.
+    tokens_BxL: the rows' tokens.
+    packing: from ``pack_rows`` (as arrays).
+    columns: ``(lo, hi)``: only these columns of the rows are returned.
+
+  Returns:
+    ``[B, hi - lo, D]``: at every real column the padded forward's hidden
+    state; at padding columns an arbitrary slot's (read nothing from them).
+  """
+  segment = packing.segment_BpxLp
+  tokens = jnp.take(tokens_BxL.reshape(-1), packing.source_BpxLp, axis=0)
+  hidden, _ = Decoder(config).apply(
+      {"params": params}, tokens, packing.position_BpxLp,
+      input_mask_BxT=segment > 0, segment_ids_BxT=segment)
+  slot = packing.slot_BxL
+  if columns is not None:
+    slot = slot[:, columns[0]:columns[1]]
+  return jnp.take(hidden.reshape(-1, hidden.shape[-1]), slot, axis=0)
+
+
+__all__ = ["Packing", "buffers_needed", "first_fit", "hidden_states",
+           "pack_rows", "row_lengths"]

@@ -1,0 +1,147 @@
+"""Padding-free RL steps: the host plans how each microbatch's rows pack.
+
+``rl.padding_free=True`` (the default) wraps the jitted step in
+``PaddingFree``: before each call it reads the batch's input mask (and, when
+the step shuffles, the state's key) and builds a ``StepPlan``: the rows of
+every update's microbatches, in the order the step itself would draw
+(``steps.update_order``), and each microbatch's ``models.Packing`` into
+``Bp`` buffers of ``BUFFER_ROWS`` rows' length (``2 L``). Every forward pass of the step (the
+trained policy's, ``pi_old``'s recompute, the reference's, the teacher's and
+the critic's) then runs on the buffers (``models/packing.py``); the loss terms
+read the same per-token values as the padded step, in the rows' layout, so
+every aggregation mode, normaliser, the microbatch accumulation and the
+minibatch split are the padded step's, exactly.
+
+Shapes. A row never exceeds ``L``, so ``BUFFER_ROWS = k`` rows always fit a
+buffer of ``k L`` and first-fit needs at most ``ceil(M / k)`` buffers for a
+microbatch of ``M`` rows. ``Bp`` is the most buffers any microbatch needs,
+rounded up to a bucket, a multiple of ``ceil(M / k / 8)`` (and of the mesh's
+batch shards): a run compiles at most 8 step programs, whatever its lengths.
+
+Cost. The decoder's token-wise work (projections, MLP, norms) runs on
+``Bp * k L`` slots instead of ``M L``; attention on ``Bp`` buffers of ``k L``
+costs ``k`` times a padded row's per slot (block-diagonal, computed dense),
+which is small beside the projections unless rows are long and the model
+narrow. The output projection and the losses run on the scored columns in
+the rows' layout, as padded. The microbatch split is by rows (as padded): a
+microbatch holding the batch's longest rows sets ``Bp`` for all.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from rljax.models import packing as packing_lib
+from rljax.train.step_inputs import RLStepConfig, StepPlan
+
+NUM_BUCKETS = 8
+BUFFER_ROWS = 2  # a buffer holds this many rows' length (k L slots)
+
+
+def bucket(needed: int, rows: int, multiple: int = 1) -> int:
+  """``Bp`` for ``needed`` buffers of a microbatch of ``rows`` rows: rounded
+  up to a multiple of ``ceil(rows / NUM_BUCKETS)`` (and of ``multiple``),
+  at most ``rows`` rounded up to ``multiple``."""
+  step = -(-rows // NUM_BUCKETS)
+  step = -(-step // multiple) * multiple
+  top = -(-rows // multiple) * multiple
+  return min(max(-(-needed // step) * step, step), top)
+
+
+@functools.lru_cache(maxsize=None)
+def _order_fn(cfg: RLStepConfig, n: int) -> Callable[[Any], Any]:
+  from rljax.train import steps  # pylint: disable=g-import-not-at-top
+  return jax.jit(lambda key_data: steps.update_order(cfg, key_data, n)[1])
+
+
+def host_order(cfg: RLStepConfig, key_data: Any, n: int) -> np.ndarray:
+  """``steps.update_order``'s ``[U, K, M]`` rows for ``key_data`` (the
+  state's key), on the host."""
+  m = n // (cfg.num_minibatches * cfg.num_microbatches)
+  if cfg.num_updates == 1:
+    return np.arange(n, dtype=np.int32).reshape(1, cfg.num_microbatches, m)
+  return np.asarray(_order_fn(cfg, n)(np.asarray(key_data)), np.int32)
+
+
+def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
+              row_multiple: int = 1) -> StepPlan:
+  """The ``StepPlan`` of one step (NumPy).
+
+  Args:
+    cfg: the step's settings (epochs, minibatches, microbatches).
+    input_mask_NxL: the batch's real tokens.
+    key_data: the state's key (``TrainState.key``); read only when the step
+      shuffles (more than one update).
+    row_multiple: ``Bp`` is a multiple of it (the mesh's batch shards).
+  """
+  mask = np.asarray(input_mask_NxL, bool)
+  n, length = mask.shape
+  if n % (cfg.num_minibatches * cfg.num_microbatches):
+    raise ValueError(
+        f"plan_step: {n} rows do not split into rl.num_minibatches="
+        f"{cfg.num_minibatches} x rl.num_microbatches={cfg.num_microbatches}.")
+  order = host_order(cfg, key_data, n)
+  lengths = mask.sum(-1)
+  u, k, m = order.shape
+  capacity = BUFFER_ROWS * length
+  needed = max(packing_lib.buffers_needed(lengths[order[i, j]], capacity)
+               for i in range(u) for j in range(k))
+  bp = bucket(needed, -(-m // BUFFER_ROWS), row_multiple)
+  packs = [packing_lib.pack_rows(mask[order[i, j]], bp, capacity)
+           for i in range(u) for j in range(k)]
+  stacked = packing_lib.Packing(*[
+      np.stack([p[f] for p in packs]).reshape(u, k, *packs[0][f].shape)
+      for f in range(len(packing_lib.Packing._fields))])
+  return StepPlan(order, stacked)
+
+
+def fill_fraction(plan: StepPlan) -> float:
+  """Real tokens over buffer slots of a plan (1 = no padding left)."""
+  seg = plan.packing.segment_BpxLp
+  return float(np.mean(np.asarray(seg) > 0))
+
+
+class PaddingFree:
+  """The jitted step, fed a ``StepPlan`` built on the host before each call.
+
+  Args:
+    step: from ``steps.jit_rl_step(..., packed=True)``.
+    cfg: the step's settings.
+    mesh: the step's mesh (``Bp`` is a multiple of its batch shards).
+  """
+
+  def __init__(self, step: Callable, cfg: RLStepConfig,
+               mesh: jax.sharding.Mesh | None = None):
+    self.step, self.cfg = step, cfg
+    self.row_multiple = 1
+    if mesh is not None:
+      from rljax import sharding  # pylint: disable=g-import-not-at-top
+      self.row_multiple = sharding.batch_ways(mesh)
+    self.last_fill = None
+
+  def plan(self, state: Any, batch: Any) -> StepPlan:
+    mask = _host(batch.input_mask_NxL)
+    key = _host(state.key) if self.cfg.num_updates > 1 else None
+    plan = plan_step(self.cfg, mask, key, self.row_multiple)
+    self.last_fill = fill_fraction(plan)
+    return plan
+
+  def __call__(self, state: Any, batch: Any, *args: Any) -> Any:
+    return self.step(state, batch._replace(plan=self.plan(state, batch)),
+                     *args)
+
+
+def _host(x: Any) -> np.ndarray:
+  """A (possibly multi-process) array's whole value on this host."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(jax.device_get(x))
+
+
+__all__ = ["NUM_BUCKETS", "PaddingFree", "bucket", "fill_fraction",
+           "host_order", "plan_step"]
