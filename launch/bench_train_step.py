@@ -100,6 +100,9 @@ _TORCH = flags.DEFINE_bool("compare_torch", False,
                             "also time the PyTorch + transformers step")
 _TORCH_STEPS = flags.DEFINE_integer("torch_steps", 3,
                                     "timed steps of each side of the comparison")
+_PACKED = flags.DEFINE_bool("padding_free", True,
+                             "time the packed step against the padded one "
+                             "on fixed and long-tailed lengths")
 _SWEEP = flags.DEFINE_bool("remat_sweep", False,
                            "time the logprobs with and without remat")
 _RECORD_DIR = flags.DEFINE_string(
@@ -303,6 +306,83 @@ def compare_torch():
           "transformers": transformers.__version__}
 
 
+def _lengths_workload(kind, vocab_size, seed=0):
+  """Issue 24's workloads on TORCH_MODEL's rows (64 x (64 + 128)):
+  ``fixed``: every prompt 64 and every completion 128 tokens (EOS off);
+  ``long_tailed``: prompts of 16..64 tokens (left-padded) and geometric
+  completions of mean about 128 / 4, truncated at 128 (some rows are)."""
+  rng = np.random.RandomState(seed)
+  n, p, t = TORCH_ROWS, TORCH_PROMPT, TORCH_COMPLETION
+  tokens = rng.randint(1, vocab_size, (n, p + t)).astype(np.int32)
+  if kind == "fixed":
+    prompts, completions = np.full(n, p), np.full(n, t)
+  else:
+    prompts = rng.randint(16, p + 1, n)
+    completions = np.minimum(rng.geometric(4.0 / t, n), t)
+  input_mask = np.zeros((n, p + t), bool)
+  loss_mask = np.zeros((n, p + t), bool)
+  for i, (a, b) in enumerate(zip(prompts, completions)):
+    input_mask[i, p - a:p + b] = True
+    loss_mask[i, p:p + b] = True
+  tokens = np.where(input_mask, tokens, 0).astype(np.int32)
+  return train.RLBatch(tokens, input_mask, loss_mask,
+                       rng.randn(n).astype(np.float32),
+                       np.zeros((n, p + t), np.float32))
+
+
+def padding_free():
+  """The packed step against the padded step on the same rows, both
+  workloads: real (non-padding) trained tokens/s, the ratio, and the
+  agreement of their loss and gradient norm. The packed time includes the
+  host's plan (``train/packing.py``)."""
+  from rljax.train import packing  # pylint: disable=import-outside-toplevel
+  mc = dataclasses.replace(models.get_preset("small"), **TORCH_MODEL)
+  params = models.init_params(mc, jax.random.key(0))
+  optimizer = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM),
+                          optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY))
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
+  cfg = train.RLStepConfig(completion_length=TORCH_COMPLETION,
+                           entropy_metric=False)
+  state0 = train.TrainState(params, optimizer.init(params), optax.EmptyState(),
+                            coef_tx.init(jnp.zeros((1, 1))),
+                            jnp.zeros((), jnp.int32),
+                            jax.random.key_data(jax.random.key(0)))
+  padded = jax.jit(train.make_rl_step(mc, cfg, optimizer, coef_tx))
+  packed = packing.PaddingFree(padded, cfg)
+  out = {}
+  print(f"\npadding-free vs padded rl_step, {TORCH_ROWS} x ({TORCH_PROMPT} + "
+        f"{TORCH_COMPLETION}) slots, {models.count_params(params):,} params "
+        "(real tokens/s):")
+  for kind in ("fixed", "long_tailed"):
+    batch = _lengths_workload(kind, mc.vocab_size)
+    real = int(batch.input_mask_NxL.sum())
+    row = {"real_tokens": real, "slots": batch.tokens_NxL.size}
+    metrics_of = {}
+    for name, step in (("padded", padded), ("packed", packed)):
+      metrics_of[name] = jax.device_get(step(state0, batch)[1])
+      seconds = _timed(lambda step=step: jax.block_until_ready(
+          step(state0, batch)[1]), _TORCH_STEPS.value)
+      row[f"{name}_s"] = seconds
+      row[f"{name}_real_tokens_per_s"] = real / seconds
+    row["ratio"] = row["padded_s"] / row["packed_s"]
+    row["fill"] = packed.last_fill
+    row["loss_rel_diff"] = abs(
+        float(metrics_of["packed"]["pg_loss"] - metrics_of["padded"]["pg_loss"])
+        ) / max(abs(float(metrics_of["padded"]["pg_loss"])), 1e-12)
+    row["grad_norm_rel_diff"] = abs(
+        float(metrics_of["packed"]["grad_norm"]
+              - metrics_of["padded"]["grad_norm"])) / float(
+                  metrics_of["padded"]["grad_norm"])
+    print(f"  {kind:<12} real {real:>6} of {row['slots']} slots; padded "
+          f"{row['padded_real_tokens_per_s']:>8,.0f}/s, packed "
+          f"{row['packed_real_tokens_per_s']:>8,.0f}/s (buffers "
+          f"{100 * row['fill']:.0f}% full): {row['ratio']:.2f}x; loss rel "
+          f"{row['loss_rel_diff']:.1e}, grad norm rel "
+          f"{row['grad_norm_rel_diff']:.1e}")
+    out[kind] = row
+  return out
+
+
 def remat_sweep(batch=16, length=128, width=256,
                 vocab_sizes=(512, 2048, 4096, 8192, 32768)):
   """Forward + backward of ``token_logprobs`` with and without remat."""
@@ -372,6 +452,8 @@ def part2():
 def main(argv):
   del argv
   figures = {"rl_step": part1()}
+  if _PACKED.value:
+    figures["padding_free"] = padding_free()
   if _TORCH.value:
     figures["vs_torch"] = compare_torch()
   if _SWEEP.value:

@@ -34,6 +34,12 @@ COMMON = {
     "mesh.data": 2, "mesh.fsdp": 4, "sft.num_steps": 2,
     "eval.greedy": False, "eval.num_samples": 4, "eval.num_examples": 8,
     "eval.every": 2, "checkpoint.every": 2,
+    # Padded: packed buffers are reduced in an order that depends on the
+    # process layout (a 1e-6 difference that a sampled token can amplify),
+    # so the bitwise comparison with one process runs the padded step. The
+    # runs that are not compared number for number (a killed process,
+    # different configs) train packed.
+    "rl.padding_free": False,
 }
 # MC-GRPO's pivot drop and SPEC-RL's draft store (16 training prompts: the
 # last two steps revisit the first two's prompts and draft from them).

@@ -270,3 +270,20 @@ def test_one_program_per_bucket_whatever_the_lengths(params):
     shapes.append(step.plan(state, b).packing.segment_BpxLp.shape)
   assert len(set(shapes)) >= 2, shapes  # the lengths did change the bucket
   assert jitted._cache_size() == len(set(shapes))  # pylint: disable=protected-access
+
+
+def test_the_packed_sft_step_equals_the_padded_one(params):
+  """The warm-up's rows (right-padded, ``sft.sft_arrays``) packed: the same
+  loss and update."""
+  from rljax.train import sft  # pylint: disable=g-import-not-at-top
+  tokens, mask, loss_mask = _rows(4)
+  optimizer = optax.sgd(0.5)
+  step = jax.jit(sft.make_sft_step(MC, optimizer))
+  packing = sft.pack_batch(mask)
+  assert packing.segment_BpxLp.shape[0] < N
+  out = [step(params, optimizer.init(params), tokens, mask, loss_mask, *extra)
+         for extra in ((), (packing,))]
+  np.testing.assert_allclose(out[1][2]["sft_loss"], out[0][2]["sft_loss"],
+                             rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)

@@ -138,6 +138,8 @@ class PaddingFree:
 def _host(x: Any) -> np.ndarray:
   """A (possibly multi-process) array's whole value on this host."""
   if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    if x.is_fully_replicated:  # every process holds the whole value
+      return np.asarray(x.addressable_data(0))
     from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
   return np.asarray(jax.device_get(x))

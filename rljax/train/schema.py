@@ -79,6 +79,8 @@ _BASE: dict[str, Field] = {
     "sft.num_examples": F(4000, "int>=1", "demonstrations drawn from the task"),
     "sft.max_length": F(16, "int>=1", "padded warm-up row length"),
     "sft.label_noise": F(0.0, "[0,1)", "fraction of near-miss demonstrations"),
+    "sft.padding_free": F(True, None, "warm-up rows packed, real tokens only "
+                          "(the same loss; False: padded rows)"),
     # --- rl: the batch ---
     "rl.num_steps": F(100, "int>=1", "RL steps"),
     "rl.prompts_per_step": F(32, "int>=1", "prompts per step (B)"),

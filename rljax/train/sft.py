@@ -30,17 +30,21 @@ log = logging.getLogger("rljax")
 def make_sft_step(model_config: models.ModelConfig,
                   optimizer: optax.GradientTransformation,
                   chunk_size: int = 128):
-  """``sft_step(params, opt_state, tokens, input_mask, loss_mask)``:
-  token-mean cross-entropy on the completion tokens only."""
+  """``sft_step(params, opt_state, tokens, input_mask, loss_mask,
+  packing=None)``: token-mean cross-entropy on the completion tokens only;
+  with a ``models.Packing`` of the rows the forward runs padding-free (the
+  same loss)."""
 
-  def loss_fn(params, tokens, input_mask, loss_mask):
+  def loss_fn(params, tokens, input_mask, loss_mask, packing):
     lp, _ = models.sequence_logprobs(params, model_config, tokens, input_mask,
-                                     chunk_size=chunk_size, with_entropy=False)
+                                     chunk_size=chunk_size, with_entropy=False,
+                                     packing=packing)
     return obj_lib.aggregate_loss(-lp, loss_mask, "token_mean")
 
-  def sft_step(params, opt_state, tokens, input_mask, loss_mask):
+  def sft_step(params, opt_state, tokens, input_mask, loss_mask,
+               packing=None):
     loss, grads = jax.value_and_grad(loss_fn)(params, tokens, input_mask,
-                                              loss_mask)
+                                              loss_mask, packing)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, {
         "sft_loss": loss, "grad_norm": optax.tree.norm(grads)}
@@ -60,6 +64,8 @@ class SFTConfig:
     max_length: padded row length (prompt + completion + EOS).
     label_noise: fraction of demonstrations given a near-miss answer.
     seed: data seed.
+    padding_free: pack each batch's rows (``train/packing.py``'s buffers
+      and buckets).
   """
 
   num_steps: int = 0
@@ -69,6 +75,7 @@ class SFTConfig:
   max_length: int = 16
   label_noise: float = 0.0
   seed: int = 0
+  padding_free: bool = True
 
 
 def noisy_completions(completions: Sequence[str], fraction: float,
@@ -149,6 +156,18 @@ def sft_arrays(tokenizer: Any, prompts: Sequence[str],
   return tokens, input_mask, loss_mask
 
 
+def pack_batch(input_mask: np.ndarray, row_multiple: int = 1
+               ) -> models.Packing:
+  """A warm-up batch's ``models.Packing``: buffers of two rows' length,
+  their count bucketed as the RL step's (``train/packing.py``)."""
+  from rljax.train import packing as packing_lib  # pylint: disable=g-import-not-at-top
+  n, width = input_mask.shape
+  capacity = packing_lib.BUFFER_ROWS * width
+  needed = models.packing.buffers_needed(input_mask.sum(-1), capacity)
+  return models.pack_rows(input_mask, packing_lib.bucket(
+      needed, -(-n // packing_lib.BUFFER_ROWS), row_multiple), capacity)
+
+
 def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
             model_config: models.ModelConfig, mesh: jax.sharding.Mesh,
             param_shardings: Any, writer: metrics_lib.MetricWriter | None = None,
@@ -183,11 +202,14 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
     opt_state = jax.jit(opt.init)(params)
   opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  group = group or distributed.ProcessGroup()
+  packed = cfg.padding_free
   jitted = jax.jit(step,
-                   in_shardings=(param_shardings, opt_shardings, rows, rows, rows),
+                   in_shardings=(param_shardings, opt_shardings, rows, rows,
+                                 rows) + ((models.Packing(*[replicated] * 4),)
+                                          if packed else ()),
                    out_shardings=(param_shardings, opt_shardings, replicated),
                    donate_argnums=(0, 1))
-  group = group or distributed.ProcessGroup()
   if not group.single:
     sharding.check_batch_divisible(cfg.batch_size, mesh, "sft.batch_size")
   rng = np.random.default_rng(cfg.seed)
@@ -196,12 +218,15 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
   with jax.set_mesh(mesh):
     for i in range(cfg.num_steps):
       idx = rng.integers(0, len(examples), cfg.batch_size)
+      # Every process draws the same rows: the packing of the global batch.
+      extra = (pack_batch(input_mask[idx], sharding.batch_ways(mesh)),
+               ) if packed else ()
       if not group.single:
         idx = idx[group.rows(mesh, cfg.batch_size)]
       params, opt_state, m = jitted(
           params, opt_state,
           *(group.global_array(x[idx], mesh)
-            for x in (tokens, input_mask, loss_mask)))
+            for x in (tokens, input_mask, loss_mask)), *extra)
       if (i + 1) % every == 0 or i + 1 == cfg.num_steps:
         m = metrics_lib.to_floats(m)
         log.info("sft step %d/%d loss %.4f (%.0fs)", i + 1, cfg.num_steps,
