@@ -287,3 +287,22 @@ def test_the_packed_sft_step_equals_the_padded_one(params):
                              rtol=1e-6)
   for a, b in zip(jax.tree.leaves(out[0][0]), jax.tree.leaves(out[1][0])):
     np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_without_completions_pack_and_train_to_zero(params):
+  """Every completion empty (all rejected, or EOS at once) and one row of a
+  single token: the packed step gives the padded step's zeros, not NaN."""
+  cfg = train.RLStepConfig(completion_length=T, old_logprobs="sampler",
+                           aggregation="sequence_mean_token_mean")
+  batch = _batch(params)
+  mask = np.zeros((N, L), bool)
+  mask[:, P - 2:P] = True
+  mask[0, :P - 1] = False  # a single real token
+  batch = batch._replace(input_mask_NxL=mask,
+                         loss_mask_NxL=np.zeros((N, L), bool))
+  padded = _step(params, cfg, batch, False)[:2]
+  packed = _step(params, cfg, batch, True)[:2]
+  _assert_same(padded, packed)
+  for leaf in jax.tree.leaves(packed[0].params):
+    assert np.all(np.isfinite(leaf))
+  assert float(packed[1]["grad_norm"]) == 0.0

@@ -5,24 +5,27 @@
 the step shuffles, the state's key) and builds a ``StepPlan``: the rows of
 every update's microbatches, in the order the step itself would draw
 (``steps.update_order``), and each microbatch's ``models.Packing`` into
-``Bp`` buffers of ``BUFFER_ROWS`` rows' length (``2 L``). Every forward pass of the step (the
+``Bp`` buffers of ``k L`` slots, ``k`` = 1 or ``BUFFER_ROWS`` = 2 rows'
+length. Every forward pass of the step (the
 trained policy's, ``pi_old``'s recompute, the reference's, the teacher's and
 the critic's) then runs on the buffers (``models/packing.py``); the loss terms
 read the same per-token values as the padded step, in the rows' layout, so
 every aggregation mode, normaliser, the microbatch accumulation and the
 minibatch split are the padded step's, exactly.
 
-Shapes. A row never exceeds ``L``, so ``BUFFER_ROWS = k`` rows always fit a
-buffer of ``k L`` and first-fit needs at most ``ceil(M / k)`` buffers for a
-microbatch of ``M`` rows. ``Bp`` is the most buffers any microbatch needs,
-rounded up to a bucket, a multiple of ``ceil(M / k / 8)`` (and of the mesh's
-batch shards): a run compiles at most 8 step programs, whatever its lengths.
+Shapes. A row never exceeds ``L``, so ``k`` rows always fit a buffer of
+``k L`` and first-fit needs at most ``ceil(M / k)`` buffers for a microbatch
+of ``M`` rows. ``Bp`` is the most buffers any microbatch needs, rounded up to
+a bucket, a multiple of ``ceil(M / k / 8)`` (and of the mesh's batch
+shards): a run compiles at most 8 step programs per ``k``, whatever its
+lengths.
 
 Cost. The decoder's token-wise work (projections, MLP, norms) runs on
-``Bp * k L`` slots instead of ``M L``; attention on ``Bp`` buffers of ``k L``
-costs ``k`` times a padded row's per slot (block-diagonal, computed dense),
-which is small beside the projections unless rows are long and the model
-narrow. The output projection and the losses run on the scored columns in
+``Bp * k L`` slots instead of ``M L``; attention on buffers of ``k L`` slots
+costs (and, without rematerialisation, keeps) ``k`` times a padded row's per
+slot (block-diagonal, computed dense). So ``k = 2`` is chosen only when it
+saves slots: rows longer than ``L / 2`` (full-length rows) pack one to a
+buffer of ``L``, which is the padded step's shape and memory. The output projection and the losses run on the scored columns in
 the rows' layout, as padded. The microbatch split is by rows (as padded): a
 microbatch holding the batch's longest rows sets ``Bp`` for all.
 """
@@ -67,6 +70,27 @@ def host_order(cfg: RLStepConfig, key_data: Any, n: int) -> np.ndarray:
   return np.asarray(_order_fn(cfg, n)(np.asarray(key_data)), np.int32)
 
 
+def _buffers(lengths_of: list[np.ndarray], length: int, row_multiple: int
+             ) -> tuple[int, int]:
+  """``(capacity, Bp)`` for microbatches of rows with these lengths: buffers
+  of two rows' length only where they save slots (their attention costs
+  more per slot), the count the most any microbatch needs, bucketed."""
+  m = len(lengths_of[0])
+  needed = {rows: max(packing_lib.buffers_needed(x, rows * length)
+                      for x in lengths_of) for rows in (1, BUFFER_ROWS)}
+  rows = BUFFER_ROWS if needed[BUFFER_ROWS] * BUFFER_ROWS < needed[1] else 1
+  return rows * length, bucket(needed[rows], -(-m // rows), row_multiple)
+
+
+def pack_microbatch(input_mask: np.ndarray, row_multiple: int = 1
+                    ) -> packing_lib.Packing:
+  """One batch's ``models.Packing``, planned as a step's microbatch (the SFT
+  warm-up's batches)."""
+  mask = np.asarray(input_mask, bool)
+  capacity, bp = _buffers([mask.sum(-1)], mask.shape[1], row_multiple)
+  return packing_lib.pack_rows(mask, bp, capacity)
+
+
 def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
               row_multiple: int = 1) -> StepPlan:
   """The ``StepPlan`` of one step (NumPy).
@@ -87,10 +111,8 @@ def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
   order = host_order(cfg, key_data, n)
   lengths = mask.sum(-1)
   u, k, m = order.shape
-  capacity = BUFFER_ROWS * length
-  needed = max(packing_lib.buffers_needed(lengths[order[i, j]], capacity)
-               for i in range(u) for j in range(k))
-  bp = bucket(needed, -(-m // BUFFER_ROWS), row_multiple)
+  capacity, bp = _buffers([lengths[order[i, j]] for i in range(u)
+                           for j in range(k)], length, row_multiple)
   packs = [packing_lib.pack_rows(mask[order[i, j]], bp, capacity)
            for i in range(u) for j in range(k)]
   stacked = packing_lib.Packing(*[
@@ -145,5 +167,5 @@ def _host(x: Any) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-__all__ = ["NUM_BUCKETS", "PaddingFree", "bucket", "fill_fraction",
-           "host_order", "plan_step"]
+__all__ = ["BUFFER_ROWS", "NUM_BUCKETS", "PaddingFree", "bucket",
+           "fill_fraction", "host_order", "pack_microbatch", "plan_step"]

@@ -158,14 +158,11 @@ def sft_arrays(tokenizer: Any, prompts: Sequence[str],
 
 def pack_batch(input_mask: np.ndarray, row_multiple: int = 1
                ) -> models.Packing:
-  """A warm-up batch's ``models.Packing``: buffers of two rows' length,
-  their count bucketed as the RL step's (``train/packing.py``)."""
+  """A warm-up batch's ``models.Packing``, planned as an RL step's
+  microbatch (``train/packing.py``: buffers of one or two rows' length, their
+  count bucketed)."""
   from rljax.train import packing as packing_lib  # pylint: disable=g-import-not-at-top
-  n, width = input_mask.shape
-  capacity = packing_lib.BUFFER_ROWS * width
-  needed = models.packing.buffers_needed(input_mask.sum(-1), capacity)
-  return models.pack_rows(input_mask, packing_lib.bucket(
-      needed, -(-n // packing_lib.BUFFER_ROWS), row_multiple), capacity)
+  return packing_lib.pack_microbatch(input_mask, row_multiple)
 
 
 def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
