@@ -57,6 +57,13 @@ PyTorch measured the same way):
   (no YNNPACK fusions) 4,907. None is faster, so no launcher sets one; the
   remaining gap to PyTorch is the matmul kernels' speed.
 
+Padding-free (``--padding_free``, on by default): the packed step
+(``rl.padding_free``, ``train/packing.py``) against the padded step on the
+same rows of the issue-12 model, two workloads of 64 x (64 + 128) slots:
+``fixed`` (every row full, EOS off) and ``long_tailed`` (prompts of 16..64
+tokens, geometric completions of mean ~32 truncated at 128). Figures are
+real (non-padding) tokens/s; the packed time includes the host's plan.
+
 Part 2 runs a few steps of a config (the main job by default) twice, with
 ``rl.old_logprobs="recompute"`` and ``="sampler"``, and prints where an RL
 step's time goes (sample / reward / advantage / train) side by side: the
@@ -65,6 +72,7 @@ sampler's logprobs save the trainer's no-gradient forward pass.
   python -m launch.bench_train_step --batch=16 --length=256
   python -m launch.bench_train_step --config=configs/arithmetic_grpo.py --split_steps=8
   python -m launch.bench_train_step --compare_torch --remat_sweep --notime_split
+  python -m launch.bench_train_step --padding_free --notime_split
 """
 
 import copy
