@@ -70,11 +70,16 @@ ignores). ``shift`` is solved on the rljax forward pass of random rows:
   with the EOS token), ~1.7% of rows truncated at the budget. The mean
   length and truncated fraction each side actually sampled are printed.
 
-Timing: ``--warmup`` steps (rljax's first compiles the sampler and the
-update) then ``--steps`` timed steps per run; per workload the sides
-alternate, rljax then TRL, ``--rounds`` times, in one process. Each side's
-per-step seconds are the mean (and median) of its timed steps; the ratio is
-TRL / rljax.
+Timing: each run is ``--warmup`` untimed steps (rljax's first compiles the
+sampler and the update; TRL's first warms PyTorch up) then ``--steps`` timed
+steps; per workload the sides alternate, rljax run, TRL run, ``--rounds``
+times, in one process. Each side's per-step seconds are the mean (and the
+median) of all its timed steps; the ratio is TRL / rljax. The split: rljax's
+``time/sample``, ``time/reward``, ``time/advantage``, ``time/train``; TRL's
+``_generate_single_turn`` (sample), the rest of
+``_generate_and_score_completions`` (score: tokenize, decode, reward,
+advantages) and the rest of the step (train). The 1-minute load average is
+printed and recorded: other processes on the 2 cores slow both sides.
 
   python -m launch.bench_rl_step --compare_trl
   python -m launch.bench_rl_step --compare_trl --prompts=2 --group_size=2 \
@@ -105,9 +110,9 @@ _COMPARE = flags.DEFINE_bool("compare_trl", False,
                              "also run TRL's GRPOTrainer (the bench extra)")
 _WORKLOADS = flags.DEFINE_list("workloads", ["fixed", "long_tailed"],
                                "fixed and/or long_tailed")
-_STEPS = flags.DEFINE_integer("steps", 4, "timed steps per run")
+_STEPS = flags.DEFINE_integer("steps", 3, "timed steps per run")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "untimed steps first in each run")
-_ROUNDS = flags.DEFINE_integer("rounds", 1, "runs per side and workload, "
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "runs per side and workload, "
                                "alternating rljax and TRL")
 _PROMPTS = flags.DEFINE_integer("prompts", 16, "prompts per step (B)")
 _GROUP = flags.DEFINE_integer("group_size", 4, "samples per prompt (G)")

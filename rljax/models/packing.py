@@ -62,23 +62,25 @@ def first_fit(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
                                                             np.ndarray]:
   """First-fit decreasing: ``(buffer, offset)`` of each row in buffers of
   ``capacity`` tokens (every length must be ``<= capacity``)."""
-  lengths = np.asarray(lengths, np.int64)
-  if lengths.size and lengths.max() > capacity:
-    raise ValueError(f"pack_rows: a row of {int(lengths.max())} real tokens "
+  sizes = np.asarray(lengths, np.int64)
+  if sizes.size and sizes.max() > capacity:
+    raise ValueError(f"pack_rows: a row of {int(sizes.max())} real tokens "
                      f"does not fit a buffer of {capacity}.")
-  buffer = np.zeros(len(lengths), np.int64)
-  offset = np.zeros(len(lengths), np.int64)
+  buffer = [0] * len(sizes)
+  offset = [0] * len(sizes)
   used: list[int] = []
-  for i in np.argsort(-lengths, kind="stable"):
+  as_list = sizes.tolist()
+  for i in np.argsort(-sizes, kind="stable").tolist():
+    size = as_list[i]
     for b, u in enumerate(used):
-      if u + lengths[i] <= capacity:
+      if u + size <= capacity:
         break
     else:
       b = len(used)
       used.append(0)
     buffer[i], offset[i] = b, used[b]
-    used[b] += int(lengths[i])
-  return buffer, offset
+    used[b] += size
+  return np.asarray(buffer, np.int64), np.asarray(offset, np.int64)
 
 
 def buffers_needed(lengths: np.ndarray, capacity: int) -> int:
@@ -88,7 +90,9 @@ def buffers_needed(lengths: np.ndarray, capacity: int) -> int:
 
 
 def pack_rows(input_mask_BxL: np.ndarray, num_buffers: int,
-              buffer_length: int | None = None) -> Packing:
+              buffer_length: int | None = None,
+              placement: tuple[np.ndarray, np.ndarray] | None = None
+              ) -> Packing:
   """The ``Packing`` of rows into ``num_buffers`` buffers (NumPy, host).
 
   Args:
@@ -97,6 +101,8 @@ def pack_rows(input_mask_BxL: np.ndarray, num_buffers: int,
     num_buffers: ``Bp``; at least ``buffers_needed`` (more leaves empty
       buffers, as shape buckets do).
     buffer_length: ``Lp`` (default ``L``).
+    placement: ``first_fit``'s ``(buffer, offset)`` of the rows, if already
+      computed for this ``buffer_length``.
 
   Raises:
     ValueError: the rows need more than ``num_buffers`` buffers.
@@ -104,24 +110,25 @@ def pack_rows(input_mask_BxL: np.ndarray, num_buffers: int,
   mask = np.asarray(input_mask_BxL, bool)
   b, length = mask.shape
   lp = length if buffer_length is None else buffer_length
-  lengths = mask.sum(-1)
-  buffer, offset = first_fit(lengths, lp)
+  buffer, offset = placement or first_fit(mask.sum(-1), lp)
   needed = int(buffer.max()) + 1 if b else 0
   if needed > num_buffers:
     raise ValueError(f"pack_rows: these rows need {needed} buffers of {lp} "
                      f"tokens; num_buffers={num_buffers}.")
-  source = np.zeros((num_buffers, lp), np.int32)
-  segment = np.zeros((num_buffers, lp), np.int32)
-  position = np.zeros((num_buffers, lp), np.int32)
+  rows, cols = np.nonzero(mask)  # row-major: each row's tokens in order
+  rank = np.arange(len(rows)) - np.searchsorted(rows, rows)
+  at = buffer[rows] * lp + offset[rows] + rank  # flat slot of each token
+  source = np.zeros(num_buffers * lp, np.int32)
+  segment = np.zeros(num_buffers * lp, np.int32)
+  position = np.zeros(num_buffers * lp, np.int32)
   slot = np.zeros((b, length), np.int32)
-  for i in range(b):
-    cols = np.flatnonzero(mask[i])
-    at = offset[i] + np.arange(len(cols))
-    source[buffer[i], at] = i * length + cols
-    segment[buffer[i], at] = i + 1
-    position[buffer[i], at] = np.arange(len(cols))
-    slot[i, cols] = buffer[i] * lp + at
-  return Packing(source, segment, position, slot)
+  source[at] = rows * length + cols
+  segment[at] = rows + 1
+  position[at] = rank
+  slot[rows, cols] = at
+  return Packing(source.reshape(num_buffers, lp),
+                 segment.reshape(num_buffers, lp),
+                 position.reshape(num_buffers, lp), slot)
 
 
 def hidden_states(params: Any, config: ModelConfig, tokens_BxL: jax.Array,

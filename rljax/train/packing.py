@@ -70,25 +70,29 @@ def host_order(cfg: RLStepConfig, key_data: Any, n: int) -> np.ndarray:
   return np.asarray(_order_fn(cfg, n)(np.asarray(key_data)), np.int32)
 
 
-def _buffers(lengths_of: list[np.ndarray], length: int, row_multiple: int
-             ) -> tuple[int, int]:
-  """``(capacity, Bp)`` for microbatches of rows with these lengths: buffers
-  of two rows' length only where they save slots (their attention costs
-  more per slot), the count the most any microbatch needs, bucketed."""
-  m = len(lengths_of[0])
-  needed = {rows: max(packing_lib.buffers_needed(x, rows * length)
-                      for x in lengths_of) for rows in (1, BUFFER_ROWS)}
+def _pack(masks: list[np.ndarray], row_multiple: int
+          ) -> list[packing_lib.Packing]:
+  """Each microbatch's ``Packing``, one shape for all: buffers of two rows'
+  length only where they save slots (their attention costs more per slot),
+  as many as the most any microbatch needs, bucketed."""
+  m, length = masks[0].shape
+  lengths = [x.sum(-1) for x in masks]
+  placements = {rows: [packing_lib.first_fit(x, rows * length)
+                       for x in lengths] for rows in (1, BUFFER_ROWS)}
+  needed = {rows: max(int(b.max()) + 1 if len(b) else 0
+                      for b, _ in placements[rows])
+            for rows in placements}
   rows = BUFFER_ROWS if needed[BUFFER_ROWS] * BUFFER_ROWS < needed[1] else 1
-  return rows * length, bucket(needed[rows], -(-m // rows), row_multiple)
+  bp = bucket(needed[rows], -(-m // rows), row_multiple)
+  return [packing_lib.pack_rows(x, bp, rows * length, placement=p)
+          for x, p in zip(masks, placements[rows])]
 
 
 def pack_microbatch(input_mask: np.ndarray, row_multiple: int = 1
                     ) -> packing_lib.Packing:
   """One batch's ``models.Packing``, planned as a step's microbatch (the SFT
   warm-up's batches)."""
-  mask = np.asarray(input_mask, bool)
-  capacity, bp = _buffers([mask.sum(-1)], mask.shape[1], row_multiple)
-  return packing_lib.pack_rows(mask, bp, capacity)
+  return _pack([np.asarray(input_mask, bool)], row_multiple)[0]
 
 
 def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
@@ -109,12 +113,9 @@ def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
         f"plan_step: {n} rows do not split into rl.num_minibatches="
         f"{cfg.num_minibatches} x rl.num_microbatches={cfg.num_microbatches}.")
   order = host_order(cfg, key_data, n)
-  lengths = mask.sum(-1)
   u, k, m = order.shape
-  capacity, bp = _buffers([lengths[order[i, j]] for i in range(u)
-                           for j in range(k)], length, row_multiple)
-  packs = [packing_lib.pack_rows(mask[order[i, j]], bp, capacity)
-           for i in range(u) for j in range(k)]
+  packs = _pack([mask[order[i, j]] for i in range(u) for j in range(k)],
+                row_multiple)
   stacked = packing_lib.Packing(*[
       np.stack([p[f] for p in packs]).reshape(u, k, *packs[0][f].shape)
       for f in range(len(packing_lib.Packing._fields))])
