@@ -426,9 +426,11 @@ def remat_sweep(batch=16, length=128, width=256,
 STAGES = ("sample", "reward", "advantage", "train")
 
 
-def _split(config, old_logprobs):
+def _split(config, old_logprobs, padding_free=None):
   config = copy.deepcopy(config)
   config.rl.old_logprobs = old_logprobs
+  if padding_free is not None:
+    config.rl.padding_free = config.sft.padding_free = padding_free
   with tempfile.TemporaryDirectory() as workdir:
     train.run(config, workdir)
     rows = [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
@@ -454,7 +456,18 @@ def part2():
     print(f"  {k:<10} {a * 1e3:9.1f} ms {b * 1e3:9.1f} ms   {b / a:6.2f}x")
   slowest = max(split["recompute"], key=split["recompute"].get)
   print(f"  slowest stage (recompute): {slowest}")
-  return {"time_split_s": split}
+  # Padding-free on the config's own rows (the main job's: short prompts
+  # in buckets, short completions), old_logprobs as the config sets it.
+  mode = config.rl.old_logprobs
+  by_packing = {"padded": _split(config, mode, False),
+                "packed": _split(config, mode, True)}
+  print(f"\n  padding-free ({mode}):  {'padded':>9} {'packed':>9}   "
+        "packed/padded")
+  for k in STAGES + ("total",):
+    a, b = ((sum(by_packing[m].values()) if k == "total"
+             else by_packing[m][k]) for m in ("padded", "packed"))
+    print(f"  {k:<10} {a * 1e3:9.1f} ms {b * 1e3:9.1f} ms   {b / a:6.2f}x")
+  return {"time_split_s": split, "padding_free_split_s": by_packing}
 
 
 def main(argv):
