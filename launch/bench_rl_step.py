@@ -24,7 +24,8 @@ What each side computes per step (``--loss_type=dapo``, TRL's default):
   (the reward function in-process, ``rewards.num_workers=0``), group
   advantages (``rl.advantage=grpo``, ``rl.std_eps=1e-4`` as TRL), then one
   jitted update: forward + backward over the rows packed padding-free
-  (``rl.padding_free``, the default), the PPO-clip coefficient (eps 0.2 both
+  (``rl.padding_free``, the default; the completion positions' logprobs and,
+  as a metric, their entropy), the PPO-clip coefficient (eps 0.2 both
   ways, ``rl.clip_eps_high=0.2`` as TRL's ``epsilon_high=None``),
   ``rl.aggregation=token_mean`` (TRL ``dapo``; ``--loss_type=grpo`` uses
   ``sequence_mean_token_mean`` with ``rl.count_empty_sequences=True``),
@@ -37,8 +38,9 @@ What each side computes per step (``--loss_type=dapo``, TRL's default):
   prefilled with its prompt, left-padded to the longest prompt), the EOS
   mask, decode, the reward function, group advantages (``scale_rewards=
   group``, std + 1e-4), then ``_compute_loss``: one forward over the padded
-  prompt + completion rows with ``logits_to_keep`` (and the entropy, which
-  TRL always computes), the clipped surrogate, ``dapo`` aggregation,
+  prompt + completion rows scoring the completion positions
+  (``fused_lm_head`` logprobs and the entropy, which TRL always computes),
+  the clipped surrogate, ``dapo`` aggregation,
   backward, ``clip_grad_norm_(1.0)``, ``torch.optim.AdamW``. No reference
   model (``beta=0``), no old-logprob pass (``num_iterations=1``,
   ``steps_per_generation=1``), ``gradient_checkpointing=False`` (TRL's
@@ -51,14 +53,17 @@ Both use AdamW (lr ``--learning_rate``, constant, betas 0.9 / 0.999, eps
 
 Lengths, from the weights (identical on both sides, so both sides sample
 the same distribution). Residual dimension 0 carries a constant: every
-embedding row has ``C`` there, no layer writes it (``o_proj`` and
+embedding row has ``C = 16`` there, no layer writes it (``o_proj`` and
 ``down_proj`` have a zero output column 0) and no layer reads it (the
-pre-attention and pre-MLP norms have scale 0 there, and ``C`` on the other
-dimensions, which keeps the normalised activations near unit size). After
-the final norm that dimension is ``C / rms(x) ~ 15`` at every position, so
-the EOS row's entry there, ``C + shift``, adds ``~15 * shift`` to the EOS
-logit alone (every other token gets the same constant, which the softmax
-ignores). ``shift`` is solved on the rljax forward pass of random rows:
+pre-attention and pre-MLP norms have scale 0 there); everything else is
+``init_params``'s. ``C`` dominates every RMS norm (the other 255
+dimensions hold ~0.1 each), so after the final norm that dimension is
+``C / rms(x) ~ 16`` at every position (15.93..15.97 measured), and the EOS
+row's entry there, ``C + shift``, adds ``~16 * shift`` to the EOS logit
+alone (every other token gets the same constant ``~16 C``, which the
+softmax ignores; the other dimensions' normalised activations are ~1/16 of
+a plain random model's, so the policy is close to uniform over the
+vocabulary). ``shift`` is solved on the rljax forward pass of random rows:
 
 * ``fixed``: EOS can never be emitted: the shift puts the EOS logit more
   than 300 below the others' log-sum-exp, where its fp32 probability is

@@ -478,9 +478,11 @@ OFF_COMPLETION_LENGTHS = (6, 3, 0, 5, 1, 4, 6, 2)
 
 
 def _full_length_logprobs(params_1l, model_config, tokens, input_mask, cfg,
-                  with_entropy=False):
-  """The old full-length computation: every position, entropy always."""
+                  with_entropy=False, packing=None):
+  """The old full-length computation: every position, entropy always (on
+  padded rows: these tests pass no packing plan)."""
   del with_entropy
+  assert packing is None
   positions = jnp.maximum(jnp.cumsum(input_mask.astype(jnp.int32), -1) - 1, 0)
   hidden, _ = models.Decoder(model_config).apply(
       {"params": params_1l}, tokens, positions, input_mask_BxT=input_mask)
