@@ -83,8 +83,27 @@ median) of all its timed steps; the ratio is TRL / rljax. The split: rljax's
 ``time/sample``, ``time/reward``, ``time/advantage``, ``time/train``; TRL's
 ``_generate_single_turn`` (sample), the rest of
 ``_generate_and_score_completions`` (score: tokenize, decode, reward,
-advantages) and the rest of the step (train). The 1-minute load average is
-printed and recorded: other processes on the 2 cores slow both sides.
+advantages) and the rest of the step (train). Other processes on the 2
+cores slow both sides, PyTorch's 2 OpenMP threads far more (its per-token
+generation went from ~30 ms to ~300 ms next to a test run), so each run
+records the cores other processes kept busy meanwhile (``/proc/stat``
+less this process's CPU time): only figures with ~0 there compare the
+libraries.
+
+Measured (2-core CPU; XLA:CPU against PyTorch 2.13, transformers 5.24 and
+TRL 1.16, 2 threads each; other processes 0.01..0.17 cores; the defaults:
+2 rounds x 3 timed steps per side, 64 rows x 128 new tokens, ``dapo``):
+
+* fixed: rljax 7.75 s per step (sample 2.98, train 4.72), TRL 9.23 s
+  (sample 4.30, train 4.91): 1.19x, short of the 1.5x target. The update
+  on full-length rows is as fast on both sides (the matmul kernels,
+  ``launch/bench_train_step.py``); the sampler is 1.4x faster (23 against
+  34 ms per decode step of 64 rows).
+* long_tailed: rljax 4.30 s (sample 2.23, train 2.03; mean completion
+  29.7 tokens, 0.5% truncated), TRL 8.07 s (sample 3.89, train 4.17; 33.1
+  tokens, 2.1% truncated): 1.87x, short of the 3x target. The padding-free
+  update is 2x faster than TRL's padded one; both samplers decode until
+  the longest row ends (~128 steps whenever a row is truncated).
 
   python -m launch.bench_rl_step --compare_trl
   python -m launch.bench_rl_step --compare_trl --prompts=2 --group_size=2 \
@@ -426,6 +445,29 @@ def logits_agreement(checkpoint: str) -> float:
 # ----------------------------------------------------------------------------
 
 
+def _cpu_seconds() -> tuple[float, float] | None:
+  """Busy CPU seconds so far of the whole machine and of this process."""
+  try:
+    with open("/proc/stat") as f:
+      ticks = [int(x) for x in f.readline().split()[1:9]]
+  except (OSError, ValueError):
+    return None
+  busy = sum(ticks) - ticks[3] - ticks[4]  # all but idle and iowait
+  return busy / os.sysconf("SC_CLK_TCK"), sum(os.times()[:4])
+
+
+def _with_others(fn, *args) -> dict:
+  """``fn(*args)`` (a run's figures) with ``others_cores``: the cores that
+  other processes kept busy meanwhile, on average (0: a quiet machine)."""
+  start, t0 = _cpu_seconds(), time.perf_counter()
+  figures = fn(*args)
+  end, wall = _cpu_seconds(), time.perf_counter() - t0
+  if start and end:
+    figures["others_cores"] = max(
+        0.0, (end[0] - start[0] - (end[1] - start[1])) / wall)
+  return figures
+
+
 def _summary(values: list[float]) -> dict:
   return {"mean": statistics.mean(values), "median": statistics.median(values)}
 
@@ -443,9 +485,9 @@ def workload(kind: str) -> dict:
     if _COMPARE.value:
       out["max_abs_logp_diff"] = logits_agreement(checkpoint)
     for _ in range(_ROUNDS.value):
-      out["rljax"].append(run_rljax(checkpoint, task))
+      out["rljax"].append(_with_others(run_rljax, checkpoint, task))
       if _COMPARE.value:
-        out["trl"].append(run_trl(checkpoint, prompts))
+        out["trl"].append(_with_others(run_trl, checkpoint, prompts))
   return out
 
 
@@ -466,7 +508,8 @@ def report(kind: str, out: dict) -> dict:
     sides.append(("trl", ("sample", "score", "train")))
   for side, parts in sides:
     merged = {k: [v for run in out[side] for v in run[k]]
-              for k in out[side][0] if k != "versions"}
+              for k in out[side][0] if isinstance(out[side][0][k], list)}
+    others = [run["others_cores"] for run in out[side] if "others_cores" in run]
     step = _summary(merged["step_s"])
     split = {p: statistics.mean(merged[f"{p}_s"]) for p in parts}
     length = statistics.mean(merged["completion_length"])
@@ -476,13 +519,16 @@ def report(kind: str, out: dict) -> dict:
           + ", ".join(f"{p} {v:.3f}" for p, v in split.items())
           + f"; completion length {length:.1f}, truncated "
           f"{100 * truncated:.1f}%")
-    print("        per step: " + " ".join(f"{s:.3f}" for s in merged["step_s"]))
+    print("        per step: " + " ".join(f"{s:.3f}" for s in merged["step_s"])
+          + ("; other processes busy: " + ", ".join(f"{o:.2f}" for o in others)
+             + " cores (per run)" if others else ""))
     figures[side] = {"step_s": step, "split_s": split,
                      "steps_s": merged["step_s"],
                      "completion_length_mean": length,
                      "truncated_fraction": truncated,
                      "generated_tokens_per_step": statistics.mean(
-                         merged["generated_tokens"])}
+                         merged["generated_tokens"]),
+                     "other_processes_cores_per_run": others}
     if side == "trl":
       figures["versions"] = out["trl"][0]["versions"]
   if out["trl"]:
