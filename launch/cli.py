@@ -1,16 +1,22 @@
 """What the launchers print: rljax's own lines, third-party libraries quiet.
 
 Every launcher calls ``setup_logging()`` first in ``main()`` (after absl's
-``app.run`` has parsed the flags and installed its handler).
+``app.run`` has parsed the flags and installed its handler), and starts
+through ``run(main)``, which reports an error as its message alone.
 """
 
 import logging
 import os
 import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
 
-from absl import flags
+from absl import app, flags
 from absl import logging as absl_logging
 
+# The directory holding rljax/, launch/ and configs/.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _COMPACT = logging.Formatter("%(asctime)s %(message)s", datefmt="%H:%M:%S")
 
 
@@ -49,6 +55,46 @@ def setup_logging() -> None:
     log.addHandler(handler)
 
 
+def run(main: Callable[[list[str]], Any]) -> None:
+  """``absl.app.run(main)``, reporting an exception as its message alone.
+
+  A launcher's errors name the field, the value and what is accepted in
+  their message; the traceback above it is noise to a user. Without an
+  explicit ``--verbosity`` an exception prints ``error: <message>`` and
+  where it was raised, and the process exits with status 1; with
+  ``--verbosity`` (any level) it propagates with its full traceback.
+  Usage errors, ``SystemExit`` and ``KeyboardInterrupt`` pass through.
+  """
+
+  def guarded(argv):
+    try:
+      return main(argv)
+    except (app.UsageError, SystemExit, KeyboardInterrupt):
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      if flags.FLAGS.is_parsed() and flags.FLAGS["verbosity"].present:
+        raise
+      print(error_line(e), file=sys.stderr, flush=True)
+      sys.exit(1)
+
+  app.run(guarded)
+
+
+def error_line(error: BaseException) -> str:
+  """``error: <type>: <message>`` and where it was raised, for ``run``."""
+  frames = traceback.extract_tb(error.__traceback__)
+  where = ""
+  if frames:
+    frame = frames[-1]
+    name = os.path.abspath(frame.filename)
+    if name.startswith(_ROOT + os.sep):  # rljax's own: from its root
+      name = os.path.relpath(name, _ROOT)
+    where = f" [{name}:{frame.lineno}]"
+  message = str(error) or "(no message)"
+  return (f"error: {type(error).__name__}: {message}{where}\n"
+          "(--verbosity=1 shows the traceback)")
+
+
 _PHASES = (("sft", "SFT"), ("sample", "sampling"), ("reward", "rewards"),
            ("advantage", "advantages"), ("train", "training"),
            ("evaluation", "evaluation"), ("checkpoint", "checkpoints"))
@@ -61,7 +107,9 @@ def run_summary(summary: dict) -> str:
     summary: what ``rljax.train.run`` returns.
   """
   before, after = summary["before"], summary["after"]
-  lines = ["run summary:"]
+  finished = summary.get("already_finished", False)
+  lines = ["run summary (the run had already finished: nothing was trained "
+           "or written now):" if finished else "run summary:"]
   for key, label in (("eval/accuracy", "held-out accuracy (T="
                       f"{summary['sampling_temperature']:g} sampling)"),
                      ("eval/greedy_accuracy", "held-out accuracy (greedy)")):
@@ -69,14 +117,21 @@ def run_summary(summary: dict) -> str:
     if b is not None and a is not None:
       lines.append(f"  {label}: before RL {100 * b:.1f}%, after RL "
                    f"{100 * a:.1f}% ({100 * (a - b):+.1f} points)")
-  seconds = summary["seconds_by_phase"]
-  rest = summary["seconds"] - sum(seconds.values())
-  parts = [f"{label} {seconds[k]:.0f}s" for k, label in _PHASES]
-  lines.append(f"  wall clock {summary['seconds']:.0f}s: {', '.join(parts)}, "
-               f"set-up and other {max(rest, 0):.0f}s")
-  rate = summary["tokens_per_s"]
-  lines.append(f"  tokens/s: sampling {rate['sample']:,.0f}, training "
-               f"{rate['train']:,.0f}")
+  if not finished:
+    seconds = summary["seconds_by_phase"]
+    rest = summary["seconds"] - sum(seconds.values())
+    parts = [f"{label} {seconds[k]:.0f}s" for k, label in _PHASES]
+    lines.append(f"  wall clock {summary['seconds']:.0f}s: {', '.join(parts)}, "
+                 f"set-up and other {max(rest, 0):.0f}s")
+    first = summary.get("first_step")
+    if first is not None:
+      lines.append(f"  first RL step (compiles the sampler and the update): "
+                   f"sampling {first['seconds']['sample']:.0f}s, training "
+                   f"{first['seconds']['train']:.0f}s")
+    rate = summary["tokens_per_s"]
+    after = " after the first step" if summary.get("steps", 0) > 1 else ""
+    lines.append(f"  tokens/s{after}: sampling {rate['sample']:,.0f}, "
+                 f"training {rate['train']:,.0f}")
   lines.append(f"  files in {summary['workdir']}:")
   for path, what in ((summary["metrics"], "metrics, one row per step"),
                      (summary["tensorboard"],

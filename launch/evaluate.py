@@ -12,7 +12,7 @@ Prints an aligned table of the metrics, then the same metrics as JSON;
 
 import json
 
-from absl import app, flags
+from absl import flags
 import jax
 
 from launch import cli
@@ -76,4 +76,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -113,7 +113,8 @@ def main(argv):
     print(f"preempted: checkpoint saved in {summary['checkpoints']}; rerun the "
           f"same command to resume.")
   print(cli.run_summary(summary))
-  if not summary["preempted"]:
+  # A rerun of a finished run keeps the record its real run wrote.
+  if not (summary["preempted"] or summary["already_finished"]):
     from launch.benchlib import write_record  # pylint: disable=import-outside-toplevel
     figures = {k: summary.get(k) for k in (
         "before", "after", "seconds", "seconds_by_phase", "tokens_per_s")}
@@ -123,4 +124,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

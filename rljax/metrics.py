@@ -7,6 +7,7 @@ no TensorFlow); progress is drawn with tqdm.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -63,18 +64,22 @@ class TensorBoardWriter:
   """Writes scalar summaries to ``<logdir>/events.out.tfevents.*`` (tensorboardX)."""
 
   def __init__(self, logdir: str | os.PathLike):
-    # Imported here, not with this module: tensorboardX imports torch at
-    # import time when torch is installed (the hf extra), a few seconds.
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-    self._writer = SummaryWriter(os.fspath(logdir), flush_secs=5)
+    self._logdir = os.fspath(logdir)
+    self._writer = None  # the event file is created by the first write
 
   def write(self, step: int, metrics: Scalars) -> None:
+    if self._writer is None:
+      # Imported here, not with this module: tensorboardX imports torch at
+      # import time when torch is installed (the hf extra), a few seconds.
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._writer = SummaryWriter(self._logdir, flush_secs=5)
     now = time.time()
     for k, v in to_floats(metrics).items():
       self._writer.add_scalar(k, v, int(step), walltime=now)
 
   def close(self) -> None:
-    self._writer.close()
+    if self._writer is not None:
+      self._writer.close()
 
 
 def read_tensorboard_scalars(path: str | os.PathLike
@@ -126,6 +131,7 @@ class ProgressBar:
     self.logger = logger or logging.getLogger("rljax")
     self.every = max(1, total // 20)
     self.start = time.time()
+    self._clock = (self.start, initial)  # what the estimate counts from
     self._bar, self._redirect = None, contextlib.ExitStack()
     isatty = getattr(self.file, "isatty", None)
     if active and isatty is not None and isatty():
@@ -149,12 +155,19 @@ class ProgressBar:
       return
     if not self.active or (step % self.every and step != self.total):
       return
-    elapsed = time.time() - self.start
-    left = elapsed / max(step - self.initial, 1) * (self.total - step)
+    now = time.time()
+    elapsed = now - self.start
+    since, from_step = self._clock
+    left = (now - since) / max(step - from_step, 1) * (self.total - step)
     self.logger.info(
         "RL step %d/%d: %s [%s elapsed, %s left]", step, self.total,
         ", ".join(self._figures(metrics)),
         tqdm.tqdm.format_interval(elapsed), tqdm.tqdm.format_interval(left))
+
+  def restart_clock(self, step: int) -> None:
+    """Estimates the time left from now and ``step`` on (after a first step
+    that compiled); the elapsed time still counts from the start."""
+    self._clock = (time.time(), step)
 
   def close(self) -> None:
     self._redirect.close()
@@ -187,35 +200,110 @@ class MetricWriter:
       self.tensorboard.close()
 
 
-def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike,
-                keys: Sequence[str], title: str = "") -> bool:
-  """Saves a PNG with one panel per key that appears in ``rows``.
+@dataclasses.dataclass(frozen=True)
+class Curve:
+  """How ``plot_curves`` draws one metric.
 
-  Returns False (and writes nothing) when matplotlib is unavailable.
+  Attributes:
+    title: the panel's title.
+    ylabel: the y axis label.
+    ylim: a fixed y range (accuracies: 0 to 1, so that 0.92 -> 0.95 does
+      not look like a swing); None fits the data.
+    smooth: also draw an exponential moving average, the raw line faint.
   """
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-  except ImportError:
-    return False
+
+  title: str
+  ylabel: str = ""
+  ylim: tuple[float, float] | None = None
+  smooth: bool = False
+
+
+CURVES = {
+    "reward/total/mean": Curve("Reward (mean per step)", "reward",
+                               smooth=True),
+    "eval/accuracy": Curve("Held-out accuracy (sampled)", "accuracy",
+                           (0.0, 1.0)),
+    "eval/greedy_accuracy": Curve("Held-out accuracy (greedy)", "accuracy",
+                                  (0.0, 1.0)),
+    "completion_length/mean": Curve("Completion length (mean)", "tokens",
+                                    smooth=True),
+    "accuracy": Curve("Training accuracy", "accuracy", (0.0, 1.0),
+                      smooth=True),
+}
+
+
+def smoothed(values: Sequence[float], weight: float = 0.9) -> np.ndarray:
+  """TensorBoard's debiased exponential moving average of ``values``.
+
+  ``s_t = weight * s_{t-1} + (1 - weight) * x_t`` from ``s_0 = 0``, divided
+  by ``1 - weight**(t+1)`` so the first points are not pulled to 0.
+  """
+  out, acc = np.empty(len(values)), 0.0
+  for t, x in enumerate(values):
+    acc = weight * acc + (1.0 - weight) * float(x)
+    out[t] = acc / (1.0 - weight ** (t + 1))
+  return out
+
+
+def curves_figure(rows: Sequence[Mapping[str, Any]], keys: Sequence[str],
+                  title: str = "", curves: Mapping[str, Curve] | None = None):
+  """A matplotlib figure with one panel per key of ``keys`` in ``rows``.
+
+  Known metrics (``CURVES``, updated by ``curves``) get a readable title, a
+  y label, a fixed range for accuracies, and a smoothed line over the raw
+  one for noisy per-step figures; others are titled by their key. Returns
+  None when no key appears in ``rows``. Needs matplotlib.
+  """
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  styles = {**CURVES, **(curves or {})}
   keys = [k for k in keys if any(k in r for r in rows)]
   if not keys:
-    return False
+    return None
   fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.5),
                            squeeze=False)
   for ax, key in zip(axes[0], keys):
+    style = styles.get(key, Curve(key))
     pts = [(r["step"], float(r[key])) for r in rows
            if key in r and isinstance(r[key], (int, float))]
     if pts:
       xs, ys = zip(*pts)
-      ax.plot(xs, ys, marker="o" if len(pts) < 30 else None, markersize=3)
-    ax.set_title(key)
-    ax.set_xlabel("step")
+      marker = "o" if len(pts) < 30 else None
+      if style.smooth and len(pts) >= 10:
+        ax.plot(xs, ys, color="C0", alpha=0.25, linewidth=1, label="raw")
+        ax.plot(xs, smoothed(ys), color="C0", linewidth=2,
+                label="smoothed (EMA 0.9)")
+        ax.legend(fontsize="small", loc="best")
+      else:
+        ax.plot(xs, ys, color="C0", marker=marker, markersize=3)
+    ax.set_title(style.title)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel(style.ylabel)
+    if style.ylim is not None:
+      ax.set_ylim(*style.ylim)
     ax.grid(alpha=0.3)
   if title:
     fig.suptitle(title)
   fig.tight_layout()
+  return fig
+
+
+def plot_curves(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike,
+                keys: Sequence[str], title: str = "",
+                curves: Mapping[str, Curve] | None = None) -> bool:
+  """Saves ``curves_figure(rows, keys, title, curves)`` as a PNG.
+
+  Returns False (and writes nothing) when matplotlib is unavailable or no
+  key appears in ``rows``.
+  """
+  try:
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  fig = curves_figure(rows, keys, title, curves)
+  if fig is None:
+    return False
   fig.savefig(path, dpi=100)
   plt.close(fig)
   return True

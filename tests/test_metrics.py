@@ -93,3 +93,30 @@ def test_plot_writes_png(tmp_path):
   rows = [{"step": i, "reward": i / 10} for i in range(5)]
   assert metrics.plot_curves(rows, tmp_path / "p.png", ["reward", "missing"])
   assert open(tmp_path / "p.png", "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_curves_have_titles_labels_fixed_accuracy_axes_and_a_smoothed_reward():
+  rng = np.random.default_rng(0)
+  rewards = list(0.5 + 0.01 * np.arange(40) + 0.1 * rng.standard_normal(40))
+  rows = [{"step": i, "reward/total/mean": r} for i, r in enumerate(rewards)]
+  rows += [{"step": i, "eval/accuracy": 0.92 + 0.001 * i}
+           for i in range(0, 40, 10)]
+  rows += [{"step": 0, "custom/metric": 1.0}]
+  fig = metrics.curves_figure(
+      rows, ["reward/total/mean", "eval/accuracy", "custom/metric", "absent"])
+  reward, accuracy, custom = fig.axes[:3]
+  assert len(fig.axes) == 3  # the absent key has no panel
+  assert reward.get_title() == "Reward (mean per step)"
+  assert reward.get_ylabel() == "reward"
+  assert accuracy.get_ylim() == (0.0, 1.0)
+  assert custom.get_title() == "custom/metric"  # unknown keys: their name
+  raw, smooth = reward.get_lines()
+  np.testing.assert_allclose(raw.get_ydata(), rewards)
+  # TensorBoard's debiased EMA, by its recurrence written out in closed form.
+  w, t = 0.9, np.arange(40)
+  expected = [sum((1 - w) * w ** (k - j) * rewards[j] for j in range(k + 1))
+              / (1 - w ** (k + 1)) for k in t]
+  np.testing.assert_allclose(smooth.get_ydata(), expected, rtol=1e-12)
+  assert raw.get_alpha() == 0.25 and smooth.get_alpha() is None  # raw faint
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  plt.close(fig)

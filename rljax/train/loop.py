@@ -145,12 +145,21 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
   last: dict[str, float] = {}
   preempted = False
   step = int(state.step)
+  finished = step >= s.num_steps
+  if finished:  # a rerun of a finished run trains and writes nothing
+    last = _metrics_at(run, step)
+    log.info("this run already finished: step %d of %d in %s; nothing to "
+             "train (raise rl.num_steps to train on).", step, s.num_steps,
+             workdir)
   progress = metrics_lib.ProgressBar(
       s.num_steps, {"reward": "reward/total/mean", "accuracy": "accuracy",
                     "held-out": "eval/accuracy",
                     "tokens/s": "tokens_per_s/sample"}, initial=step,
       active=c.group.primary)
   stop = guards.Guards(s)
+  if not finished:
+    log.info("RL step %d: compiling the sampler and the update (once; the "
+             "first step takes longer)", step + 1)
   while step < s.num_steps:
     # A signal to any process stops them all at the same step.
     if c.group.any(bool(stop_signal.received)):
@@ -183,6 +192,16 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
       run.seconds[phase] += m[f"time/{phase}"]
     run.tokens["generated"] += m["num_generated_tokens"]
     run.tokens["train"] += trained_tokens
+    run.steps += 1
+    if run.steps == 1:  # compiles included: kept out of ETA and tokens/s
+      run.first_step = {"seconds": {k: m[f"time/{k}"] for k in
+                                    ("sample", "train")},
+                        "tokens": {"generated": m["num_generated_tokens"],
+                                   "train": trained_tokens}}
+      log.info("RL step %d took %.0f s, compiles included; the progress "
+               "estimate and the closing tokens/s count from here.", step,
+               m["time/step"])
+      progress.restart_clock(step)
     if step % s.eval_every == 0 or step == s.num_steps:
       m.update(run.evaluate(state.params, jax.random.fold_in(run.eval_key,
                                                              step)))
@@ -200,4 +219,15 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
       run.save(step, state, ref_params, last,
                extras=plan.checkpoint_extras())
   progress.close()
-  return session.summary(run, last, t0, preempted)
+  return session.summary(run, last, t0, preempted, finished=finished)
+
+
+def _metrics_at(run: session.Session, step: int) -> dict[str, float]:
+  """The metrics ``metrics.jsonl`` holds for ``step`` (process 0 reads)."""
+  if not (run.c.group.primary and os.path.exists(run.metrics_path)):
+    return {}
+  merged: dict[str, float] = {}
+  for row in metrics_lib.read_jsonl(run.metrics_path):
+    if row.get("step") == step:
+      merged.update({k: v for k, v in row.items() if k != "step"})
+  return merged

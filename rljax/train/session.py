@@ -68,6 +68,8 @@ class Session:
       default_factory=lambda: dict.fromkeys(PHASES, 0.0))
   tokens: dict[str, float] = dataclasses.field(
       default_factory=lambda: {"generated": 0.0, "train": 0.0})
+  steps: int = 0
+  first_step: dict[str, Any] | None = None
 
   @property
   def metrics_path(self) -> str:
@@ -221,36 +223,53 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
 
 
 def summary(run: Session, last: dict[str, float], t0: float,
-            preempted: bool) -> dict[str, Any]:
-  """Closes the checkpoint manager and the writer, plots, and reports."""
+            preempted: bool, *, finished: bool = False) -> dict[str, Any]:
+  """Closes the checkpoint manager and the writer, plots, and reports.
+
+  ``finished``: the run had already finished when this process started
+  (``already_finished`` in the summary; ``last`` then holds the final
+  step's metrics as ``metrics.jsonl`` recorded them).
+  """
   c, seconds, tokens = run.c, run.seconds, run.tokens
   t = time.time()
   run.manager.close()  # waits for the saves in flight
   seconds["checkpoint"] += time.time() - t
   run.writer.close()
   plot = os.path.join(run.workdir, "curves.png")
-  if c.group.primary:
+  if c.group.primary and not finished:
     rows = metrics_lib.read_jsonl(run.metrics_path)
     metrics_lib.plot_curves(
         [row for row in rows if row["step"] >= 0], plot,
         ["reward/total/mean", "eval/accuracy", "eval/greedy_accuracy",
          "completion_length/mean"], title=f"rljax: {c.settings.task_name}")
   after = {k: v for k, v in last.items() if k.startswith("eval/")}
-  if "eval/accuracy" in after:
+  if "eval/accuracy" in after and not finished:
     log.info("held-out after RL: %s", format_eval(after))
   return {
-      "workdir": run.workdir, "preempted": preempted, "before": run.before,
+      "workdir": run.workdir, "preempted": preempted,
+      "already_finished": finished, "before": run.before,
       "after": after, "final": last, "plot": plot,
       "seconds": time.time() - t0, "seconds_by_phase": seconds,
-      "tokens": tokens,
-      "tokens_per_s": {
-          "sample": tokens["generated"] / max(seconds["sample"], 1e-9),
-          "train": tokens["train"] / max(seconds["train"], 1e-9)},
+      "tokens": tokens, "steps": run.steps,
+      "first_step": run.first_step,
+      "tokens_per_s": _rates(run),
       "process": {"index": c.group.index, "count": c.group.count,
                   "collectives": dict(c.group.collectives)},
       "checkpoints": run.manager.directory, "metrics": run.metrics_path,
       "tensorboard": os.path.join(run.workdir, "tensorboard"),
       "sampling_temperature": c.settings.sampling_temperature}
+
+
+def _rates(run: Session) -> dict[str, float]:
+  """Tokens/s of sampling and training, over the steps after this process's
+  first (which compiles) when there are such steps."""
+  seconds, tokens = dict(run.seconds), dict(run.tokens)
+  if run.first_step is not None and run.steps > 1:
+    for phase, key in (("sample", "generated"), ("train", "train")):
+      seconds[phase] -= run.first_step["seconds"][phase]
+      tokens[key] -= run.first_step["tokens"][key]
+  return {"sample": tokens["generated"] / max(seconds["sample"], 1e-9),
+          "train": tokens["train"] / max(seconds["train"], 1e-9)}
 
 
 def format_eval(metrics: dict[str, float]) -> str:
