@@ -1,7 +1,10 @@
 r"""GRPO on GSM8K from a Hugging Face checkpoint (e.g. Qwen2.5-0.5B-Instruct).
 
 The model is a local Hugging Face directory (``model.path``: config.json,
-*.safetensors, tokenizer files). The training loop reads it with
+*.safetensors, tokenizer files), e.g. from
+``huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir DIR``. It
+is required: with ``tokenizer.chat_template=True`` an empty ``model.path``
+is refused before anything is built. The training loop reads it with
 ``rljax.models.load_hf_pretrained(path, mesh)``: the architecture and shapes
 come from its config.json (``model.preset`` is used only when ``model.path``
 is empty; ``model.overrides`` may set only ``param_dtype``, ``dtype`` and
@@ -19,9 +22,17 @@ learning rate.
 The data is a local JSONL file with one ``{"prompt": ..., "answer": ...}``
 object per line (``answer``: the final number, e.g. ``"72"``). Prompts should
 ask for the answer after ``####`` or in ``\boxed{}``, which ``math_answer``
-checks. Sized for one accelerator (see README.md, "Training a Hugging Face
-checkpoint", for the memory it needs).
+checks. ``launch.prepare_data`` writes it from GSM8K's files on the Hugging
+Face hub (``main/train-00000-of-00001.parquet``, ``main/test-...``),
+downloaded beforehand. Sized for one accelerator (see README.md, "Training a
+Hugging Face checkpoint", for the memory it needs).
 
+  python -m launch.prepare_data --format=gsm8k \
+      --input=gsm8k/main/train-00000-of-00001.parquet \
+      --output=data/gsm8k/train.jsonl
+  python -m launch.prepare_data --format=gsm8k \
+      --input=gsm8k/main/test-00000-of-00001.parquet \
+      --output=data/gsm8k/test.jsonl
   python -m launch.train --config=configs/gsm8k_grpo.py --workdir=/tmp/gsm8k \
       --config.model.path=/ckpt/Qwen2.5-0.5B-Instruct \
       --config.task.path=data/gsm8k/train.jsonl \
@@ -46,7 +57,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.tokenizer.chat_template = True  # wrap prompts in the checkpoint's template
 
-  c.model.preset = "qwen2.5-0.5b"  # used only when model.path is empty
+  # Used only without model.path, which chat_template=True requires.
+  c.model.preset = "qwen2.5-0.5b"
   # float32 master weights, bfloat16 compute (with model.path: only
   # param_dtype, dtype and remat may be overridden).
   c.model.overrides = ml_collections.ConfigDict(

@@ -20,7 +20,8 @@ from rljax.train import schema
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
-                 if os.path.basename(p) != "common.py")
+                 if os.path.basename(p) != "common.py"
+                 and not os.path.basename(p).startswith("_"))
 
 
 def load_config(name="arithmetic_grpo.py", arg="tiny"):
@@ -73,10 +74,38 @@ def test_no_compiles_detects_a_compile():
       jax.jit(lambda x: x * 3 + 1)(jax.numpy.float32(2.0)).block_until_ready()
 
 
+def checkpoint_dir(directory, files=("config.json", "model.safetensors",
+                                     "tokenizer.json")):
+  """A directory holding the named (empty) files of a Hugging Face checkpoint:
+  ``validate`` looks for them and reads none."""
+  os.makedirs(directory, exist_ok=True)
+  for name in files:
+    with open(os.path.join(directory, name), "w"):
+      pass
+  return str(directory)
+
+
+def jsonl_file(path):
+  with open(path, "w") as f:
+    f.write('{"prompt": "1+1=", "answer": "2"}\n')
+  return str(path)
+
+
+def with_local_files(config, directory):
+  """``config`` with the files it names made under ``directory``: a JSONL
+  task's files, and a checkpoint where its chat template needs one."""
+  for field in ("path", "heldout_path"):
+    if config.task[field]:
+      config.task[field] = jsonl_file(os.path.join(directory, f"{field}.jsonl"))
+  if config.tokenizer.chat_template and not config.model.path:
+    config.model.path = checkpoint_dir(os.path.join(directory, "ckpt"))
+  return config
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
 @pytest.mark.parametrize("arg", ["", "tiny"])
-def test_every_config_validates(path, arg):
-  config = load_config(path, arg)
+def test_every_config_validates(path, arg, tmp_path):
+  config = with_local_files(load_config(path, arg), tmp_path)
   with no_compiles():
     build_lib.validate(config)
     build_lib.validate(config, sharding.mesh_from_config(config.mesh))
@@ -282,10 +311,30 @@ def test_unknown_task_without_a_path(config):
     build_lib.validate(config)
 
 
-def test_unknown_task_with_a_path_validates(config):
+def test_unknown_task_with_a_path_validates(config, tmp_path):
   config.task.name = "sudoku"
-  config.task.path = "data/sudoku.jsonl"
+  config.task.path = jsonl_file(tmp_path / "sudoku.jsonl")
   build_lib.validate(config)
+
+
+@pytest.mark.parametrize("field", ["path", "heldout_path"])
+def test_a_missing_task_file_is_named_before_anything_is_built(
+    config, tmp_path, monkeypatch, field):
+  monkeypatch.chdir(tmp_path)
+  config.task.path = jsonl_file(tmp_path / "train.jsonl")
+  config.task[field] = "data/gsm8k/absent.jsonl"
+  with no_compiles(), raises(
+      f"task.{field}='data/gsm8k/absent.jsonl'", "does not exist",
+      f"({tmp_path}/data/gsm8k/absent.jsonl)",
+      "python -m launch.prepare_data --input=FILE "
+      "--output=data/gsm8k/absent.jsonl"):
+    build_lib.validate(config)
+
+
+def test_a_task_path_that_is_a_directory(config, tmp_path):
+  config.task.path = str(tmp_path)
+  with raises(f"task.path='{tmp_path}'", "is a directory, not a file"):
+    build_lib.validate(config)
 
 
 def test_rewards_are_required(config):
@@ -354,8 +403,8 @@ def test_hf_overrides_only_change_numerics(config):
     build_lib.validate(config)
 
 
-def test_allowed_hf_overrides_validate(config):
-  config.model.path = "/ckpt/qwen"
+def test_allowed_hf_overrides_validate(config, tmp_path):
+  config.model.path = checkpoint_dir(tmp_path / "qwen")
   config.model.overrides = ml_collections.ConfigDict(
       {"param_dtype": "float32", "dtype": "bfloat16", "remat": "full"})
   build_lib.validate(config)
@@ -371,6 +420,56 @@ def test_tokenizer_path_with_a_checkpoint(config):
   config.tokenizer.path = "/tok/sp.model"
   with raises("tokenizer.path='/tok/sp.model'", "model.path='/ckpt/qwen'"):
     build_lib.validate(config)
+
+
+def test_a_chat_template_needs_model_path(config):
+  config.tokenizer.chat_template = True
+  with no_compiles(), raises(
+      "model.path=''", "tokenizer.chat_template=True", "config.json",
+      "huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir"):
+    build_lib.validate(config)
+  config.tokenizer.chat_template = False  # a sentencepiece run needs none
+  build_lib.validate(config)
+
+
+def test_a_model_path_that_does_not_exist(config, tmp_path):
+  config.model.path = str(tmp_path / "Qwen2.5-0.5B-Instruct")
+  with no_compiles(), raises(f"model.path='{tmp_path}/Qwen2.5-0.5B-Instruct'",
+                             "no such directory", "config.json"):
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("files,missing", [
+    (("model.safetensors", "tokenizer.json"), "no config.json;"),
+    (("config.json", "tokenizer.json"), "no *.safetensors;"),
+    (("config.json", "model-00001-of-00002.safetensors"),
+     "no tokenizer.json or tokenizer.model;"),
+    ((), "no config.json and no *.safetensors and no tokenizer.json"),
+])
+def test_a_model_path_without_checkpoint_files(config, tmp_path, files,
+                                               missing):
+  config.model.path = checkpoint_dir(tmp_path / "ckpt", files)
+  with raises(f"model.path='{tmp_path}/ckpt'", missing):
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("files", [
+    ("config.json", "model.safetensors", "tokenizer.json"),
+    ("config.json", "model-00001-of-00002.safetensors", "tokenizer.model"),
+])
+def test_a_checkpoint_directory_validates(config, tmp_path, files):
+  config.model.path = checkpoint_dir(tmp_path / "ckpt", files)
+  build_lib.validate(config)
+
+
+def test_a_tokenizer_vocabulary_smaller_than_the_characters(config):
+  # 36 characters, the word-start piece and 4 special tokens: 41 pieces.
+  examples = [{"prompt": "abcdefghijklmnopqrstuvwxyz0123456789"}] * 20
+  config.tokenizer.vocab_size = 40
+  with raises("tokenizer.vocab_size=40", ">= 41", "model.path"):
+    build_lib.make_tokenizer(config, None, examples)
+  config.tokenizer.vocab_size = 41
+  assert build_lib.make_tokenizer(config, None, examples).vocab_size == 41
 
 
 # ----------------------------------------------------------------------------

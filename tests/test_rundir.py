@@ -3,8 +3,8 @@
 Reproduces the failures found by probing the tiny config: a second writer, a
 changed model on resume, a corrupt newest checkpoint, duplicate metric rows
 after a resume, a full disk, failing rewards for many steps, a second SIGINT
-during compilation, and data files without answers or with too few held-out
-rows.
+during compilation, and data files without answers, with too few held-out
+rows, or not there at all.
 """
 
 import errno
@@ -376,3 +376,29 @@ def test_a_refused_start_through_the_launcher_leaves_the_run_directory(
   assert re.search(match, out), out[-3000:]
   assert "Traceback" not in out or "ValueError" in out, out[-3000:]
   assert _snapshot(workdir) == before
+
+
+def test_gsm8k_without_its_data_file_stops_at_once_through_the_launcher(
+    tmp_path):
+  """The documented GSM8K command with a data file that is not there exits
+  non-zero within seconds (no tokenizer trained, nothing compiled), with
+  one message naming the field, the path and how to make the file, and
+  leaves no run directory behind."""
+  missing = tmp_path / "data" / "gsm8k" / "train.jsonl"
+  workdir = tmp_path / "run"
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  start = time.time()
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--workdir={workdir}",
+       "--config=configs/gsm8k_grpo.py", f"--config.task.path={missing}"],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+      check=False)
+  seconds = time.time() - start
+  out = proc.stdout + proc.stderr
+  assert proc.returncode != 0, out[-3000:]
+  assert seconds < 30, (seconds, out[-3000:])
+  assert f"task.path='{missing}': the file does not exist" in proc.stderr, out
+  assert "python -m launch.prepare_data" in proc.stderr, out
+  assert "Traceback" not in out, out[-3000:]
+  assert not workdir.exists()

@@ -18,6 +18,7 @@ import pytest
 
 from rljax import metrics, models, sampling, sharding, tokenizers
 from tests.hf_extra import requires_hf
+from tests.test_build import checkpoint_dir, jsonl_file
 
 requires_tokenizer = requires_hf("tokenizers", "jinja2")
 
@@ -143,7 +144,9 @@ def test_prompts_are_rendered_through_the_chat_template(checkpoint):
     tokenizers.check_prompt_lengths(tok, ["1+2="], (5,))
 
 
-def test_gsm8k_config_validates():
+def test_gsm8k_config_validates(tmp_path):
+  """The tiny variant needs no files; the full job names each one it lacks
+  (its data, then the checkpoint) and validates once they exist."""
   from rljax import train  # pylint: disable=import-outside-toplevel
   spec = importlib.util.spec_from_file_location(
       "gsm8k_grpo", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -151,11 +154,21 @@ def test_gsm8k_config_validates():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   mesh = sharding.make_mesh(1, -1, 1)
-  for arg in (None, "tiny"):
-    train.validate(module.get_config(arg), mesh)
+  train.validate(module.get_config("tiny"), mesh)
   config = module.get_config()
   assert config.model.path == "" and config.rewards.names == ("math_answer",)
   assert config.task.path.endswith(".jsonl") and config.sft.num_steps == 0
+  config.task.path = str(tmp_path / "train.jsonl")
+  with pytest.raises(ValueError, match=r"^task.path='.*/train.jsonl': the "
+                     r"file does not exist.*launch.prepare_data"):
+    train.validate(config, mesh)
+  config.task.path = jsonl_file(tmp_path / "train.jsonl")
+  config.task.heldout_path = jsonl_file(tmp_path / "test.jsonl")
+  with pytest.raises(ValueError, match=r"^model.path='' with "
+                     r"tokenizer.chat_template=True.*Set model.path"):
+    train.validate(config, mesh)
+  config.model.path = checkpoint_dir(tmp_path / "ckpt")
+  train.validate(config, mesh)
   config.task.path = ""
   with pytest.raises(ValueError, match="set task.path to a JSONL file"):
     train.validate(config, mesh)

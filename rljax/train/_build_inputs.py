@@ -13,6 +13,7 @@ import base64
 import importlib
 import logging
 import os
+import re
 from typing import Any
 
 import jax
@@ -170,9 +171,20 @@ def make_tokenizer(config: Any, task: Any, train_examples: list[dict[str, Any]],
   # A task's tool tags (``<calc>``) are pieces of their own, so that a stop
   # string encodes to the same ids wherever it occurs.
   wanted = tuple(getattr(task, "tokenizer_symbols", ())) + tuple(symbols)
-  return tok_lib.train_sentencepiece(
-      corpus, config.tokenizer.vocab_size,
-      user_defined_symbols=tuple(dict.fromkeys(wanted)))
+  try:
+    return tok_lib.train_sentencepiece(
+        corpus, config.tokenizer.vocab_size,
+        user_defined_symbols=tuple(dict.fromkeys(wanted)))
+  except RuntimeError as e:  # sentencepiece's own words: "32 vs 35"
+    needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+    if needed is None:
+      raise
+    raise ValueError(
+        f"tokenizer.vocab_size={config.tokenizer.vocab_size}: the prompts "
+        f"the tokenizer is trained on need {needed[1]} pieces for their "
+        "characters and special tokens alone; accepted: tokenizer.vocab_size "
+        f">= {needed[1]}, or model.path set to a Hugging Face checkpoint "
+        "directory (its tokenizer is used, none is trained).") from e
 
 
 def hf_overrides(config: Any) -> dict[str, Any]:

@@ -144,13 +144,74 @@ def _validate_env(config: Any) -> None:
   envs.get_env(e.name, **dict(e.kwargs or {}))  # a clear error, no compile
 
 
+_PREPARE_DATA = "python -m launch.prepare_data --input=FILE --output={path}"
+
+_HF_CHECKPOINT = (
+    "a Hugging Face checkpoint directory with config.json, *.safetensors and "
+    "tokenizer files (tokenizer.json or tokenizer.model), e.g. from "
+    "`huggingface-cli download Qwen/Qwen2.5-0.5B-Instruct --local-dir "
+    "/ckpt/Qwen2.5-0.5B-Instruct`")
+
+
+def _validate_task_files(config: Any) -> None:
+  """The JSONL files of ``task.path`` and ``task.heldout_path`` exist."""
+  for field in ("task.path", "task.heldout_path"):
+    path = config.task[field.split(".")[1]]
+    if not path or os.path.isfile(path):
+      continue
+    problem = ("is a directory, not a file" if os.path.isdir(path)
+               else "does not exist")
+    raise ValueError(
+        f"{field}={path!r}: the file {problem} ({os.path.abspath(path)}). "
+        "A JSONL task holds one {\"prompt\": ..., \"answer\": ...} object "
+        "per line; make it from a dataset file you have (FILE: .parquet, "
+        f".jsonl or .json) with `{_PREPARE_DATA.format(path=path)}` (add "
+        "--format=gsm8k for GSM8K's question/answer files).")
+
+
+def _validate_model_path(config: Any) -> None:
+  """``model.path`` is a checkpoint directory, or empty where none is needed.
+
+  Without ``model.path`` a sentencepiece tokenizer is trained on the prompts
+  and ``model.preset`` starts from random weights. A chat template exists
+  only in a checkpoint, so ``tokenizer.chat_template=True`` says that the
+  config starts from one (``configs/gsm8k_grpo.py``): it needs model.path.
+  """
+  path = config.model.path
+  if not path:
+    if config.tokenizer.chat_template:
+      raise ValueError(
+          "model.path='' with tokenizer.chat_template=True: the chat template "
+          "is a checkpoint's, and without model.path a sentencepiece "
+          f"tokenizer is trained and model.preset={config.model.preset!r} "
+          "starts from random weights. Set model.path (--config.model.path="
+          f"DIR) to {_HF_CHECKPOINT}; or set tokenizer.chat_template=False to "
+          "train from scratch.")
+    return
+  where = os.path.abspath(path)
+  if not os.path.isdir(path):
+    raise ValueError(f"model.path={path!r}: no such directory ({where}); "
+                     f"accepted: {_HF_CHECKPOINT}.")
+  names = os.listdir(path)
+  missing = [what for what, present in (
+      ("config.json", "config.json" in names),
+      ("*.safetensors", any(n.endswith(".safetensors") for n in names)),
+      ("tokenizer.json or tokenizer.model",
+       "tokenizer.json" in names or "tokenizer.model" in names)) if not present]
+  if missing:
+    raise ValueError(f"model.path={path!r} ({where}) has no "
+                     f"{' and no '.join(missing)}; accepted: {_HF_CHECKPOINT}.")
+
+
 def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   """Checks the config before anything is compiled; errors name the field.
 
   Every field is checked against its ``schema.FIELDS`` rule and choices,
   every name against the algorithm table (``table.AXES``) and each named
   entry's own checks; then what spans sections (batch splits, rewards, the
-  mesh).
+  mesh) and the files the run reads (``task.path``, ``task.heldout_path``,
+  ``model.path``), so that a missing one stops the run before the tokenizer
+  is trained or the model built.
   """
   config = schema.complete_config(config)
   for name, field in schema.fields().items():
@@ -177,6 +238,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
   if config.task.name not in data_lib.TASKS and not config.task.path:
     raise ValueError(f"task.name={config.task.name!r} is unknown; accepted: "
                      f"{tuple(data_lib.TASKS)} (or set task.path to a JSONL file).")
+  _validate_task_files(config)
   if not config.rewards.names:
     raise ValueError("rewards.names=(): at least one reward function is "
                      "required (a built-in name or 'package.module:function').")
@@ -203,6 +265,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
           f"tokenizer.path={config.tokenizer.path!r} is set with model.path="
           f"{config.model.path!r}: a Hugging Face run uses the checkpoint's "
           "tokenizer files; accepted: tokenizer.path=''.")
+  _validate_model_path(config)
   if mesh is not None:
     sharding.check_batch_divisible(rl.prompts_per_step, mesh,
                                    "rl.prompts_per_step")
