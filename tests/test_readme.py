@@ -1,0 +1,179 @@
+"""The README as a new user reads it: its snippets run, its commands' flags
+exist, every record it cites is in the repository, its generated tables are
+their records', and the main job's seed-0 row reproduces."""
+
+import glob
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from launch import reproduce_readme
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
+def _blocks(language):
+  return [m.group(1) for m in re.finditer(rf"```{language}\n(.*?)```",
+                                          README, re.S)]
+
+
+def _expand_braces(pattern):
+  """``a{b,c}d`` -> ``[abd, acd]`` (the shell's brace expansion)."""
+  parts = re.split(r"\{([^{}]*)\}", pattern)
+  choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+  return ["".join(c) for c in itertools.product(*choices)]
+
+
+# --- records ------------------------------------------------------------------
+
+RECORD = re.compile(r"[\w{},*.\-]+-(?:[0-9a-f]{12}|\{[0-9a-f,]+\})\.json")
+
+
+def test_every_record_the_readme_cites_exists():
+  cited = set(RECORD.findall(README))
+  assert len(cited) > 10, cited  # the pattern finds the README's records
+  missing = []
+  for name in sorted(cited):
+    for pattern in _expand_braces(name):
+      if not glob.glob(os.path.join(ROOT, "benchmarks", "results", pattern)):
+        missing.append(pattern)
+  assert not missing, missing
+
+
+def test_brace_expansion_of_record_names():
+  assert _expand_braces("{a,b}_seed{0,1}-x.json") == [
+      "a_seed0-x.json", "a_seed1-x.json", "b_seed0-x.json", "b_seed1-x.json"]
+
+
+def test_generated_tables_are_their_records():
+  """Each ``<!-- reproduce:NAME -->`` block is exactly what
+  ``launch.reproduce_readme --tables_only --commit=<its commit>`` writes."""
+  names = re.findall(r"<!-- reproduce:(\w+) -->", README)
+  assert "main" in names
+  for name in names:
+    block = reproduce_readme.block_pattern(name).search(README).group(2)
+    commit = re.search(r"--jobs=\w+` at ([0-9a-f]{12})", block).group(1)
+    assert block == reproduce_readme.render(reproduce_readme.JOBS[name],
+                                            commit), name
+
+
+def _readme_row(name, seed):
+  block = reproduce_readme.block_pattern(name).search(README).group(2)
+  for line in block.splitlines():
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    if cells[0] == str(seed):
+      return cells
+  raise AssertionError(f"no seed {seed} row in the {name} table")
+
+
+@pytest.mark.slow
+def test_the_main_job_seed_0_row_reproduces(tmp_path):
+  """``python -m launch.train`` (the README's command, seed 0) gives the
+  README's seed-0 row to the digit: held-out accuracy before and after RL,
+  sampled and greedy."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one CPU device, as the README's runs
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.train", f"--workdir={tmp_path / 'run'}",
+       f"--record_dir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=1800, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  [record] = glob.glob(str(tmp_path / "train_seed0-*.json"))
+  with open(record) as f:
+    figures = json.load(f)["figures"]
+  b, a = figures["before"], figures["after"]
+  _, before, after, _, greedy, _ = _readme_row("main", 0)
+
+  def pct(x):
+    return f"{100 * x:.1f}%"
+  assert (pct(b["eval/accuracy"]), pct(a["eval/accuracy"])) == (before, after)
+  assert (f"{pct(b['eval/greedy_accuracy'])} -> "
+          f"{pct(a['eval/greedy_accuracy'])}") == greedy
+
+
+# --- snippets -----------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(len(_blocks("python"))))
+def test_python_snippets_run_as_pasted(tmp_path, index):
+  """Each python block runs in a fresh interpreter outside the repository."""
+  code = _blocks("python")[index]
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=900,
+                        check=False)
+  assert proc.returncode == 0, code + "\n" + proc.stderr[-3000:]
+
+
+def _commands():
+  """``(module, [tokens])`` of every ``python -m launch.*`` in bash blocks."""
+  out = []
+  for block in _blocks("bash"):
+    text = block.replace("\\\n", " ")
+    for line in text.splitlines():
+      line = line.split(" #")[0].strip()
+      m = re.match(r"(?:.*?\s)?python -m (launch\.\w+)(.*)", line)
+      if m and not line.startswith("#"):
+        out.append((m.group(1), shlex.split(
+            m.group(2).replace("$", "_").replace("\"", ""))))
+  return out
+
+
+def test_the_readme_has_launcher_commands():
+  modules = {m for m, _ in _commands()}
+  assert {"launch.train", "launch.evaluate", "launch.sample"} <= modules
+
+
+def _config(tokens):
+  """The config a ``launch.train`` command reads, its overrides applied
+  by name only (the check is that each field exists)."""
+  sys.path.insert(0, ROOT)
+  import configs  # pylint: disable=import-outside-toplevel
+  path, arg = configs.path("arithmetic_grpo"), None
+  for t in tokens:
+    if t.startswith("--config="):
+      file, _, arg = t.removeprefix("--config=").partition(":")
+      path = os.path.join(ROOT, file)
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  spec = importlib.util.spec_from_file_location("readme_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg or None)
+
+
+@pytest.mark.parametrize("index", range(len(_commands())))
+def test_every_config_field_a_readme_command_sets_exists(index):
+  module, tokens = _commands()[index]
+  if module != "launch.train" or any("..." in t for t in tokens):
+    pytest.skip("not a launch.train command with a concrete config")
+  config = _config(tokens)
+  for t in tokens:
+    if t.startswith("--config."):
+      node = config
+      for part in t.removeprefix("--config.").split("=")[0].split("."):
+        assert part in node, (t, sorted(node.keys()))
+        node = node[part]
+
+
+@pytest.mark.slow
+def test_every_launcher_flag_a_readme_command_uses_exists():
+  by_module = {}
+  for module, tokens in _commands():
+    names = {t.removeprefix("--").split("=")[0] for t in tokens
+             if t.startswith("--") and not t.startswith("--config.")}
+    by_module.setdefault(module, set()).update(names - {""})
+  for module, names in by_module.items():
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import {module}; from absl import flags; "
+         "print('\\n'.join(flags.FLAGS))"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
+    defined = set(proc.stdout.split())
+    assert names <= defined, (module, names - defined)
