@@ -13,7 +13,9 @@ parser:
   of every tensor are known before any is read. ``load_file`` reads a whole
   file.
 * Writing hands NumPy arrays to ``safetensors.numpy.save_file``, through a
-  temporary file and a rename, so a crash never leaves half a file.
+  temporary file and a rename, so a crash never leaves half a file. The file
+  gets the mode any new file gets (``0o666`` less the umask), not the
+  ``0o600`` the package gives it.
 
 BF16: NumPy has no bfloat16. The package's NumPy backend makes BF16 arrays of
 ``np.dtype("bfloat16")``, and writes arrays whose dtype is named
@@ -50,6 +52,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
@@ -176,7 +179,8 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike,
   """Writes ``{name: array}`` as one ``.safetensors`` file.
 
   The file is written under a temporary name (``path + ".tmp"``, removed if
-  anything fails) and renamed, so ``path`` never holds half a file. Every
+  anything fails) and renamed, so ``path`` never holds half a file. Its mode
+  is that of any new file (``0o644`` under the usual umask). Every
   array is brought to the host (a ``jax.Array`` must be fully addressable)
   and keeps its dtype.
 
@@ -205,11 +209,22 @@ def save_file(tensors: Mapping[str, Any], path: str | os.PathLike,
       str(k): str(v) for k, v in metadata.items()}
   tmp = path + ".tmp"
   try:
+    mode = _new_file_mode(tmp)
     safetensors.numpy.save_file(arrays, tmp, metadata=header)
+    os.chmod(tmp, mode)  # the package writes 0o600 whatever the umask
     os.replace(tmp, path)
   finally:  # after a failure, no half-written file is left behind
     if os.path.exists(tmp):
       os.remove(tmp)
+
+
+def _new_file_mode(file: str) -> int:
+  """Creates ``file`` empty and returns the mode it got: that of any new file
+  there (``0o666`` less the umask, which cannot be read without setting it)."""
+  if os.path.lexists(file):
+    os.remove(file)
+  os.close(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+  return stat.S_IMODE(os.stat(file).st_mode)
 
 
 def flatten_names(tree: Any, sep: str = ".") -> dict[str, Any]:

@@ -5,14 +5,18 @@ Each launcher runs in a real subprocess, as a user would type it.
 
 import json
 import os
+import shutil
+import stat
 import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax import models, train
+from rljax import models, tokenizers, train
+from tests.hf_extra import requires_hf
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -24,6 +28,16 @@ def _run(module, *flags):
                         env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout + proc.stderr
   return proc.stdout
+
+
+def _run_failing(module, *flags):
+  """``(stdout, stderr)`` of a launcher that must exit with an error."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT,
+                        env=env, capture_output=True, text=True, timeout=600)
+  assert proc.returncode != 0, proc.stdout + proc.stderr
+  return proc.stdout, proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +110,97 @@ def test_export_hf_loads_back_to_the_run_params(workdir, tmp_path):
   for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
     np.testing.assert_array_equal(np.asarray(g, np.float32),
                                   np.asarray(e, np.float32))
+
+
+def _rljax_logits(policy, ids):
+  """``[T, V]`` float32 logits of one sequence, from the rljax model."""
+  tokens = jnp.asarray([ids], jnp.int32)
+  logits, _ = models.Decoder(policy.model_config).apply(
+      {"params": policy.params}, tokens, jnp.arange(len(ids))[None],
+      return_logits=True)
+  return np.asarray(logits[0], np.float32)
+
+
+def _rljax_greedy(policy, ids, max_new_tokens):
+  """Greedy completion by full forward passes (no cache): argmax of the
+  rljax model's last logits, until EOS or ``max_new_tokens``."""
+  eos = policy.tokenizer.eos_id
+  out = []
+  for _ in range(max_new_tokens):
+    out.append(int(np.argmax(_rljax_logits(policy, ids + out)[-1])))
+    if out[-1] == eos:
+      break
+  return out
+
+
+@requires_hf("torch", "transformers", "tokenizers")
+@pytest.mark.slow
+def test_export_hf_by_default_loads_in_transformers_as_the_policy(workdir):
+  """``--format=hf`` without ``--out`` writes ``<workdir>/export/hf``, which
+  ``AutoModelForCausalLM`` / ``AutoTokenizer`` load: the prompts' ids are
+  those the policy was trained on (BOS first), the logits and greedy
+  completions are the rljax model's."""
+  import torch
+  import transformers
+
+  stdout = _run("launch.export", f"--workdir={workdir}", "--format=hf")
+  out = os.path.join(workdir, "export", "hf")
+  assert f"AutoTokenizer.from_pretrained({out!r})" in stdout
+  policy = train.load_policy(workdir)
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  _, _, heldout = train.build.load_task(policy.config)
+  prompts = ["12+34=", "7+8=", "99+0="] + [e["prompt"] for e in heldout[:3]]
+  expected = tokenizers.encode_prompts(policy.tokenizer, prompts)
+  assert all(ids[0] == policy.tokenizer.bos_id for ids in expected)
+  for prompt, ids in zip(prompts, expected):
+    assert tok(prompt)["input_ids"] == ids, prompt
+    with torch.no_grad():
+      logits = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(logits, _rljax_logits(policy, ids), atol=1e-4,
+                               rtol=0)
+    want = _rljax_greedy(policy, ids, 6)
+    with torch.no_grad():
+      got = model.generate(torch.tensor([ids]),
+                           attention_mask=torch.ones(1, len(ids), dtype=int),
+                           do_sample=False, max_new_tokens=6)[0, len(ids):]
+    assert got.tolist()[:len(want)] == want, prompt
+    text = [i for i in want if i != policy.tokenizer.eos_id]
+    assert (tok.decode(want, skip_special_tokens=True)
+            == policy.tokenizer.decode(text)), want
+  with open(os.path.join(out, "config.json")) as f:
+    config = json.load(f)
+  assert (config["bos_token_id"], config["eos_token_id"],
+          config["pad_token_id"]) == (tok.bos_token_id, tok.eos_token_id,
+                                      tok.pad_token_id) == (2, 3, 0)
+  with open(os.path.join(out, "generation_config.json")) as f:
+    generation = json.load(f)
+  assert generation["eos_token_id"] == policy.tokenizer.eos_id
+  for name in os.listdir(out):
+    mode = stat.S_IMODE(os.stat(os.path.join(out, name)).st_mode)
+    assert mode & 0o044, (name, oct(mode))  # not the 0o600 of a tempfile
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run_files", [(), ("config.json", "tokenizer.model"),
+                                       ("config.json", "tokenizer.model",
+                                        "checkpoints/")])
+def test_export_of_a_directory_that_is_not_a_run_is_one_line(
+    workdir, tmp_path, run_files):
+  """An empty directory, a run without ``checkpoints/``, and one whose
+  ``checkpoints/`` is empty: one ``error:`` line naming ``--workdir``, no
+  traceback, nothing written."""
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  for name in run_files:
+    if name.endswith("/"):
+      (bad / name).mkdir()
+    else:
+      shutil.copy(os.path.join(workdir, name), bad / name)
+  stdout, stderr = _run_failing("launch.export", f"--workdir={bad}",
+                                "--format=hf")
+  assert "Traceback" not in stderr, stderr
+  errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+  assert len(errors) == 1 and f"--workdir={bad}" in errors[0], stderr
+  assert "checkpoint" in errors[0] or "config.json" in errors[0], errors
+  assert not stdout and not (bad / "export").exists()

@@ -8,6 +8,7 @@ little-endian data).
 
 import json
 import os
+import stat
 import struct
 
 import jax.numpy as jnp
@@ -161,6 +162,22 @@ def test_save_into_a_directory_is_refused_and_leaves_no_tmp(tmp_path):
   with pytest.raises(IsADirectoryError, match=r"out is a directory"):
     safetensors.save_file({"w": np.zeros(2, np.float32)}, out)
   assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_file_has_the_mode_of_any_new_file(tmp_path, umask):
+  """``0o666`` less the umask (``0o644`` usually), as ``open`` gives, not
+  the ``0o600`` the package writes; a stale ``.tmp`` does not lend its mode."""
+  path = tmp_path / "w.safetensors"
+  (tmp_path / "w.safetensors.tmp").write_bytes(b"stale")
+  os.chmod(tmp_path / "w.safetensors.tmp", 0o600)
+  previous = os.umask(umask)
+  try:
+    safetensors.save_file({"w": np.zeros(2, np.float32)}, path)
+  finally:
+    os.umask(previous)
+  assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~umask
+  assert sorted(os.listdir(tmp_path)) == ["w.safetensors"]
 
 
 def test_failed_write_leaves_no_tmp(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ Hugging Face tokenizers with their chat templates (``requires_hf``: the
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -264,3 +265,61 @@ def test_missing_tokenizer_and_template_are_clear_errors(tmp_path, bpe_dir):
   with pytest.raises(ValueError, match="eos_token='<eos>' is not in"):
     tokenizers.HFTokenizer.from_file(bpe_dir / "tokenizer.json",
                                      eos_token="<eos>")
+
+
+# --------------------------------------------------------------------------
+# A sentencepiece tokenizer as Hugging Face files (hf_export)
+
+_CALC = [f"<calc>{a}*{b}</calc>={a * b}" for a in range(30) for b in range(30)]
+
+
+def _random_texts(seed, alphabet, n=400):
+  rng = np.random.RandomState(seed)
+  texts = [" 12+3", "  <calc>1", "<calc> 2", "7+8=", "a  b\nc", ""]
+  return texts + ["".join(rng.choice(alphabet, size=rng.randint(1, 12)))
+                  for _ in range(n)]
+
+
+@requires_hf("tokenizers", "transformers")
+@pytest.mark.parametrize("kwargs", [
+    {"vocab_size": 64, "user_defined_symbols": ("<calc>", "</calc>")},
+    {"vocab_size": 64, "model_type": "unigram",
+     "user_defined_symbols": ("<calc>",)},
+    {"vocab_size": 300, "byte_fallback": True},
+], ids=["bpe_user_symbols", "unigram", "byte_fallback"])
+def test_exported_sentencepiece_encodes_in_transformers_as_sentencepiece(
+    tmp_path, kwargs):
+  """``AutoTokenizer`` on the files gives BOS and sentencepiece's own ids
+  (the reference: the ``sentencepiece`` package), text starting with
+  spaces, user-defined pieces and unseen characters included."""
+  import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+
+  sp = tokenizers.train_sentencepiece(_CALC + ["é ü"], **kwargs)
+  saved = tokenizers.save_hf_tokenizer(sp, tmp_path, add_bos_token=True)
+  assert not saved.notes and "tokenizer.json" in saved.files
+  reference = spm.SentencePieceProcessor(model_proto=sp.serialized)
+  hf = _transformers().AutoTokenizer.from_pretrained(tmp_path)
+  alphabet = ["<calc>", "</calc>", "1", "2", "7", "*", "=", " ", "  ", "ü",
+              "\n", "x"]
+  for text in _random_texts(0, alphabet):
+    ids = reference.encode(text)
+    assert hf(text)["input_ids"] == [reference.bos_id()] + ids, text
+    if reference.unk_id() not in ids:
+      assert hf.decode(ids) == reference.decode(ids), text
+  assert (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id) == (2, 3, 0)
+
+
+def test_exported_sentencepiece_without_tokenizers_package_says_so(
+    tmp_path, monkeypatch):
+  """Without the ``tokenizers`` package: tokenizer.model and the configs,
+  no tokenizer.json (an earlier one removed), and a note naming the extra."""
+  sp = tokenizers.train_sentencepiece(_CALC, 64)
+  (tmp_path / "tokenizer.json").write_text("{}")
+  monkeypatch.setitem(sys.modules, "tokenizers", None)  # import fails
+  saved = tokenizers.save_hf_tokenizer(sp, tmp_path, add_bos_token=False)
+  assert sorted(saved.files) == sorted(os.listdir(tmp_path)) == [
+      "special_tokens_map.json", "tokenizer.model", "tokenizer_config.json"]
+  assert len(saved.notes) == 1 and "rljax[hf]" in saved.notes[0]
+  with open(tmp_path / "tokenizer_config.json") as f:
+    config = json.load(f)
+  assert config["add_bos_token"] is False and config["eos_token"] == "</s>"

@@ -9,6 +9,8 @@ Modules:
     importing this package needs neither.
   ``chat``: prompt rendering through a chat template, prompt encoding and
     completion decoding.
+  ``hf_export``: a sentencepiece tokenizer as Hugging Face tokenizer files
+    (``save_hf_tokenizer``; ``tokenizer.json`` needs the ``hf`` extra).
 
 Example:
   >>> texts = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
@@ -26,6 +28,8 @@ from rljax.tokenizers.hf import (ChatTemplate, HFTokenizer,
                                  SentencePieceChatTokenizer,
                                  check_tokenizer_vocab)
 from rljax.tokenizers.hf import load_tokenizer as load_hf_tokenizer
+from rljax.tokenizers.hf_export import (SavedTokenizer, save_hf_tokenizer,
+                                        sentencepiece_to_hf)
 from rljax.tokenizers.sentencepiece import (SentencePieceTokenizer,
                                             train_sentencepiece)
 
@@ -35,4 +39,5 @@ __all__ = [
     "SentencePieceChatTokenizer", "ChatPromptTokenizer", "prompt_tokenizer",
     "render_prompts", "encode_prompts", "check_prompt_lengths",
     "decode_completions", "check_tokenizer_vocab", "continuation_ids",
+    "SavedTokenizer", "save_hf_tokenizer", "sentencepiece_to_hf",
 ]

@@ -20,6 +20,9 @@ The parts a researcher recomposes (docs/architecture.md):
 * ``run`` (``loop.py``): the synchronous loop, with ``session`` (set-up,
   resume, checkpoints, summary) and ``guards`` (signals, non-finite updates,
   failing rewards).
+* ``load_policy`` (``policy.py``) reads a finished run back;
+  ``export_policy`` (``export.py``) writes it as a safetensors file or a
+  directory ``transformers`` loads.
 """
 
 from rljax.train import build, critic, distill, schema, table
@@ -30,6 +33,7 @@ from rljax.train.algorithm import (ADVANTAGE_PRESETS, ADVANTAGE_TRANSFORMS,
 from rljax.train.algorithm import from_config as algorithm_from_config
 from rljax.train.build import Components, validate
 from rljax.train.evaluation import evaluate, group_metrics
+from rljax.train.export import Exported, export_policy
 from rljax.train.loop import run
 from rljax.train.policy import Policy, load_policy, load_teacher
 from rljax.train.rollout import Collected, Collector, pivot_rows
@@ -45,7 +49,8 @@ __all__ = [
     "ADVANTAGE_TRANSFORMS", "IS_CORRECTIONS", "OBJECTIVES", "Algorithm",
     "advantage_chain", "coefficient_chain", "optimizer",
     "algorithm_from_config", "Components", "validate", "evaluate",
-    "group_metrics", "run", "Policy", "load_policy", "load_teacher",
+    "group_metrics", "Exported", "export_policy", "run", "Policy",
+    "load_policy", "load_teacher",
     "Collected", "Collector", "pivot_rows", "SFTConfig", "make_sft_step",
     "run_sft", "OLD_LOGPROBS", "RLBatch", "RLStepConfig", "StepInputs",
     "TrainState", "check_batch", "init_state", "jit_rl_step", "make_rl_step",

@@ -46,7 +46,9 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
   """Restores the params of checkpoint ``step`` (latest if None) of a run.
 
   Raises:
-    FileNotFoundError: naming the missing file or directory.
+    FileNotFoundError: naming the missing file or directory, or a
+      ``checkpoints/`` without a checkpoint.
+    ValueError: a ``step`` with no checkpoint, naming the steps there.
   """
   hf = os.path.isdir(os.path.join(workdir, inputs_lib.HF_DIR))
   for name in ("config.json", inputs_lib.HF_DIR if hf else "tokenizer.model",
@@ -59,11 +61,22 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
     config = schema.complete_config(json.load(f))
   model_config, tokenizer, described = inputs_lib.run_model_and_tokenizer(
       config, workdir)
-  manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
-                                       async_save=False)
-  step = manager.latest_step() if step is None else step
-  tree, _ = manager.restore(step, None)
-  manager.close()
+  directory = os.path.join(workdir, "checkpoints")
+  manager = ckpt_lib.CheckpointManager(directory, async_save=False)
+  try:
+    steps = manager.all_steps()
+    if not steps:
+      raise FileNotFoundError(
+          f"{directory} holds no checkpoint: the run in workdir={workdir!r} "
+          "has not saved one yet.")
+    if step is not None and step not in steps:
+      raise ValueError(f"step={step}: {directory} holds the checkpoints of "
+                       f"steps {steps}; accepted: one of them, or None for "
+                       "the latest.")
+    step = steps[-1] if step is None else step
+    tree, _ = manager.restore(step, None)
+  finally:
+    manager.close()
   state = tree["state"] if "state" in tree else tree  # {"state": TrainState, ...}
   params = state["params"] if isinstance(state, dict) else state[0]
   expected = models.param_shapes(model_config)
