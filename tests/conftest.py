@@ -40,3 +40,26 @@ def _restore_rljax_logger():
   log.propagate, level, handlers = saved
   log.setLevel(level)
   log.handlers[:] = handlers
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory):
+  """``(workdir, output)`` of ``python -m launch.train`` on the main job's
+  ``tiny`` config (3 RL steps, a checkpoint at each), run once per session
+  in a subprocess as a user types it (one CPU device, the user's XLA
+  flags); its console output has stdout and stderr merged. Tests that read
+  it (launchers, console output) must not change what it trained."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  workdir = str(tmp_path_factory.mktemp("finished") / "run")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, "-m", "launch.train",
+       "--config=configs/arithmetic_grpo.py:tiny",
+       "--config.checkpoint.every=1", f"--workdir={workdir}"],
+      cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stdout
+  return workdir, proc.stdout

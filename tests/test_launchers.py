@@ -41,11 +41,9 @@ def _run_failing(module, *flags):
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("run"))
-  _run("launch.train", "--config=configs/arithmetic_grpo.py:tiny",
-       f"--workdir={path}", "--config.rl.num_steps=2")
-  return path
+def workdir(finished_tiny_run):
+  """The session's finished tiny main-job run (tests/conftest.py)."""
+  return finished_tiny_run[0]
 
 
 @pytest.mark.slow
@@ -69,7 +67,7 @@ def test_evaluate_prints_a_table_and_writes_the_json(workdir, tmp_path):
   with open(output) as f:
     results = json.load(f)
   metrics = {k: v for k, v in results.items() if k != "step"}
-  assert results["step"] == 2
+  assert results["step"] == 3
   assert set(metrics) == {
       "eval/greedy_accuracy", "eval/greedy_avg@1", "eval/greedy_pass@1",
       "eval/greedy_maj@1", "eval/greedy_completion_length",

@@ -29,10 +29,10 @@ TRAIN = ("launch.train", "--config=configs/arithmetic_grpo.py:tiny",
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
-  """``(workdir, output)`` of a finished tiny main-job run."""
-  workdir = str(tmp_path_factory.mktemp("output") / "run")
-  return workdir, _launch(*TRAIN, f"--workdir={workdir}")
+def finished(finished_tiny_run):
+  """``(workdir, output)`` of the session's finished tiny main-job run
+  (tests/conftest.py: ``TRAIN``'s command)."""
+  return finished_tiny_run
 
 
 def _files(workdir):
