@@ -231,6 +231,12 @@ def main(argv):
     raise app.UsageError(f"--jobs={','.join(_JOBS.value)}: unknown "
                          f"{unknown}; accepted {sorted(JOBS)}.")
   commit = _COMMIT.value or head_commit()
+  with open(_README.value) as f:  # every block exists before any run
+    text = f.read()
+  for name in _JOBS.value:
+    if not block_pattern(name).search(text):
+      raise ValueError(f"{_README.value} has no <!-- reproduce:{name} --> ... "
+                       f"<!-- /reproduce:{name} --> block to rewrite.")
   if not _TABLES_ONLY.value:
     if dirty():
       raise app.UsageError("the working tree has uncommitted changes: "
