@@ -5,6 +5,7 @@ r"""Re-runs the README's CPU figures and rewrites its tables from the records.
   python -m launch.reproduce_readme --tables_only        # this commit's records
   python -m launch.reproduce_readme --tables_only --commit=ee6075d27abb
   python -m launch.reproduce_readme --list               # the jobs, commands
+  python -m launch.reproduce_readme --jobs=benches       # the bench_*.py records
 
 Each job runs its launcher commands one after another (never in parallel:
 they are timed), each writing a record to ``benchmarks/results/`` named
@@ -14,10 +15,11 @@ script rewrites that block from the records of one commit (HEAD's unless
 ``--commit``), with the command and the record names under the table.
 Run it on a clean checkout (a dirty tree is refused: its records would
 name a commit that did not make them) and on a quiet machine. The
-benchmark rows of the README name their own scripts and records
-(``launch/bench_*.py``); ``tests/test_readme.py`` checks that every record
-the README cites exists and that the seed-0 row of the main job
-reproduces.
+``benches`` job runs the ``launch/bench_*.py`` scripts of the README's
+Benchmarks table, whose rows are prose around the figures: they are updated
+by hand from the new records. ``tests/test_readme.py`` checks that every
+record the README cites exists, that each block equals its records and that
+the seed-0 row of the main job reproduces.
 """
 
 from __future__ import annotations
@@ -60,10 +62,11 @@ class Run:
   label: str
   stem: str
   flags: tuple[str, ...]
+  module: str = "launch.train"
 
   @property
   def command(self) -> str:
-    return " ".join(("python -m launch.train",) + self.flags)
+    return " ".join((f"python -m {self.module}",) + self.flags)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +75,7 @@ class Job:
 
   name: str
   runs: tuple[Run, ...]
-  render: str  # "seeds" (one row per seed) or "grid" (row x seed)
+  render: str  # "seeds" (one row per seed), "grid" (row x seed) or "" (none)
   what: str
 
 
@@ -107,6 +110,22 @@ JOBS = {
                                   ("guess the number", "guess_number_grpo"))
               for s in SEEDS), "grid",
         "the multi-turn environment demos"),
+    # The benchmark scripts write their records; their README rows are
+    # prose around the figures, rewritten by hand from the new records.
+    "benches": Job(
+        "benches",
+        tuple(Run(module.removeprefix("launch."), module, flags_, module)
+              for module, flags_ in (
+                  ("launch.bench_sampler", ("--repeats=2",
+                                            "--no_cache_baseline=false")),
+                  ("launch.bench_train_step", ("--compare_torch",
+                                               "--remat_sweep",
+                                               "--padding_free")),
+                  ("launch.bench_rl_step", ("--compare_trl",)),
+                  ("launch.bench_model", ()),
+                  ("launch.bench_envs", ()),
+                  ("launch.bench_rollout", ()))), "",
+        "the benchmark scripts of the README's Benchmarks table"),
 }
 
 
@@ -209,11 +228,13 @@ def run_job(job: Job) -> None:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # one CPU device, like a user's run
   for run in job.runs:
-    workdir = os.path.join("/tmp", "rljax_reproduce", run.stem)
-    if os.path.isdir(workdir):
-      subprocess.run(["rm", "-rf", workdir], check=True)
-    command = [sys.executable, "-m", "launch.train", *run.flags,
-               f"--workdir={workdir}", f"--record_dir={RESULTS}"]
+    command = [sys.executable, "-m", run.module, *run.flags,
+               f"--record_dir={RESULTS}"]
+    if run.module == "launch.train":
+      workdir = os.path.join("/tmp", "rljax_reproduce", run.stem)
+      if os.path.isdir(workdir):
+        subprocess.run(["rm", "-rf", workdir], check=True)
+      command.append(f"--workdir={workdir}")
     print("$", " ".join(command[1:]), flush=True)
     subprocess.run(command, cwd=ROOT, env=env, check=True)
 
@@ -231,9 +252,10 @@ def main(argv):
     raise app.UsageError(f"--jobs={','.join(_JOBS.value)}: unknown "
                          f"{unknown}; accepted {sorted(JOBS)}.")
   commit = _COMMIT.value or head_commit()
+  tables = [name for name in _JOBS.value if JOBS[name].render]
   with open(_README.value) as f:  # every block exists before any run
     text = f.read()
-  for name in _JOBS.value:
+  for name in tables:
     if not block_pattern(name).search(text):
       raise ValueError(f"{_README.value} has no <!-- reproduce:{name} --> ... "
                        f"<!-- /reproduce:{name} --> block to rewrite.")
@@ -243,14 +265,16 @@ def main(argv):
                            "commit them (records name HEAD's commit).")
     for name in _JOBS.value:
       run_job(JOBS[name])
-  with open(_README.value) as f:
-    text = f.read()
-  for name in _JOBS.value:
+  for name in tables:
     text = rewrite(text, name, render(JOBS[name], commit))
   with open(_README.value, "w") as f:
     f.write(text)
-  print(f"rewrote {', '.join(_JOBS.value)} in {_README.value} from the "
-        f"records at {commit}")
+  if tables:
+    print(f"rewrote {', '.join(tables)} in {_README.value} from the records "
+          f"at {commit}")
+  for name in set(_JOBS.value) - set(tables):
+    print(f"{name}: records in {RESULTS}/; update the README rows that cite "
+          "them by hand")
 
 
 if __name__ == "__main__":
