@@ -77,6 +77,7 @@ class Job:
   runs: tuple[Run, ...]
   render: str  # "seeds" (one row per seed), "grid" (row x seed) or "" (none)
   what: str
+  row_header: str = ""  # the first column's name in a grid
 
 
 def _seed_runs(stem: str, *flags_: str) -> tuple[Run, ...]:
@@ -101,7 +102,7 @@ JOBS = {
                   ("`rollout=partial`", "train_partial",
                    ("--config.rl.rollout=partial",)))
               for s in SEEDS), "grid",
-        "the main job with each rollout schedule"),
+        "the main job with each rollout schedule", "schedule"),
     "demos": Job(
         "demos",
         tuple(Run(f"{label}|{s}", f"{demo}_seed{s}",
@@ -109,7 +110,7 @@ JOBS = {
               for label, demo in (("calculator", "calculator_grpo"),
                                   ("guess the number", "guess_number_grpo"))
               for s in SEEDS), "grid",
-        "the multi-turn environment demos"),
+        "the multi-turn environment demos", "demo"),
     # The benchmark scripts write their records; their README rows are
     # prose around the figures, rewritten by hand from the new records.
     "benches": Job(
@@ -189,14 +190,23 @@ def render(job: Job, commit: str, root: str = ROOT) -> str:
       label = run.label.split("|")[0]
       figures = load_figures(run, commit, root)
       rows.setdefault(label, []).append((row_cells(figures), figures))
-    lines += ["| | seed 0 | seed 1 | seed 2 | gain: mean (range) |",
-              "|---|---|---|---|---|"]
+    lines += [f"| {job.row_header} | seed 0 | seed 1 | seed 2 | gain: mean "
+              "(range) |", "|---|---|---|---|---|"]
+    greedy = []
     for label, cells in rows.items():
       gains = [100 * (f["after"]["eval/accuracy"]
                       - f["before"]["eval/accuracy"]) for _, f in cells]
       seeds = " | ".join(f"{c['before']} -> {c['after']}" for c, _ in cells)
       lines.append(f"| {label} | {seeds} | **{sum(gains) / len(gains):+.1f}** "
                    f"({min(gains):+.1f} to {max(gains):+.1f}) points |")
+      if all("greedy" in c for c, _ in cells):
+        before = "/".join(c["greedy"].split(" -> ")[0].rstrip("%")
+                          for c, _ in cells)
+        after = "/".join(c["greedy"].split(" -> ")[1].rstrip("%")
+                         for c, _ in cells)
+        greedy.append(f"{label} {before}% -> {after}%")
+    if greedy:
+      lines += ["", f"Greedy, seeds 0/1/2: {'; '.join(greedy)}."]
   stems = sorted({re.sub(r"_seed\d+$", "_seed*", r.stem) for r in job.runs})
   lines += ["", f"(`python -m launch.reproduce_readme --jobs={job.name}` at "
             f"{commit}: {job.what}, `python -m launch.train [flags] "
