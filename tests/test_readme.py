@@ -181,3 +181,51 @@ def test_every_launcher_flag_a_readme_command_uses_exists():
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
     defined = set(proc.stdout.split())
     assert names <= defined, (module, names - defined)
+
+
+# --- the reproduction script ---------------------------------------------------
+
+def _record(root, stem, commit, before, after, seconds=100.0):
+  path = os.path.join(root, "benchmarks", "results", f"{stem}-{commit}.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({"figures": {
+        "before": {"eval/accuracy": before[0], "eval/greedy_accuracy": before[1]},
+        "after": {"eval/accuracy": after[0], "eval/greedy_accuracy": after[1]},
+        "seconds": seconds}}, f)
+
+
+def test_tables_render_from_hand_written_records(tmp_path):
+  commit = "0123456789ab"
+  for seed, (b, a) in enumerate([(0.5, 0.75), (0.25, 0.5), (0.125, 0.25)]):
+    _record(str(tmp_path), f"train_seed{seed}", commit, (b, 0.9), (a, 0.95),
+            seconds=300.4)
+    _record(str(tmp_path), f"calculator_grpo_seed{seed}", commit, (b, 0.5),
+            (a, 1.0))
+    _record(str(tmp_path), f"guess_number_grpo_seed{seed}", commit, (b, 0.5),
+            (b, 0.5))
+  main = reproduce_readme.render(reproduce_readme.JOBS["main"], commit,
+                                 str(tmp_path)).splitlines()
+  assert main[2] == ("| 0 | 50.0% | 75.0% | +25.0 points | 90.0% -> 95.0% | "
+                     "300 s |")
+  assert main[4].startswith("| 2 | 12.5% | 25.0% | +12.5 points |")
+  demos = reproduce_readme.render(reproduce_readme.JOBS["demos"], commit,
+                                  str(tmp_path)).splitlines()
+  assert demos[0].startswith("| demo | seed 0 |")
+  # gains +25, +25, +12.5: mean 20.8; guess: no gain at all.
+  assert demos[2] == ("| calculator | 50.0% -> 75.0% | 25.0% -> 50.0% | "
+                      "12.5% -> 25.0% | **+20.8** (+12.5 to +25.0) points |")
+  assert demos[3].endswith("| **+0.0** (+0.0 to +0.0) points |")
+  assert "calculator 50.0/50.0/50.0% -> 100.0/100.0/100.0%" in demos[5]
+
+
+def test_a_missing_record_or_block_is_named(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"train_seed0-0123456789ab"):
+    reproduce_readme.render(reproduce_readme.JOBS["main"], "0123456789ab",
+                            str(tmp_path))
+  with pytest.raises(ValueError, match=r"reproduce:ppo"):
+    reproduce_readme.rewrite("<!-- reproduce:main -->\nx\n"
+                             "<!-- /reproduce:main -->", "ppo", "y")
+  text = "a\n<!-- reproduce:main -->\nold\n<!-- /reproduce:main -->\nb"
+  assert reproduce_readme.rewrite(text, "main", "new") == (
+      "a\n<!-- reproduce:main -->\nnew\n<!-- /reproduce:main -->\nb")
