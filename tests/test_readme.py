@@ -126,8 +126,11 @@ def _commands():
       line = line.split(" #")[0].strip()
       m = re.match(r"(?:.*?\s)?python -m (launch\.\w+)(.*)", line)
       if m and not line.startswith("#"):
-        out.append((m.group(1), shlex.split(
-            m.group(2).replace("$", "_").replace("\"", ""))))
+        tokens = shlex.split(m.group(2).replace("$", "_").replace("\"", ""))
+        if "--" in tokens:  # local_cluster: what follows is launch.train's
+          out.append(("launch.train", tokens[tokens.index("--") + 1:]))
+          tokens = tokens[:tokens.index("--")]
+        out.append((m.group(1), tokens))
   return out
 
 
