@@ -126,6 +126,7 @@ def test_static_equality_holds_for_every_sampler_setting(params, prompts,
                                atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow  # compiles several steps: CI, not the fast tier
 def test_partial_stop_then_resume_gives_the_static_rows(params, prompts,
                                                         static, slots4):
   """Stopped once one group has ended, the unfinished rows go on (their
@@ -202,6 +203,7 @@ def _more(lists):
   return more
 
 
+@pytest.mark.slow  # compiles several steps: CI, not the fast tier
 def test_mixed_version_rows_carry_each_tokens_own_sampler_logprob(params,
                                                                   prompts):
   """Rows started under version 0 and ended under version 1: each token's
@@ -254,6 +256,7 @@ def test_mixed_version_rows_carry_each_tokens_own_sampler_logprob(params,
   assert np.abs(weight[stale] - 1.0).max() > 1e-3  # the weight is not 1
 
 
+@pytest.mark.slow  # compiles several steps: CI, not the fast tier
 def test_groups_older_than_the_age_cap_are_dropped_and_counted(params,
                                                                prompts):
   lists, _ = prompts
@@ -276,6 +279,7 @@ def test_groups_older_than_the_age_cap_are_dropped_and_counted(params,
   assert dropped[-1] > 0 and dropped == sorted(dropped)
 
 
+@pytest.mark.slow  # compiles several steps: CI, not the fast tier
 def test_carried_rows_survive_a_checkpoint_round_trip(params, prompts):
   lists, _ = prompts
   partial = partial_lib.PartialConfig("partial", slots=4, refill_rows=1,
@@ -318,6 +322,7 @@ def spec_slots():
       MC, SC, cb.SlotConfig(4, 2, carried=True, log_lenience=0.0))
 
 
+@pytest.mark.slow  # compiles several steps: CI, not the fast tier
 def test_a_draft_from_the_current_policy_is_kept_whole(params, prompts, static,
                                                        spec_slots):
   out = jax.device_get(spec_slots(params, _draft_queue(prompts, static), B))

@@ -249,6 +249,7 @@ def _state_shapes(params, cfg):
                           jax.random.key_data(jax.random.key(7)))
 
 
+@pytest.mark.slow  # compiles several steps: CI, not the fast tier
 def test_one_program_per_bucket_whatever_the_lengths(params):
   """Batches of other lengths in the same bucket reuse the step's program;
   a new bucket compiles one more."""

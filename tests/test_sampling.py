@@ -200,6 +200,7 @@ def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(params, prompt
   assert r.completion_mask.any(1).all()
 
 
+@pytest.mark.slow  # compiles several steps: CI, not the fast tier
 def test_cache_dtype_defaults_to_the_model_compute_dtype(params, prompts):
   """A float32 model's default cache is float32: recorded logprobs equal a
   full float32 forward to 1e-5, which a bfloat16 cache does not reach."""
