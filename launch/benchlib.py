@@ -24,20 +24,22 @@ def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
   return 2 * n ** 3 / best_time(f, a, repeats=repeats)
 
 
+def git(*args: str) -> str:
+  """``git <args>``'s output in this repository ('' when git fails)."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..")
+  try:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True,
+                          text=True, timeout=10).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return ""
+
+
 def provenance() -> dict:
   """Which code and machine a figure belongs to: commit, dirty flag, host."""
   import os  # pylint: disable=import-outside-toplevel
   import platform  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  root = os.path.join(os.path.dirname(__file__), "..")
-
-  def git(*args):
-    try:
-      return subprocess.run(["git", *args], cwd=root, capture_output=True,
-                            text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-      return ""
-
   devices = jax.devices()
   return {
       "commit": git("rev-parse", "HEAD") or "unknown",

@@ -129,8 +129,8 @@ def run_summary(summary: dict) -> str:
                    f"sampling {first['seconds']['sample']:.0f}s, training "
                    f"{first['seconds']['train']:.0f}s")
     rate = summary["tokens_per_s"]
-    after = " after the first step" if summary.get("steps", 0) > 1 else ""
-    lines.append(f"  tokens/s{after}: sampling {rate['sample']:,.0f}, "
+    which = " after the first step" if summary.get("steps", 0) > 1 else ""
+    lines.append(f"  tokens/s{which}: sampling {rate['sample']:,.0f}, "
                  f"training {rate['train']:,.0f}")
   lines.append(f"  files in {summary['workdir']}:")
   for path, what in ((summary["metrics"], "metrics, one row per step"),

@@ -28,12 +28,13 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 from absl import app, flags
 
-from launch import cli
+from launch import benchlib, cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(ROOT, "README.md")
@@ -131,15 +132,11 @@ JOBS = {
 
 
 def head_commit() -> str:
-  out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT,
-                       capture_output=True, text=True, check=True)
-  return out.stdout.strip()[:12]
+  return benchlib.git("rev-parse", "HEAD")[:12]
 
 
 def dirty() -> bool:
-  out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                       cwd=ROOT, capture_output=True, text=True, check=True)
-  return bool(out.stdout.strip())
+  return bool(benchlib.git("status", "--porcelain", "--untracked-files=no"))
 
 
 def record_path(run: Run, commit: str, root: str = ROOT) -> str:
@@ -152,8 +149,12 @@ def load_figures(run: Run, commit: str, root: str = ROOT) -> dict:
     raise FileNotFoundError(
         f"no record {os.path.relpath(path, root)}: run `python -m "
         f"launch.reproduce_readme --jobs=...` at commit {commit} first.")
-  with open(path) as f:
-    return json.load(f)["figures"]
+  try:
+    with open(path) as f:
+      return json.load(f)["figures"]
+  except (ValueError, KeyError) as e:  # half-written, or not a record
+    raise ValueError(f"{os.path.relpath(path, root)} is not a complete "
+                     f"record ({type(e).__name__}: {e}): re-run its job.") from e
 
 
 def percent(x: float) -> str:
@@ -242,8 +243,7 @@ def run_job(job: Job) -> None:
                f"--record_dir={RESULTS}"]
     if run.module == "launch.train":
       workdir = os.path.join("/tmp", "rljax_reproduce", run.stem)
-      if os.path.isdir(workdir):
-        subprocess.run(["rm", "-rf", workdir], check=True)
+      shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume
       command.append(f"--workdir={workdir}")
     print("$", " ".join(command[1:]), flush=True)
     subprocess.run(command, cwd=ROOT, env=env, check=True)
@@ -262,6 +262,8 @@ def main(argv):
     raise app.UsageError(f"--jobs={','.join(_JOBS.value)}: unknown "
                          f"{unknown}; accepted {sorted(JOBS)}.")
   commit = _COMMIT.value or head_commit()
+  if not commit:
+    raise app.UsageError("no commit: run it in a git checkout or give --commit.")
   tables = [name for name in _JOBS.value if JOBS[name].render]
   with open(_README.value) as f:  # every block exists before any run
     text = f.read()

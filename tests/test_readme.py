@@ -232,3 +232,13 @@ def test_a_missing_record_or_block_is_named(tmp_path):
   text = "a\n<!-- reproduce:main -->\nold\n<!-- /reproduce:main -->\nb"
   assert reproduce_readme.rewrite(text, "main", "new") == (
       "a\n<!-- reproduce:main -->\nnew\n<!-- /reproduce:main -->\nb")
+
+
+def test_a_half_written_record_is_named(tmp_path):
+  _record(str(tmp_path), "train_seed0", "0123456789ab", (0.5, 0.9), (0.75, 0.95))
+  path = tmp_path / "benchmarks" / "results" / "train_seed0-0123456789ab.json"
+  path.write_text(path.read_text()[:40])
+  with pytest.raises(ValueError, match=r"train_seed0-0123456789ab.json is not "
+                     r"a complete record"):
+    reproduce_readme.render(reproduce_readme.JOBS["main"], "0123456789ab",
+                            str(tmp_path))

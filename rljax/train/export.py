@@ -79,7 +79,7 @@ def export_policy(policy: Any, workdir: str, fmt: str = "safetensors",
     IsADirectoryError: ``"safetensors"`` to a directory.
   """
   path = default_path(workdir, fmt) if path is None else os.fspath(path)
-  if fmt not in FORMATS:
+  if fmt not in FORMATS:  # default_path checks it only when it is used
     raise ValueError(f"fmt={fmt!r}: accepted {FORMATS}.")
   if fmt == "safetensors":
     if os.path.dirname(path):
