@@ -49,6 +49,7 @@ DEFAULT_RULES: Rules = (
     ("vocab", "tensor"),
     ("norm", None),
     ("cache_length", None),
+    ("lora_rank", None),  # LoRA adapters' inner axis (models/lora.py)
     # Activations: the hidden width stays whole on each device; heads/mlp
     # activations follow the tensor axis of their weights.
     ("act_embed", None),

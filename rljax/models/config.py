@@ -12,6 +12,9 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from rljax.models import lora as lora_lib
+from rljax.models.lora import LoraConfig
+
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16,
            "float16": jnp.float16}
 _ACTIVATIONS = ("silu", "gelu_tanh")
@@ -84,6 +87,8 @@ class ModelConfig:
     dtype: compute dtype of matmuls.
     remat: ``"none"``, ``"full"`` (recompute each block in the backward pass)
       or ``"dots"`` (save only matmul outputs without batch dims).
+    lora: LoRA adapters on the projections (and optionally an int8 frozen
+      base; ``models/lora.py``), or None.
   """
 
   vocab_size: int = 256
@@ -112,6 +117,7 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   remat: str = "none"
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
     positive = ("vocab_size", "d_model", "num_layers", "num_heads",
@@ -139,6 +145,25 @@ class ModelConfig:
       raise ValueError(
           f"model.sliding_window={self.sliding_window!r}: a positive integer "
           "or None is required.")
+    if self.lora is not None:
+      if not isinstance(self.lora, LoraConfig):
+        raise TypeError(f"model.lora={self.lora!r}: a models.LoraConfig or "
+                        "None is required.")
+      lora_lib.check_rank(self.lora, self)
+
+  def without_lora(self) -> "ModelConfig":
+    """The plain model's config: no adapters, float kernels (the config of
+    merged params, ``lora.merged_params``, and of an SFT warm-up)."""
+    return self if self.lora is None else dataclasses.replace(self, lora=None)
+
+  def base_config(self) -> "ModelConfig":
+    """The frozen base's forward on this config's params tree: no adapters
+    (their leaves are ignored), an int8 base still read as int8. The KL
+    reference of a LoRA run."""
+    if self.lora is None or self.lora.quantize_base == "none":
+      return self.without_lora()
+    return dataclasses.replace(self, lora=dataclasses.replace(self.lora,
+                                                              targets=()))
 
   @property
   def jnp_param_dtype(self):

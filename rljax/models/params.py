@@ -9,6 +9,7 @@ therefore be created.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from rljax import sharding
+from rljax.models import lora as lora_lib
 from rljax.models.config import ModelConfig
 from rljax.models.transformer import Decoder
 
@@ -55,9 +57,37 @@ def param_shardings(config: ModelConfig, mesh: Mesh,
       param_logical_axes(config), mesh, rules, shapes=param_shapes(config))
 
 
+def _float_lora(config: ModelConfig) -> ModelConfig:
+  """``config`` with float kernels (the adapters' shapes are the same)."""
+  return config.replace(lora=dataclasses.replace(config.lora,
+                                                 quantize_base="none"))
+
+
+def _init_adapters(config: ModelConfig, key: jax.Array) -> Any:
+  return lora_lib.adapters_of(nn.meta.unbox(_init_boxed(_float_lora(config),
+                                                        key)))
+
+
+def _init_all(config: ModelConfig, key: jax.Array) -> Any:
+  """The base of ``config.without_lora()`` from ``key`` (the values a model
+  without adapters gets), then, with ``config.lora``, its int8 layout and
+  fresh adapters from ``fold_in(key, 1)``."""
+  base = nn.meta.unbox(_init_boxed(config.without_lora(), key))
+  if config.lora is None:
+    return base
+  if config.lora.quantize_base == "int8":
+    base = lora_lib.quantize_params(base)
+  return lora_lib.merge(base, _init_adapters(config,
+                                             jax.random.fold_in(key, 1)))
+
+
 def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None,
                 rules: sharding.Rules = sharding.DEFAULT_RULES) -> Any:
   """Initialises the params, each created directly with its final sharding.
+
+  With ``config.lora`` the base is what ``config.without_lora()`` gets from
+  ``key`` (int8 with ``quantize_base``) and the adapters are fresh
+  (``init_adapters`` with ``fold_in(key, 1)``).
 
   Args:
     config: the model config.
@@ -68,11 +98,47 @@ def init_params(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None,
   Returns:
     The params pytree (plain arrays; logical axes from ``param_logical_axes``).
   """
-  def init(k):
-    return nn.meta.unbox(_init_boxed(config, k))
+  init = functools.partial(_init_all, config)
   if mesh is None:
     return jax.jit(init)(key)
   return jax.jit(init, out_shardings=param_shardings(config, mesh, rules))(key)
+
+
+def init_adapters(config: ModelConfig, key: jax.Array, mesh: Mesh | None = None,
+                  rules: sharding.Rules = sharding.DEFAULT_RULES) -> Any:
+  """Fresh adapters of ``config.lora`` alone (``A`` random, ``B`` zero), each
+  created with its sharding; ``lora.merge(base, adapters)`` attaches them.
+
+  Only the adapters are computed: the rest of the init is dead code that the
+  compiler drops.
+  """
+  if config.lora is None:
+    raise ValueError("init_adapters: config.lora is None (no adapters).")
+  init = functools.partial(_init_adapters, config)
+  if mesh is None:
+    return jax.jit(init)(key)
+  shardings = lora_lib.adapters_of(param_shardings(config, mesh, rules))
+  return jax.jit(init, out_shardings=shardings)(key)
+
+
+def attach_base(base: Any, config: ModelConfig, key: jax.Array,
+                mesh: Mesh | None = None,
+                rules: sharding.Rules = sharding.DEFAULT_RULES) -> Any:
+  """Params of ``config`` from a float base of ``config.without_lora()`` (an
+  SFT result, a Hugging Face checkpoint): int8 where ``quantize_base`` says,
+  plus fresh adapters from ``key``. ``base`` itself is returned without
+  ``config.lora``."""
+  if config.lora is None:
+    return base
+  if config.lora.quantize_base == "int8":
+    quantize = lora_lib.quantize_params
+    if mesh is not None:
+      shardings = lora_lib.split(param_shardings(config, mesh, rules))[1]
+      quantize = jax.jit(quantize, out_shardings=shardings)
+    else:
+      quantize = jax.jit(quantize)
+    base = quantize(base)
+  return lora_lib.merge(base, init_adapters(config, key, mesh, rules))
 
 
 def count_params(params: Any) -> int:

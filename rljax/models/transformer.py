@@ -26,6 +26,7 @@ import numpy as np
 
 from rljax import sharding
 from rljax.models.config import ModelConfig
+from rljax.models import lora as lora_lib
 from rljax.models.kv_cache import KVCache, LayerKV
 
 _NEG_INF = -1e30  # finite, so a fully masked row gives a uniform softmax, not NaN
@@ -301,6 +302,46 @@ def _dense_init(in_axis, out_axis):
       1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
 
 
+def _kernel(module, config: ModelConfig, name: str, shape, axes, in_dims: int):
+  """A projection kernel ``[I..., O...]`` in the compute dtype: a float
+  param, or an int8 base's (``models/lora.py``) dequantized."""
+  dt = config.jnp_dtype
+  if config.lora is None or config.lora.quantize_base == "none":
+    init = _dense_init(0 if in_dims == 1 else tuple(range(in_dims)),
+                       in_dims if len(shape) - in_dims == 1
+                       else tuple(range(in_dims, len(shape))))
+    return _param(module, name, init, shape, axes,
+                  config.jnp_param_dtype).astype(dt)
+  q = _param(module, name, nn.initializers.zeros, shape, axes, jnp.int8)
+  scale = _param(module, name + lora_lib.SCALE_SUFFIX, nn.initializers.ones,
+                 shape[in_dims:], axes[in_dims:], jnp.float32)
+  return lora_lib.dequantize(q, scale, dt)
+
+
+def _lora_delta(module, config: ModelConfig, target: str, x, shape, axes,
+                in_dims: int = 1):
+  """``(alpha / r) (x A) B`` of ``target``'s adapter, or None when it has
+  none (``models/lora.py``). ``A`` ``[I..., r]`` starts random, ``B``
+  ``[r, O...]`` at zero."""
+  lora = config.lora
+  if lora is None or target not in lora.targets:
+    return None
+  pd, dt = config.jnp_param_dtype, config.jnp_dtype
+  a_init = _dense_init(0 if in_dims == 1 else tuple(range(in_dims)), in_dims)
+  a = _param(module, f"{target}_lora_a", a_init,
+             tuple(shape[:in_dims]) + (lora.rank,),
+             tuple(axes[:in_dims]) + ("lora_rank",), pd)
+  b = _param(module, f"{target}_lora_b", nn.initializers.zeros,
+             (lora.rank,) + tuple(shape[in_dims:]),
+             ("lora_rank",) + tuple(axes[in_dims:]), pd)
+  h = _project(x, a.astype(dt), in_dims) * jnp.asarray(lora.scaling, dt)
+  return _project(h, b.astype(dt))
+
+
+def _plus(y, delta):
+  return y if delta is None else y + delta.astype(y.dtype)
+
+
 class RMSNorm(nn.Module):
   """RMSNorm computed in fp32; ``offset=1`` gives Gemma's ``x * (1 + w)``."""
 
@@ -331,20 +372,20 @@ class Attention(nn.Module):
     c = self.config
     pd, dt = c.jnp_param_dtype, c.jnp_dtype
     d, n, k, h = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim
-    wq = _param(self, "q_kernel", _dense_init(0, (1, 2)), (d, n, h),
-                ("embed", "heads", "head_dim"), pd)
-    wk = _param(self, "k_kernel", _dense_init(0, (1, 2)), (d, k, h),
-                ("embed", "kv_heads", "head_dim"), pd)
-    wv = _param(self, "v_kernel", _dense_init(0, (1, 2)), (d, k, h),
-                ("embed", "kv_heads", "head_dim"), pd)
-    wo = _param(self, "o_kernel", _dense_init((0, 1), 2), (n, h, d),
-                ("heads", "head_dim", "embed"), pd)
+    shapes = {"q": ((d, n, h), ("embed", "heads", "head_dim")),
+              "k": ((d, k, h), ("embed", "kv_heads", "head_dim")),
+              "v": ((d, k, h), ("embed", "kv_heads", "head_dim"))}
+    wq, wk, wv = (_kernel(self, c, f"{name}_kernel", *shapes[name], 1)
+                  for name in ("q", "k", "v"))
+    o_shape, o_axes = (n, h, d), ("heads", "head_dim", "embed")
+    wo = _kernel(self, c, "o_kernel", o_shape, o_axes, 2)
     x = x_BxTxD.astype(dt)
     if layer_kv is None:
-      q, kk, vv = (_project(x, w.astype(dt)) for w in (wq, wk, wv))
+      q, kk, vv = (_project(x, w) for w in (wq, wk, wv))
     else:
-      q, kk, vv = _project_fused(x, wq.astype(dt), wk.astype(dt),
-                                 wv.astype(dt))
+      q, kk, vv = _project_fused(x, wq, wk, wv)
+    q, kk, vv = (_plus(y, _lora_delta(self, c, name, x, *shapes[name]))
+                 for y, name in zip((q, kk, vv), ("q", "k", "v")))
     if c.qkv_bias:
       zeros = nn.initializers.zeros
       q = q + _param(self, "q_bias", zeros, (n, h), ("heads", "head_dim"),
@@ -377,7 +418,8 @@ class Attention(nn.Module):
       out = decode_attend(q, keys.astype(dt), values.astype(dt), mask_BxTxS,
                           scale=scale, softcap=c.attn_logit_softcap,
                           prefix=prefix)
-    out = _project(out, wo.astype(dt), in_dims=2)
+    out = _plus(_project(out, wo, in_dims=2),
+                _lora_delta(self, c, "o", out, o_shape, o_axes, 2))
     return sharding.constrain(out, ("batch", "length", "act_embed")), new_kv
 
 
@@ -393,23 +435,25 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BxTxD):
     c = self.config
-    pd, dt = c.jnp_param_dtype, c.jnp_dtype
-    wg = _param(self, "gate_kernel", _dense_init(0, 1), (c.d_model, c.mlp_dim),
-                ("embed", "mlp"), pd)
-    wu = _param(self, "up_kernel", _dense_init(0, 1), (c.d_model, c.mlp_dim),
-                ("embed", "mlp"), pd)
-    wd = _param(self, "down_kernel", _dense_init(0, 1), (c.mlp_dim, c.d_model),
-                ("mlp", "embed"), pd)
+    dt = c.jnp_dtype
+    up_shape, down_shape = (c.d_model, c.mlp_dim), (c.mlp_dim, c.d_model)
+    up_axes, down_axes = ("embed", "mlp"), ("mlp", "embed")
+    wg = _kernel(self, c, "gate_kernel", up_shape, up_axes, 1)
+    wu = _kernel(self, c, "up_kernel", up_shape, up_axes, 1)
+    wd = _kernel(self, c, "down_kernel", down_shape, down_axes, 1)
     x = x_BxTxD.astype(dt)
     if self.fused:
-      gate, up = _project_fused(x, wg.astype(dt), wu.astype(dt))
+      gate, up = _project_fused(x, wg, wu)
     else:
-      gate, up = _project(x, wg.astype(dt)), _project(x, wu.astype(dt))
+      gate, up = _project(x, wg), _project(x, wu)
+    gate = _plus(gate, _lora_delta(self, c, "gate", x, up_shape, up_axes))
+    up = _plus(up, _lora_delta(self, c, "up", x, up_shape, up_axes))
     act = (jax.nn.silu(gate) if c.activation == "silu"
            else jax.nn.gelu(gate, approximate=True))
     hidden = sharding.constrain(act * up,
                                 ("batch", "length", "act_mlp"))
-    return _project(hidden, wd.astype(dt))
+    return _plus(_project(hidden, wd),
+                 _lora_delta(self, c, "down", hidden, down_shape, down_axes))
 
 
 class Block(nn.Module):

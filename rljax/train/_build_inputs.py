@@ -211,14 +211,47 @@ def hf_model_config(directory: str, config: Any) -> models.ModelConfig:
                                        dtype=overrides.get("dtype"))
   if overrides.get("remat"):
     model_config = model_config.replace(remat=overrides["remat"])
-  return model_config
+  return model_config.replace(lora=lora_config(config))
 
 
 def preset_model_config(config: Any, vocab_size: int) -> models.ModelConfig:
-  """``model.preset`` with ``model.overrides`` and the tokenizer's vocab size."""
+  """``model.preset`` with ``model.overrides``, the tokenizer's vocab size
+  and ``model.lora``."""
   overrides = dict(config.model.overrides or {})
   overrides.setdefault("vocab_size", vocab_size)
+  if "lora" in overrides:
+    raise ValueError("model.overrides.lora is set: LoRA is configured by "
+                     "model.lora.rank, model.lora.alpha, model.lora.targets "
+                     "and model.lora.quantize_base.")
+  overrides["lora"] = lora_config(config)
   return models.get_preset(config.model.preset, **overrides)
+
+
+def lora_config(config: Any) -> models.LoraConfig | None:
+  """``model.lora`` as a ``models.LoraConfig``, or None when its rank is 0.
+
+  Raises:
+    ValueError: naming the field: a quantized base without adapters, no
+      targets, an unknown target (a rank larger than a projection is checked
+      with the model's shape, by ``ModelConfig``).
+  """
+  lora = config.model.lora
+  if not lora.rank:
+    if lora.quantize_base != "none":
+      raise ValueError(
+          f"model.lora.quantize_base={lora.quantize_base!r} with "
+          "model.lora.rank=0: a quantized base is frozen, so it needs "
+          "adapters to train; set model.lora.rank >= 1, or "
+          "model.lora.quantize_base='none'.")
+    return None
+  if isinstance(lora.targets, str) or not tuple(lora.targets):
+    raise ValueError(
+        f"model.lora.targets={lora.targets!r} with model.lora.rank="
+        f"{lora.rank}: accepted a non-empty tuple of names from "
+        f"{models.LORA_TARGETS}, e.g. ('q', 'v').")
+  return models.LoraConfig(rank=int(lora.rank), alpha=float(lora.alpha),
+                           targets=tuple(lora.targets),
+                           quantize_base=lora.quantize_base)
 
 
 def hf_tokenizer(directory: str, config: Any):

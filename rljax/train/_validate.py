@@ -16,7 +16,7 @@ from rljax import objectives as obj_lib
 from rljax import sharding
 from rljax.train import algorithm as alg_lib
 from rljax.train import schema, table
-from rljax.train._build_inputs import hf_overrides, reward_fn
+from rljax.train._build_inputs import hf_overrides, lora_config, reward_fn
 from rljax.train._build_rollouts import _validate_rollout
 from rljax.train._checks import check_range
 
@@ -266,6 +266,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
           f"{config.model.path!r}: a Hugging Face run uses the checkpoint's "
           "tokenizer files; accepted: tokenizer.path=''.")
   _validate_model_path(config)
+  lora_config(config)
   if mesh is not None:
     sharding.check_batch_divisible(rl.prompts_per_step, mesh,
                                    "rl.prompts_per_step")

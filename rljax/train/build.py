@@ -360,15 +360,41 @@ class Components:
       return params
     return jax.device_put(params, self.sample_param_shardings)
 
+  @property
+  def lora(self) -> bool:
+    """Whether the run trains LoRA adapters on a frozen base."""
+    return self.model_config.lora is not None
+
+  @property
+  def lora_base_from_hf(self) -> bool:
+    """Whether a LoRA run's frozen base is ``model.path``'s weights as they
+    are (no SFT warm-up), so its checkpoints can name it instead of holding
+    it."""
+    return bool(self.lora and self.hf_path and not self.sft.num_steps)
+
+  @property
+  def base_param_shardings(self) -> Any:
+    """Shardings of the float params without adapters (``init_params``,
+    the SFT warm-up); ``param_shardings`` without LoRA."""
+    if not self.lora:
+      return self.param_shardings
+    return models.param_shardings(self.model_config.without_lora(), self.mesh)
+
   def init_params(self, key: jax.Array) -> Any:
     """The run's initial params on the mesh: the Hugging Face checkpoint's
-    (``model.path``, read now) or ``model_config`` initialised from ``key``."""
+    (``model.path``, read now) or ``model_config`` initialised from ``key``.
+    With LoRA, the float base alone (``attach_adapters`` adds the rest)."""
     if self.hf_path:
       overrides = hf_overrides(self.config)
       return models.load_hf_pretrained(
           self.hf_path, self.mesh, param_dtype=overrides.get("param_dtype"),
           dtype=overrides.get("dtype"))[1]
-    return models.init_params(self.model_config, key, self.mesh)
+    return models.init_params(self.model_config.without_lora(), key, self.mesh)
+
+  def attach_adapters(self, base: Any, key: jax.Array) -> Any:
+    """With LoRA, ``base`` (float, from ``init_params`` or the warm-up) in
+    the frozen layout plus fresh adapters from ``key``; else ``base``."""
+    return models.attach_base(base, self.model_config, key, self.mesh)
 
   def init_state(self, params: Any, key: jax.Array) -> TrainState:
     """A fresh ``TrainState`` around ``params`` (``steps.init_state``,

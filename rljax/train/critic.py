@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import optax
 
 from rljax import models
+from rljax.models import lora as lora_lib
 from rljax.models import packing as packing_lib
 from rljax import objectives as obj_lib
 
@@ -69,7 +70,8 @@ class CriticState(NamedTuple):
 
   Attributes:
     params: ``{"decoder": <the policy's params tree>, "head": {"kernel": [D],
-      "bias": []}}``.
+      "bias": []}}`` (with LoRA the decoder holds adapters only:
+      ``with_base``).
     opt_state: the critic optimizer's state.
   """
 
@@ -83,12 +85,25 @@ def init_params(policy_params: Any, model_config: models.ModelConfig
 
   The decoder leaves are copied (``jnp.copy``), so the train state never
   holds one buffer twice (it is donated to ``rl_step``). Call under
-  ``jax.jit`` to keep the leaves' shardings.
+  ``jax.jit`` to keep the leaves' shardings. With LoRA (``model_config.lora``)
+  the decoder is a copy of the policy's adapters alone: the critic shares
+  the policy's frozen base (``with_base``) and trains its own adapters.
   """
   d = model_config.d_model
+  if model_config.lora is not None:
+    policy_params = lora_lib.adapters_of(policy_params)
   return {"decoder": jax.tree.map(jnp.copy, policy_params),
           "head": {"kernel": jnp.zeros((d,), jnp.float32),
                    "bias": jnp.zeros((), jnp.float32)}}
+
+
+def with_base(params: Any, base: Any) -> dict[str, Any]:
+  """Critic params whose decoder holds adapters only, completed with the
+  policy's frozen ``base`` (a LoRA run; ``base`` None: as they are)."""
+  if base is None:
+    return params
+  return {"decoder": lora_lib.merge(base, params["decoder"]),
+          "head": params["head"]}
 
 
 def make_optimizer(learning_rate: float, max_grad_norm: float | None = 1.0,

@@ -31,7 +31,7 @@ import jax
 from rljax import distributed
 from rljax import metrics as metrics_lib
 from rljax.train import build as build_lib
-from rljax.train import guards, rundir, schedules, session
+from rljax.train import guards, rundir, schedules, schema, session
 from rljax.train import packing as packing_lib
 from rljax.train.algorithm import Algorithm
 from rljax.train.steps import jit_rl_step, make_rl_step
@@ -106,8 +106,12 @@ def _run(config: Any, workdir: str, algorithm: Algorithm | None,
   saved = rundir.saved_config(workdir)
   checkpoints = os.path.join(workdir, "checkpoints")
   if saved is not None and os.path.isdir(checkpoints) and os.listdir(checkpoints):
-    rundir.check_resumable(saved, json.loads(config.to_json_best_effort()),
-                           workdir)
+    # Both completed: a field added since the run started (model.lora)
+    # compares at its default.
+    rundir.check_resumable(
+        json.loads(schema.complete_config(saved).to_json_best_effort()),
+        json.loads(schema.complete_config(config).to_json_best_effort()),
+        workdir)
   c = build_lib.build(config, algorithm_override=algorithm, group=group)
   try:
     return _train(c, workdir, t0, stop_signal, schedule)

@@ -74,11 +74,14 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
                        f"steps {steps}; accepted: one of them, or None for "
                        "the latest.")
     step = steps[-1] if step is None else step
-    tree, _ = manager.restore(step, None)
+    tree, meta = manager.restore(step, None)
   finally:
     manager.close()
   state = tree["state"] if "state" in tree else tree  # {"state": TrainState, ...}
   params = state["params"] if isinstance(state, dict) else state[0]
+  if model_config.lora is not None:  # adapters; the base is referenced
+    params = models.lora.merge(
+        _lora_base(workdir, meta.get("lora_base"), model_config), params)
   expected = models.param_shapes(model_config)
   if jax.tree.structure(params) != jax.tree.structure(expected) or any(
       tuple(p.shape) != tuple(e.shape) for p, e in zip(
@@ -87,6 +90,38 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
                      f"of the configured model ({described}).")
   return Policy(jax.tree.map(jax.numpy.asarray, params), model_config,
                 tokenizer, config, int(step))
+
+
+def _lora_base(workdir: str, reference: dict[str, str] | None,
+               model_config: models.ModelConfig) -> Any:
+  """The frozen base a LoRA run's checkpoint names (``session.save``): its
+  ``lora_base`` directory or the Hugging Face weights of ``model.path``."""
+  if not reference:
+    raise ValueError(f"{workdir}: a LoRA run's checkpoint without a "
+                     "'lora_base' reference in its metadata.")
+  if reference["source"] == "hf":
+    if not os.path.isfile(os.path.join(reference["path"], "config.json")):
+      raise FileNotFoundError(
+          f"{workdir}: its LoRA base is the Hugging Face checkpoint "
+          f"{reference['path']!r}, which is not there any more (the run's "
+          "checkpoints hold the adapters only).")
+    _, base = models.load_hf_pretrained(
+        reference["path"], None, param_dtype=model_config.param_dtype,
+        dtype=model_config.dtype)
+    if model_config.lora.quantize_base == "int8":
+      base = jax.jit(models.lora.quantize_params)(base)
+    return base
+  directory = os.path.join(workdir, reference["path"])
+  manager = ckpt_lib.CheckpointManager(directory, async_save=False)
+  try:
+    if manager.latest_step() is None:
+      raise FileNotFoundError(
+          f"{directory} holds no checkpoint: the frozen LoRA base of the run "
+          f"in {workdir} is missing (its checkpoints hold the adapters only).")
+    base, _ = manager.restore(None, None)
+  finally:
+    manager.close()
+  return base
 
 
 def _pieces(tokenizer: Any, size: int) -> list[str]:

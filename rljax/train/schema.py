@@ -51,6 +51,15 @@ _BASE: dict[str, Field] = {
     "model.path": F("", None, "a Hugging Face checkpoint directory"),
     "model.preset": F("small", None, "used when model.path is empty"),
     "model.overrides": F({}, None, "ModelConfig fields to override"),
+    "model.lora.rank": F(0, "int>=0", "LoRA adapters' rank r (0: train "
+                         "every param)"),
+    "model.lora.alpha": F(16.0, ">0", "the adapters' output is scaled by "
+                          "alpha / rank"),
+    "model.lora.targets": F(("q", "k", "v", "o", "gate", "up", "down"), None,
+                            "projections with adapters"),
+    "model.lora.quantize_base": F("none", None, "the frozen base's "
+                                  "projection kernels", choices=("none",
+                                                                 "int8")),
     # --- mesh ---
     "mesh.data": F(1, None, "data-parallel axis (-1: the rest)"),
     "mesh.fsdp": F(-1, None, "parameter-sharded data axis (-1: the rest)"),
@@ -292,9 +301,16 @@ def complete_config(config: Any) -> ml_collections.ConfigDict:
   ``config.json``) with every field it lacks at its default."""
   merged = base_config().to_dict()
   values = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-  for key, value in values.items():
-    if isinstance(value, dict) and isinstance(merged.get(key), dict):
-      merged[key].update(value)
-    else:
-      merged[key] = value
+  names = fields()
+
+  def fill(into: dict[str, Any], values: Mapping[str, Any], prefix: str):
+    for key, value in values.items():
+      name = prefix + key
+      if (isinstance(value, Mapping) and isinstance(into.get(key), dict)
+          and name not in names):  # a section (model.lora), not a dict field
+        fill(into[key], value, name + ".")
+      else:
+        into[key] = value
+
+  fill(merged, values, "")
   return ml_collections.ConfigDict(merged)

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from typing import Any
 
@@ -27,9 +28,15 @@ from rljax import models
 from rljax.train import build as build_lib
 from rljax.train import evaluation, rundir, sft
 from rljax.train.rollout import Collector
+from rljax.models import lora as lora_lib
+from rljax.train import steps as steps_lib
 from rljax.train.steps import TrainState
 
 log = logging.getLogger("rljax")
+
+# A LoRA run's frozen base, saved once when the RL stage starts (unless it
+# is model.path's weights as they are); its checkpoints hold the adapters.
+LORA_BASE_DIR = "lora_base"
 
 PHASES = ("sft", "sample", "reward", "advantage", "train", "evaluation",
           "checkpoint")
@@ -99,14 +106,20 @@ class Session:
     slots = self.collector.slots
     data_state, carried = extras or (self.iterator.get_state(),
                                      slots.arrays() if slots else None)
+    c = self.c
     tree = {"state": state}
+    meta = {"data_iterator": data_state, "before": self.before,
+            "config": c.config_json}
+    if c.lora:  # the adapters, and where the frozen base is
+      tree["state"] = state._replace(
+          params=steps_lib.trainable(c.model_config, state.params))
+      meta["lora_base"] = lora_base_reference(c)
     if ref_params is not None:
       tree["ref_params"] = ref_params
     best = self.c.settings.best_metric
     spec = self.collector.speculation
     self.manager.save(
-        step, tree, {"data_iterator": data_state,
-                     "before": self.before, "config": self.c.config_json},
+        step, tree, meta,
         metrics=({best: metrics[best]} if best and metrics and best in metrics
                  else None),
         host_arrays={"drafts": spec.store.arrays() if spec else None,
@@ -185,17 +198,29 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
     run.writer = metrics_lib.MetricWriter(run.workdir, active=primary)
     t = time.time()
     params = sft.run_sft(params, c.sft, task=c.task, tokenizer=c.tokenizer,
-                         model_config=c.model_config, mesh=c.mesh,
-                         param_shardings=c.param_shardings, writer=run.writer,
-                         group=c.group)
+                         model_config=c.model_config.without_lora(),
+                         mesh=c.mesh, param_shardings=c.base_param_shardings,
+                         writer=run.writer, group=c.group)
     run.seconds["sft"] = time.time() - t
+    if c.lora:
+      params = c.attach_adapters(params, _adapter_key(run))
+      if not c.lora_base_from_hf:
+        save_lora_base(run, params)
     run.before = run.evaluate(params, run.eval_key)
     run.writer.write(0, run.before)
     log.info("held-out before RL: %s", format_eval(run.before))
-    return c.init_state(params, run.state_key), params if kl else None
+    # With LoRA the KL reference is the frozen base itself: no copy.
+    return (c.init_state(params, run.state_key),
+            params if kl and not c.lora else None)
+  if c.lora:
+    params = restore_lora_base(run, params)
   # The restore target: shapes, dtypes and shardings of a fresh state.
-  target = {"state": c.init_state(params, run.state_key)}
-  if kl:
+  fresh = c.init_state(params, run.state_key)
+  target = {"state": fresh}
+  if c.lora:
+    target["state"] = fresh._replace(
+        params=steps_lib.trainable(c.model_config, fresh.params))
+  if kl and not c.lora:
     target["ref_params"] = params
   # The state, the metadata and the host arrays are verified together: a
   # damaged draft store falls back to the previous checkpoint like a
@@ -219,7 +244,79 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   run.writer = metrics_lib.MetricWriter(run.workdir, active=primary)
   log.info("resumed from step %d in %s (%d metric rows after it dropped)",
            resumed, run.manager.directory, dropped)
-  return tree["state"], tree.get("ref_params")
+  state = tree["state"]
+  if c.lora:
+    state = state._replace(params=lora_lib.merge(
+        lora_lib.split(params)[1], state.params))
+  return state, tree.get("ref_params")
+
+
+def _adapter_key(run: Session) -> jax.Array:
+  """The fresh adapters' key (as ``models.init_params`` draws them)."""
+  return jax.random.fold_in(run.init_key, 1)
+
+
+def lora_base_reference(c: build_lib.Components) -> dict[str, str]:
+  """Where a LoRA run's frozen base is: ``{"source": "hf", "path":
+  model.path}`` or ``{"source": "checkpoint", "path": LORA_BASE_DIR}``
+  (relative to the run directory)."""
+  if c.lora_base_from_hf:
+    return {"source": "hf", "path": c.hf_path}
+  return {"source": "checkpoint", "path": LORA_BASE_DIR}
+
+
+def _base_manager(workdir: str) -> ckpt_lib.CheckpointManager:
+  return ckpt_lib.CheckpointManager(os.path.join(workdir, LORA_BASE_DIR),
+                                    max_to_keep=1, async_save=False)
+
+
+def save_lora_base(run: Session, params: Any) -> None:
+  """Writes the frozen base of ``params`` (no adapters) to
+  ``<workdir>/lora_base`` as step 0, replacing what a run that saved no RL
+  checkpoint left there. Synchronous: it is written before any checkpoint
+  that needs it."""
+  directory = os.path.join(run.workdir, LORA_BASE_DIR)
+  if run.c.group.primary and os.path.isdir(directory):
+    shutil.rmtree(directory)
+  run.c.group.barrier("lora_base_cleared")
+  manager = _base_manager(run.workdir)
+  try:
+    manager.save(0, lora_lib.split(params)[1],
+                 {"config": run.c.config_json, "model": "frozen LoRA base"})
+    manager.wait()
+  finally:
+    manager.close()
+
+
+def restore_lora_base(run: Session, base: Any) -> Any:
+  """A resumed LoRA run's params with the frozen base and fresh adapters
+  (the checkpoint's adapters replace them): ``model.path``'s weights
+  (``base``, as ``init_params`` read them) or ``<workdir>/lora_base``.
+
+  Raises:
+    FileNotFoundError: ``lora_base`` is missing or unreadable, naming it.
+  """
+  c = run.c
+  params = c.attach_adapters(base, _adapter_key(run))
+  if c.lora_base_from_hf:
+    return params
+  directory = os.path.join(run.workdir, LORA_BASE_DIR)
+  frozen = lora_lib.split(params)[1]
+  manager = _base_manager(run.workdir)
+  try:
+    if manager.latest_step() is None:
+      raise FileNotFoundError("no checkpoint there")
+    restored, _ = manager.restore(0, frozen)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # orbax / tensorstore raise many kinds for a damaged directory.
+    raise FileNotFoundError(
+        f"{directory}: the frozen LoRA base of this run is missing or "
+        f"unreadable ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+        "the checkpoints hold the adapters only. Start the run fresh (delete "
+        f"{run.manager.directory} or use another --workdir).") from e
+  finally:
+    manager.close()
+  return lora_lib.merge(restored, lora_lib.adapters_of(params))
 
 
 def summary(run: Session, last: dict[str, float], t0: float,

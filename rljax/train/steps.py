@@ -59,6 +59,7 @@ import optax
 from rljax import models, sharding
 from rljax import objectives as obj_lib
 from rljax import optim as optim_lib
+from rljax.models import lora as lora_lib
 from rljax.advantages import gae as gae_lib
 from rljax.train import critic as critic_lib
 from rljax.train import distill as distill_lib
@@ -162,6 +163,21 @@ def _accumulate(acc, new):
 
 
 # ----------------------------------------------------------------------------
+# Trained and frozen params.
+
+
+def trainable(model_config: models.ModelConfig, params: Any) -> Any:
+  """What the optimizer updates: the adapters with LoRA
+  (``models/lora.py``), else every param."""
+  return lora_lib.adapters_of(params) if model_config.lora else params
+
+
+def frozen_base(model_config: models.ModelConfig, params: Any) -> Any:
+  """The frozen rest of ``params`` with LoRA, else None."""
+  return lora_lib.split(params)[1] if model_config.lora else None
+
+
+# ----------------------------------------------------------------------------
 # Step inputs.
 
 
@@ -203,9 +219,9 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
 
   plan = batch.plan
 
-  def no_grad_logprobs(params):
+  def no_grad_logprobs(params, config=model_config):
     return _map_rows(
-        lambda x, m, p: _scored_logprobs(params, model_config, x, m, cfg,
+        lambda x, m, p: _scored_logprobs(params, config, x, m, cfg,
                                          packing=p)[0],
         chunks, tokens, input_mask, plan)
 
@@ -247,8 +263,11 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
                        "RLBatch.rewards_N is None: GAE needs each row's "
                        "reward.")
     # verl's order: V_old of the whole batch, then GAE, then the updates.
+    critic_params = critic_lib.with_base(state.critic.params,
+                                         frozen_base(model_config,
+                                                     state.params))
     old_values = last(_map_rows(
-        lambda x, m, p: critic_lib.values(state.critic.params, model_config,
+        lambda x, m, p: critic_lib.values(critic_params, model_config,
                                           x, m, p), chunks, tokens,
         input_mask, plan))
     adv, returns = gae_lib.gae_advantages(batch.rewards_N, old_values,
@@ -256,11 +275,16 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
                                           cfg.critic.lam)
     if cfg.critic.whiten:
       adv = gae_lib.whiten_advantages(adv, loss_mask)
+  ref = None
+  if cfg.kl_coef and ref_params is None and model_config.lora is not None:
+    # LoRA: the reference is the frozen base, read from the same params.
+    ref = no_grad_logprobs(state.params, model_config.base_config())
+  elif cfg.kl_coef:
+    ref = no_grad_logprobs(ref_params)
   inputs = StepInputs(
       tokens, input_mask, loss_mask, adv, sampler_lp,
       old_logprobs_NxT=None if cfg.reuses_current_as_old else old,
-      ref_logprobs_NxT=(no_grad_logprobs(ref_params) if cfg.kl_coef
-                        else None),
+      ref_logprobs_NxT=ref,
       teacher_logprobs_NxT=teacher, old_values_NxT=old_values,
       returns_NxT=returns)
   return inputs, rejected, old
@@ -279,7 +303,8 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
   teacher_params)``.
 
   The caller jits it (``jit_rl_step`` states the shardings). ``ref_params``
-  is only read when ``cfg.kl_coef > 0``, ``teacher_params`` only when
+  is only read when ``cfg.kl_coef > 0`` (with LoRA pass None: the reference
+  is the frozen base), ``teacher_params`` only when
   ``cfg.distill_coef > 0`` (pass None otherwise). With ``cfg.critic``,
   ``critic_optimizer`` updates ``state.critic`` (``critic.make_optimizer``);
   ``teacher_config`` is the teacher's model config (default: the policy's).
@@ -321,9 +346,15 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
                    sampler_lp), coef_state, nonfinite
 
   def loss_fn(trained, mb: StepInputs, coef_state, norm: Normalizers,
-              pooled_ess):
+              pooled_ess, base):
+    """``trained``: what carries the gradient (with LoRA the adapters; the
+    frozen ``base`` completes them and gets none)."""
     params, critic_params = trained if cfg.critic is not None else (trained,
                                                                      None)
+    if base is not None:
+      params = lora_lib.merge(base, params)
+      if critic_params is not None:
+        critic_params = critic_lib.with_base(critic_params, base)
     fwd, coef_state, nonfinite = forward(params, mb, coef_state, pooled_ess)
     loss, metrics = policy_gradient_term(fwd, mb, cfg, norm)
     # Summed over microbatches: the count per update (nonzero means the
@@ -361,7 +392,9 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
   def update(carry, xs, inputs: StepInputs):
     indices_KxM, packing_K = xs
     params, opt_state, coef_state, critic = carry
-    trained = params if critic is None else (params, critic.params)
+    base = frozen_base(model_config, params)
+    own = trainable(model_config, params)
+    trained = own if critic is None else (own, critic.params)
     k, m = indices_KxM.shape
     minibatch = jax.tree.map(
         lambda x: jnp.take(x, indices_KxM.reshape(-1), axis=0), inputs)
@@ -379,7 +412,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     def accumulate(acc, mb):
       grads_acc, metrics_acc, sums_acc, coef_state = acc
       grads, (metrics, sums, coef_state) = grad_fn(trained, mb, coef_state,
-                                                   norm, pooled)
+                                                   norm, pooled, base)
       return (jax.tree.map(jnp.add, grads_acc, grads),
               jax.tree.map(jnp.add, metrics_acc, metrics),
               {"seq_ess": jax.tree.map(jnp.add, sums_acc["seq_ess"],
@@ -390,7 +423,7 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
     zeros = jax.tree.map(jnp.zeros_like, trained)
     shapes = jax.eval_shape(
         lambda: grad_fn(trained, jax.tree.map(lambda x: x[0], micro),
-                        coef_state, norm, pooled)[1][:2])
+                        coef_state, norm, pooled, base)[1][:2])
     metric_zeros, sums_zeros = jax.tree.map(
         lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     (grads, metrics, sums, coef_state), _ = jax.lax.scan(
@@ -408,8 +441,9 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       metrics["critic/grad_norm"] = optax.tree.norm(critic_grads)
     metrics["grad_norm"] = optax.tree.norm(grads)
     metrics["ess/sequence"] = seq_ess
-    updates, opt_state = optimizer.update(grads, opt_state, params, ess=seq_ess)
-    params = optax.apply_updates(params, updates)
+    updates, opt_state = optimizer.update(grads, opt_state, own, ess=seq_ess)
+    own = optax.apply_updates(own, updates)
+    params = own if base is None else lora_lib.merge(base, own)
     return (params, opt_state, coef_state, critic), (metrics, sums["mismatch"])
 
   def rl_step(state: TrainState, batch: RLBatch, ref_params=None,
@@ -460,7 +494,8 @@ def init_state(params: Any, key: jax.Array, *, algorithm: Any,
   their ``update`` receives.
 
   Args:
-    params: the policy params.
+    params: the policy params (with LoRA the optimizer state covers the
+      adapters only).
     key: the state's PRNG key (stored as raw key data).
     algorithm: the ``Algorithm`` (its chains' and optimizer's states).
     cfg: the step's settings (``T = cfg.completion_length``).
@@ -483,7 +518,7 @@ def init_state(params: Any, key: jax.Array, *, algorithm: Any,
     critic = critic_lib.CriticState(critic_params,
                                     critic_optimizer.init(critic_params))
   return TrainState(
-      params, algorithm.optimizer.init(params),
+      params, algorithm.optimizer.init(trainable(model_config, params)),
       algorithm.advantage.init(jnp.zeros((rows, num_rewards), jnp.float32)),
       algorithm.coefficient.init(jnp.zeros((micro, width), jnp.float32)),
       jnp.zeros((), jnp.int32), jax.random.key_data(key), critic)
