@@ -62,6 +62,11 @@ def _record_stem() -> str:
     stem += f"_{rl.rollout}"
   if rl.get("max_staleness", 0):
     stem += f"_async{rl.max_staleness}"
+  lora = _CONFIG.value.model.get("lora", {})
+  if lora.get("rank", 0):  # LoRA runs too
+    stem += f"_lora{lora.rank}"
+    if lora.get("quantize_base", "none") != "none":
+      stem += f"_{lora.quantize_base}"
   return stem
 
 
