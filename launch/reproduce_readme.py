@@ -86,9 +86,16 @@ def _seed_runs(stem: str, *flags_: str) -> tuple[Run, ...]:
                for s in SEEDS)
 
 
+# The main job with rank-16 adapters on every projection: LoRA takes a
+# larger step than full fine-tuning (1.5e-4).
+LORA_FLAGS = ("--config.model.lora.rank=16", "--config.model.lora.alpha=32",
+              "--config.optimizer.learning_rate=1e-3")
+
 JOBS = {
     "main": Job("main", _seed_runs("train"), "seeds",
                 "the main job, configs/arithmetic_grpo.py"),
+    "lora": Job("lora", _seed_runs("train_lora16", *LORA_FLAGS), "seeds",
+                "the main job training LoRA adapters of rank 16"),
     "ppo": Job("ppo", _seed_runs("arithmetic_ppo",
                                  "--config=configs/arithmetic_ppo.py"),
                "seeds", "PPO with a critic, configs/arithmetic_ppo.py"),
@@ -125,6 +132,7 @@ JOBS = {
                                                "--padding_free")),
                   ("launch.bench_rl_step", ("--compare_trl",)),
                   ("launch.bench_model", ()),
+                  ("launch.bench_memory", ()),
                   ("launch.bench_envs", ()),
                   ("launch.bench_rollout", ()))), "",
         "the benchmark scripts of the README's Benchmarks table"),

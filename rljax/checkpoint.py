@@ -155,7 +155,8 @@ class CheckpointManager:
     """The saved tree's shapes and dtypes on this process's first device."""
     metadata = ocp.CheckpointManager(
         self.directory, item_handlers={
-            "state": ocp.StandardCheckpointHandler()}).item_metadata(
+            "state": ocp.StandardCheckpointHandler(),
+            "metadata": ocp.JsonCheckpointHandler()}).item_metadata(
                 int(step))["state"]
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     return jax.tree.map(

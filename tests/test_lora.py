@@ -371,3 +371,37 @@ def test_a_killed_lora_run_resumes_exactly(lora_run, tmp_path):
   shutil.rmtree(os.path.join(workdir, "lora_base"))
   with pytest.raises(FileNotFoundError, match="lora_base"):
     train.load_policy(workdir)
+
+
+@pytest.mark.slow
+def test_lora_trains_with_a_critic_spec_rl_and_a_lora_teacher(lora_run,
+                                                               tmp_path):
+  """Some targets only, PPO's critic (sharing the frozen base), SPEC-RL's
+  drafts verified by the adapted forward, and on-policy distillation from
+  the int8 LoRA run as the teacher: two steps, every loss finite."""
+  from tests.test_critic import loop_config, rl_rows  # pylint: disable=import-outside-toplevel
+  config = loop_config(**{"rl.advantage": "gae", "sampler.speculative": True,
+                          "rl.distill_coef": 0.5, "teacher.path": lora_run})
+  config.model.lora.rank = 2
+  config.model.lora.alpha = 4.0
+  config.model.lora.targets = ("q", "v", "down")
+  config.rl.num_steps = 3
+  config.task.num_train = config.rl.prompts_per_step  # drafts from step 2
+  workdir = str(tmp_path / "student")
+  train.run(config, workdir)
+  rows = rl_rows(workdir)
+  assert [r["step"] for r in rows] == [1, 2, 3]
+  for r in rows:
+    for key in ("pg_loss", "critic/value_loss", "distill/reverse_kl",
+                "grad_norm", "critic/grad_norm"):
+      assert np.isfinite(r[key]) and (key == "pg_loss" or r[key] != 0), key
+  assert all(r["spec/drafted_rows"] > 0 for r in rows[1:]), rows
+  tree, _ = checkpoint.CheckpointManager(
+      os.path.join(workdir, "checkpoints")).restore(None, None)
+  names = {k for layer in tree["state"]["params"].values()
+           for sub in layer.values() for k in sub}
+  assert names == {"q_lora_a", "q_lora_b", "v_lora_a", "v_lora_b",
+                   "down_lora_a", "down_lora_b"}
+  critic_names = {k for layer in tree["state"]["critic"]["params"]["decoder"]
+                  .values() for sub in layer.values() for k in sub}
+  assert critic_names == names

@@ -21,8 +21,9 @@ The parts a researcher recomposes (docs/architecture.md):
   resume, checkpoints, summary) and ``guards`` (signals, non-finite updates,
   failing rewards).
 * ``load_policy`` (``policy.py``) reads a finished run back;
-  ``export_policy`` (``export.py``) writes it as a safetensors file or a
-  directory ``transformers`` loads.
+  ``export_policy`` (``export.py``) writes it as a safetensors file, a
+  directory ``transformers`` loads (a LoRA run's adapters merged), or a LoRA
+  run's adapters in ``peft``'s layout.
 """
 
 from rljax.train import build, critic, distill, schema, table
