@@ -147,7 +147,27 @@ def make_optimizer(name: str = "adamw", learning_rate: Any = 1e-6, *,
   tx = optax.chain(*parts)
   if max_consecutive_nonfinite is not None:
     tx = optax.apply_if_finite(tx, max_consecutive_nonfinite)
-  return tx
+  return keep_state_dtypes(tx)
+
+
+def keep_state_dtypes(tx: _Tx) -> _Tx:
+  """``tx`` whose new state has the dtypes of its initial state.
+
+  With bfloat16 params the injected float32 hyperparameters (``b1``,
+  ``b2``) promote Adam's moments to float32 in ``update``; a state that
+  changes dtype cannot be a ``lax.scan`` carry (the RL step's updates), and
+  would double the moments' memory. The moments stay in the params' dtype.
+  """
+  tx = optax.with_extra_args_support(tx)
+
+  def update(updates, state, params=None, **extra_args):
+    updates, new_state = tx.update(updates, state, params, **extra_args)
+    new_state = jax.tree.map(
+        lambda new, old: new.astype(old.dtype) if hasattr(old, "dtype")
+        else new, new_state, state)
+    return updates, new_state
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def _walk(node):

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from rljax import checkpoint, models, train
+from rljax import checkpoint, models, optim, train
 from rljax.models import lora
 from rljax.train import build, critic, schema
 from rljax.train import steps as steps_lib
@@ -405,3 +405,31 @@ def test_lora_trains_with_a_critic_spec_rl_and_a_lora_teacher(lora_run,
   critic_names = {k for layer in tree["state"]["critic"]["params"]["decoder"]
                   .values() for sub in layer.values() for k in sub}
   assert critic_names == names
+
+
+def test_a_bfloat16_int8_lora_step_keeps_float32_adapters():
+  """bfloat16 params: the adapters (trained) are float32, the base int8,
+  and two updates run in the step's scan."""
+  mc = MC.replace(param_dtype="bfloat16", dtype="bfloat16",
+                  lora=models.LoraConfig(rank=4, quantize_base="int8"))
+  params = models.init_params(mc, jax.random.key(0))
+  adapters, base = lora.split(params)
+  assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype("float32")}
+  assert base["layers_0"]["mlp"]["up_kernel"].dtype == jnp.int8
+  assert base["embedding"].dtype == jnp.bfloat16
+  optimizer = optim.make_optimizer("adamw", 1e-2)
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
+  state = train.TrainState(
+      params, optimizer.init(adapters), optax.EmptyState(),
+      coef_tx.init(jnp.zeros((1, 1))), jnp.zeros((), jnp.int32),
+      jax.random.key_data(jax.random.key(0)))
+  step = jax.jit(train.make_rl_step(
+      mc, train.RLStepConfig(num_minibatches=2, kl_coef=0.1), optimizer,
+      coef_tx))
+  new, m = step(state, _batch())
+  assert np.isfinite(m["pg_loss"]) and np.isfinite(m["kl"])
+  after_a, after_base = lora.split(new.params)
+  assert jax.tree.map(lambda x: x.dtype, after_a) == jax.tree.map(
+      lambda x: x.dtype, adapters)
+  for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(after_base)):
+    np.testing.assert_array_equal(a, b)

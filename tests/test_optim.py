@@ -150,3 +150,20 @@ HARNESS_CASES = [
 @pytest.mark.parametrize("case", HARNESS_CASES, ids=str)
 def test_harness(case, check):
   check(case)
+
+
+@pytest.mark.parametrize("name", ["adamw", "adam", "lion", "sgd"])
+def test_bfloat16_params_keep_their_state_dtypes(name):
+  """The injected float32 hyperparameters do not promote bfloat16 moments:
+  the state can be a ``lax.scan`` carry (the RL step's updates)."""
+  params = {"w": jnp.ones((3,), jnp.bfloat16), "b": jnp.zeros((), jnp.float32)}
+  tx = optim.make_optimizer(name, 1e-2, momentum=0.9 if name == "sgd" else None)
+  state = tx.init(params)
+  grads = {"w": jnp.full((3,), 0.5, jnp.bfloat16), "b": jnp.ones(())}
+  updates, new = tx.update(grads, state, params)
+  assert jax.tree.map(lambda x: x.dtype, new) == jax.tree.map(
+      lambda x: x.dtype, state)
+  moved = optax.apply_updates(params, updates)
+  assert moved["w"].dtype == jnp.bfloat16 and float(moved["w"][0]) < 1.0
+  jax.lax.scan(lambda s, _: (tx.update(grads, s, params)[1], None), state,
+               None, length=2)

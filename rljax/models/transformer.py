@@ -322,11 +322,12 @@ def _lora_delta(module, config: ModelConfig, target: str, x, shape, axes,
                 in_dims: int = 1):
   """``(alpha / r) (x A) B`` of ``target``'s adapter, or None when it has
   none (``models/lora.py``). ``A`` ``[I..., r]`` starts random, ``B``
-  ``[r, O...]`` at zero."""
+  ``[r, O...]`` at zero; both are float32 whatever ``param_dtype`` (the
+  trained weights: bfloat16 would round small updates away)."""
   lora = config.lora
   if lora is None or target not in lora.targets:
     return None
-  pd, dt = config.jnp_param_dtype, config.jnp_dtype
+  pd, dt = jnp.float32, config.jnp_dtype
   a_init = _dense_init(0 if in_dims == 1 else tuple(range(in_dims)), in_dims)
   a = _param(module, f"{target}_lora_a", a_init,
              tuple(shape[:in_dims]) + (lora.rank,),
