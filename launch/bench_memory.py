@@ -21,12 +21,26 @@ XLA:CPU's (a GPU or TPU compile would lay buffers out differently).
 
   python -m launch.bench_memory
   python -m launch.bench_memory --models=small --rows=8 --length=256
+
+Compiled with XLA:CPU's memory-minimising scheduler (see below).
 """
 
 from __future__ import annotations
 
-from absl import app, flags
-import jax
+import os
+
+# XLA:CPU's default, concurrency-optimised scheduler orders buffers for
+# parallelism, not memory: it computes every block's rematerialised
+# activations up front, so rematerialisation saves nothing in its
+# memory_analysis (measured: equal temp bytes with remat none and full). The
+# memory-minimising scheduler behaves as GPU and TPU compiles do. Set
+# before JAX starts its backend.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                           "--xla_cpu_enable_concurrency_optimized_scheduler"
+                           "=false").strip()
+
+from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax.numpy as jnp
 import optax
 
@@ -41,6 +55,8 @@ _LENGTH = flags.DEFINE_integer("length", 512, "row length L (prompt + "
                                "completion)")
 _COMPLETION = flags.DEFINE_integer("completion", 256, "scored completion "
                                    "columns T")
+_MICRO = flags.DEFINE_integer("microbatches", 4, "gradient-accumulation "
+                              "chunks of the rows")
 _RANK = flags.DEFINE_integer("rank", 16, "LoRA rank (alpha = 2 x rank)")
 _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "dots"],
                            "rematerialisation of the decoder blocks (all "
@@ -66,13 +82,15 @@ def step_memory(config: models.ModelConfig) -> dict[str, float]:
   rows, length, completion = _ROWS.value, _LENGTH.value, _COMPLETION.value
   optimizer = optim.make_optimizer("adamw", 1e-5)
   coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
-  cfg = train.RLStepConfig(kl_coef=0.01, completion_length=completion)
+  cfg = train.RLStepConfig(kl_coef=0.01, completion_length=completion,
+                           num_microbatches=_MICRO.value)
   lora = config.lora is not None
 
   def state_fn(params):
     return train.TrainState(
         params, optimizer.init(steps_lib.trainable(config, params)),
-        optax.EmptyState(), coef_tx.init(jnp.zeros((rows, completion))),
+        optax.EmptyState(),
+        coef_tx.init(jnp.zeros((rows // _MICRO.value, completion))),
         jnp.zeros((), jnp.int32), jax.random.key_data(jax.random.key(0)))
 
   state = jax.eval_shape(state_fn, models.param_shapes(config))
@@ -96,11 +114,38 @@ def step_memory(config: models.ModelConfig) -> dict[str, float]:
   return out
 
 
+def int8_logit_error(name: str, rows: int = 8, length: int = 128
+                     ) -> dict[str, float]:
+  """The int8 base against the float base on random tokens: the largest
+  logit error relative to the largest logit, and the mean per-token
+  KL(float || int8) of the next-token distributions (``name``'s weights
+  initialised from seed 0)."""
+  config = models.get_preset(name)
+  float_params = models.init_params(config, jax.random.key(0))
+  int8 = _config(name, "lora_int8")
+  int8_params = models.attach_base(float_params, int8, jax.random.key(1))
+  tokens = jax.random.randint(jax.random.key(2), (rows, length), 0,
+                              config.vocab_size)
+  positions = jnp.broadcast_to(jnp.arange(length), (rows, length))
+
+  def logits(c, p):
+    return jax.jit(lambda p: models.Decoder(c).apply(
+        {"params": p}, tokens, positions, return_logits=True)[0])(p)
+
+  exact, approx = logits(config, float_params), logits(int8, int8_params)
+  logp, logq = jax.nn.log_softmax(exact), jax.nn.log_softmax(approx)
+  kl = jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), -1))
+  return {"max_abs_error_rel": float(jnp.max(jnp.abs(approx - exact))
+                                     / jnp.max(jnp.abs(exact))),
+          "mean_kl": float(kl)}
+
+
 def main(argv):
   del argv
   gib = 2.0 ** 30
   print(f"one RL step: {_ROWS.value} rows x {_LENGTH.value} tokens "
-        f"({_COMPLETION.value} scored), AdamW, KL to the reference, remat="
+        f"({_COMPLETION.value} scored) in {_MICRO.value} microbatches, "
+        "AdamW, KL to the reference, remat="
         f"{_REMAT.value}; LoRA rank {_RANK.value} on q,k,v,o,gate,up,down; "
         f"{jax.devices()[0].platform} compile")
   print(f"{'model':<14} {'variant':<10} {'params GiB':>10} {'trained':>10} "
@@ -117,8 +162,15 @@ def main(argv):
             f"{m['trained'] / gib:>10.4f} {m['args'] / gib:>9.3f} "
             f"{m['temp'] / gib:>9.3f} {m['peak'] / gib:>9.3f} "
             f"{m['vs_full']:>7.0%}", flush=True)
+  if "small" in _MODELS.value:
+    err = int8_logit_error("small")
+    figures["small"]["int8_logit_error"] = err
+    print(f"int8 base vs float base (small, random weights, 8 x 128 random "
+          f"tokens): max |logit error| {err['max_abs_error_rel']:.2%} of the "
+          f"largest logit, mean KL(float || int8) {err['mean_kl']:.2e} nats")
   if _RECORD_DIR.value:
-    settings = {"rows": _ROWS.value, "length": _LENGTH.value,
+    settings = {"rows": _ROWS.value, "microbatches": _MICRO.value,
+                "length": _LENGTH.value,
                 "completion": _COMPLETION.value, "rank": _RANK.value,
                 "remat": _REMAT.value}
     print("record:", write_record("bench_memory", figures, _RECORD_DIR.value,

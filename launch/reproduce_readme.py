@@ -227,7 +227,7 @@ def render(job: Job, commit: str, root: str = ROOT) -> str:
 
 def block_pattern(name: str) -> re.Pattern:
   return re.compile(rf"(<!-- reproduce:{re.escape(name)} -->\n)(.*?)"
-                    rf"(\n<!-- /reproduce:{re.escape(name)} -->)", re.S)
+                    rf"(\n?<!-- /reproduce:{re.escape(name)} -->)", re.S)
 
 
 def rewrite(text: str, name: str, block: str) -> str:

@@ -433,3 +433,15 @@ def test_a_bfloat16_int8_lora_step_keeps_float32_adapters():
       lambda x: x.dtype, adapters)
   for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(after_base)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("field,value", [("rank", 8), ("alpha", 4.0),
+                                         ("targets", ("q",)),
+                                         ("quantize_base", "int8")])
+def test_the_resume_check_covers_the_lora_fields(field, value):
+  from rljax.train import rundir  # pylint: disable=import-outside-toplevel
+  saved = json.loads(_config(rank=4).to_json_best_effort())
+  new = json.loads(_config(**{"rank": 4, field: value}).to_json_best_effort())
+  rundir.check_resumable(saved, saved, "/tmp/run")
+  with pytest.raises(ValueError, match="model"):
+    rundir.check_resumable(saved, new, "/tmp/run")

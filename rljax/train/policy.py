@@ -92,6 +92,10 @@ def load_policy(workdir: str, step: int | None = None) -> Policy:
                 tokenizer, config, int(step))
 
 
+# A LoRA run's frozen base, next to its checkpoints (``session.save_lora_base``).
+LORA_BASE_DIR = "lora_base"
+
+
 def _lora_base(workdir: str, reference: dict[str, str] | None,
                model_config: models.ModelConfig) -> Any:
   """The frozen base a LoRA run's checkpoint names (``session.save``): its
@@ -199,6 +203,9 @@ def _load_pinned(path: str, step: int | None) -> Policy:
           shutil.copy2(os.path.join(path, "tokenizer.model"), pinned)
         shutil.copytree(os.path.join(directory, str(candidate)),
                         os.path.join(pinned, "checkpoints", str(candidate)))
+        base = os.path.join(path, LORA_BASE_DIR)
+        if os.path.isdir(base):  # a LoRA run's frozen base (session.py)
+          shutil.copytree(base, os.path.join(pinned, LORA_BASE_DIR))
         loaded = load_policy(pinned, candidate)
       except Exception as e:  # pylint: disable=broad-exception-caught
         # orbax / tensorstore / the file system raise many kinds.

@@ -27,6 +27,7 @@ from rljax import metrics as metrics_lib
 from rljax import models
 from rljax.train import build as build_lib
 from rljax.train import evaluation, rundir, sft
+from rljax.train import policy as policy_lib
 from rljax.train.rollout import Collector
 from rljax.models import lora as lora_lib
 from rljax.train import steps as steps_lib
@@ -36,7 +37,7 @@ log = logging.getLogger("rljax")
 
 # A LoRA run's frozen base, saved once when the RL stage starts (unless it
 # is model.path's weights as they are); its checkpoints hold the adapters.
-LORA_BASE_DIR = "lora_base"
+LORA_BASE_DIR = policy_lib.LORA_BASE_DIR
 
 PHASES = ("sft", "sample", "reward", "advantage", "train", "evaluation",
           "checkpoint")
