@@ -599,13 +599,16 @@ RANGES = sorted((name, field.rule) for name, field in schema.fields().items()
 
 @pytest.mark.parametrize("field, rule", RANGES)
 def test_every_numeric_field_has_its_range_checked(config, field, rule):
-  section, name = field.split(".")
-  assert name in config[section], f"{field} is not a config field"
+  *path, name = field.split(".")
+  section = config
+  for part in path:  # a section may nest (model.lora.rank)
+    section = section[part]
+  assert name in section, f"{field} is not a config field"
   bad = _BAD[rule.rstrip("?")]
-  if isinstance(config[section][name], float) or (
-      config[section][name] is None and not rule.startswith("int")):
+  if isinstance(section[name], float) or (
+      section[name] is None and not rule.startswith("int")):
     bad = float(bad)
-  config[section][name] = bad
+  section[name] = bad
   with no_compiles(), raises(f"{field}={bad!r}", "is required"):
     build_lib.validate(config)
 
