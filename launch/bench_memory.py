@@ -17,7 +17,11 @@ gives its buffers:
   state reuses its buffers (``alias``).
 
 The ratio to full fine-tuning is the figure to read; absolute bytes are
-XLA:CPU's (a GPU or TPU compile would lay buffers out differently).
+XLA:CPU's (a GPU or TPU compile would lay buffers out differently). Weights
+and matmuls are float32 by default: XLA:CPU runs bfloat16 dots in float32,
+so with bfloat16 it adds float32 copies of the weights (for the 0.5B shapes,
+two of the tied unembedding: 1 GB) that an accelerator would not
+(``--param_dtype``, ``--dtype``).
 
   python -m launch.bench_memory
   python -m launch.bench_memory --models=small --rows=8 --length=256
@@ -57,6 +61,14 @@ _COMPLETION = flags.DEFINE_integer("completion", 256, "scored completion "
                                    "columns T")
 _MICRO = flags.DEFINE_integer("microbatches", 4, "gradient-accumulation "
                               "chunks of the rows")
+_PARAM_DTYPE = flags.DEFINE_enum(
+    "param_dtype", "float32", ["float32", "bfloat16"],
+    "the weights' dtype (float32: master weights, as configs/gsm8k_grpo.py)")
+_DTYPE = flags.DEFINE_enum(
+    "dtype", "float32", ["float32", "bfloat16"],
+    "the matmuls' dtype. XLA:CPU runs bfloat16 dots in float32, so on this "
+    "backend bfloat16 adds float32 copies of the weights (the tied "
+    "unembedding's, 1 GB for the 0.5B shapes) that a GPU or TPU would not")
 _RANK = flags.DEFINE_integer("rank", 16, "LoRA rank (alpha = 2 x rank)")
 _REMAT = flags.DEFINE_enum("remat", "full", ["none", "full", "dots"],
                            "rematerialisation of the decoder blocks (all "
@@ -69,7 +81,8 @@ VARIANTS = ("full", "lora", "lora_int8")
 
 
 def _config(name: str, variant: str) -> models.ModelConfig:
-  config = models.get_preset(name, remat=_REMAT.value)
+  config = models.get_preset(name, remat=_REMAT.value,
+                             param_dtype=_PARAM_DTYPE.value, dtype=_DTYPE.value)
   if variant == "full":
     return config
   return config.replace(lora=models.LoraConfig(
@@ -145,7 +158,8 @@ def main(argv):
   gib = 2.0 ** 30
   print(f"one RL step: {_ROWS.value} rows x {_LENGTH.value} tokens "
         f"({_COMPLETION.value} scored) in {_MICRO.value} microbatches, "
-        "AdamW, KL to the reference, remat="
+        f"AdamW, KL to the reference, {_PARAM_DTYPE.value} weights, "
+        f"{_DTYPE.value} matmuls, remat="
         f"{_REMAT.value}; LoRA rank {_RANK.value} on q,k,v,o,gate,up,down; "
         f"{jax.devices()[0].platform} compile")
   print(f"{'model':<14} {'variant':<10} {'params GiB':>10} {'trained':>10} "
@@ -172,7 +186,8 @@ def main(argv):
     settings = {"rows": _ROWS.value, "microbatches": _MICRO.value,
                 "length": _LENGTH.value,
                 "completion": _COMPLETION.value, "rank": _RANK.value,
-                "remat": _REMAT.value}
+                "remat": _REMAT.value, "param_dtype": _PARAM_DTYPE.value,
+                "dtype": _DTYPE.value}
     print("record:", write_record("bench_memory", figures, _RECORD_DIR.value,
                                   settings))
 
