@@ -203,38 +203,43 @@ def _layers(params: Mapping[str, Any]):
                 key=lambda k: int(k.split("_")[1]))
 
 
-def quantize_params(params: Mapping[str, Any]) -> dict[str, Any]:
-  """Float params -> the int8 base layout (each projection kernel as int8
-  plus ``{name}_kernel_scale``); other leaves unchanged."""
-  out = jax.tree.map(lambda x: x, dict(params))
+def _map_kernels(params: Mapping[str, Any], fn) -> dict[str, Any]:
+  """A copy of ``params`` where ``fn(sub, path, target, in_dims)`` rewrites,
+  for each projection, its module's dict ``sub`` (a copy; ``path`` is
+  ``(layer, module)``)."""
+  out = dict(params)
   for layer in _layers(params):
     out[layer] = dict(out[layer])
     for module, kernels in _KERNELS.items():
       sub = dict(out[layer][module])
       for target, in_dims in kernels:
-        q, scale = quantize(sub[f"{target}_kernel"], in_dims)
-        sub[f"{target}_kernel"] = q
-        sub[f"{target}_kernel{SCALE_SUFFIX}"] = scale
+        fn(sub, (layer, module), target, in_dims)
       out[layer][module] = sub
   return out
+
+
+def quantize_params(params: Mapping[str, Any]) -> dict[str, Any]:
+  """Float params -> the int8 base layout (each projection kernel as int8
+  plus ``{name}_kernel_scale``); other leaves unchanged."""
+  def fn(sub, path, target, in_dims):
+    del path
+    q, scale = quantize(sub[f"{target}_kernel"], in_dims)
+    sub[f"{target}_kernel"] = q
+    sub[f"{target}_kernel{SCALE_SUFFIX}"] = scale
+  return _map_kernels(params, fn)
 
 
 def dequantize_params(params: Mapping[str, Any], dtype: Any
                       ) -> dict[str, Any]:
   """The int8 base layout -> float params of ``dtype`` (a no-op for float
   kernels)."""
-  out = dict(params)
-  for layer in _layers(params):
-    out[layer] = dict(out[layer])
-    for module, kernels in _KERNELS.items():
-      sub = dict(out[layer][module])
-      for target, _ in kernels:
-        scale = sub.pop(f"{target}_kernel{SCALE_SUFFIX}", None)
-        if scale is not None:
-          sub[f"{target}_kernel"] = dequantize(sub[f"{target}_kernel"], scale,
-                                               dtype)
-      out[layer][module] = sub
-  return out
+  def fn(sub, path, target, in_dims):
+    del path, in_dims
+    scale = sub.pop(f"{target}_kernel{SCALE_SUFFIX}", None)
+    if scale is not None:
+      sub[f"{target}_kernel"] = dequantize(sub[f"{target}_kernel"], scale,
+                                           dtype)
+  return _map_kernels(params, fn)
 
 
 def merged_params(params: Mapping[str, Any], config: Any) -> dict[str, Any]:
@@ -247,22 +252,18 @@ def merged_params(params: Mapping[str, Any], config: Any) -> dict[str, Any]:
   base = dequantize_params(split(params)[1], config.jnp_param_dtype)
   if lora is None:
     return base
-  out = dict(base)
-  for layer in _layers(params):
-    out[layer] = dict(out[layer])
-    for module, kernels in _KERNELS.items():
-      sub = dict(out[layer][module])
-      for target, in_dims in kernels:
-        a = params[layer][module].get(f"{target}_lora_a")
-        if a is None:
-          continue
-        b = params[layer][module][f"{target}_lora_b"]
-        w = sub[f"{target}_kernel"]
-        fan_in = int(np.prod(w.shape[:in_dims]))
-        delta = (jnp.asarray(a, jnp.float32).reshape(fan_in, -1)
-                 @ jnp.asarray(b, jnp.float32).reshape(lora.rank, -1))
-        sub[f"{target}_kernel"] = (jnp.asarray(w, jnp.float32)
-                                   + lora.scaling * delta.reshape(w.shape)
-                                   ).astype(w.dtype)
-      out[layer][module] = sub
-  return out
+
+  def fn(sub, path, target, in_dims):
+    layer, module = path
+    a = params[layer][module].get(f"{target}_lora_a")
+    if a is None:
+      return
+    b = params[layer][module][f"{target}_lora_b"]
+    w = sub[f"{target}_kernel"]
+    fan_in = int(np.prod(w.shape[:in_dims]))
+    delta = (jnp.asarray(a, jnp.float32).reshape(fan_in, -1)
+             @ jnp.asarray(b, jnp.float32).reshape(lora.rank, -1))
+    sub[f"{target}_kernel"] = (jnp.asarray(w, jnp.float32)
+                               + lora.scaling * delta.reshape(w.shape)
+                               ).astype(w.dtype)
+  return _map_kernels(base, fn)
