@@ -25,12 +25,12 @@ from rljax import checkpoint as ckpt_lib
 from rljax import data as data_lib
 from rljax import metrics as metrics_lib
 from rljax import models
+from rljax.models import lora as lora_lib
 from rljax.train import build as build_lib
 from rljax.train import evaluation, rundir, sft
 from rljax.train import policy as policy_lib
-from rljax.train.rollout import Collector
-from rljax.models import lora as lora_lib
 from rljax.train import steps as steps_lib
+from rljax.train.rollout import Collector
 from rljax.train.steps import TrainState
 
 log = logging.getLogger("rljax")
