@@ -158,6 +158,7 @@ def lora_policy(request):
   return policy, adapted, base
 
 
+@pytest.mark.slow  # a transformers model per base: the fast tier stays near 5 min
 @requires_peft
 def test_merged_hf_export_of_a_lora_policy_gives_the_adapted_logits(
     lora_policy, tmp_path, monkeypatch, capsys):
@@ -177,6 +178,7 @@ def test_merged_hf_export_of_a_lora_policy_gives_the_adapted_logits(
   np.testing.assert_allclose(_torch_logits(model), adapted, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # a transformers model per base: the fast tier stays near 5 min
 @requires_peft
 def test_peft_export_loads_in_peft_as_the_adapted_policy(lora_policy, tmp_path):
   """``"peft"``: ``base/`` is the frozen base exactly; the adapters on it

@@ -160,6 +160,7 @@ def test_int8_quantization_is_within_half_a_step_per_channel():
   assert np.all(back[:, 0, 0] == 0)
 
 
+@pytest.mark.slow  # compiles model steps: the fast tier stays near 5 min
 def test_int8_base_logits_stay_close_to_the_float_base(tokens):
   params = models.init_params(INT8, jax.random.key(0))
   leaves = lora.split(params)[1]["layers_0"]["attn"]
@@ -209,6 +210,7 @@ def trained_step():
   return params, state, new, m, cfg
 
 
+@pytest.mark.slow  # compiles model steps: the fast tier stays near 5 min
 def test_an_rl_step_updates_the_adapters_only(trained_step):
   params, state, new, m, _ = trained_step
   before_a, before_base = lora.split(params)
@@ -226,6 +228,7 @@ def test_an_rl_step_updates_the_adapters_only(trained_step):
   assert np.isfinite(m["kl"]) and m["kl"] > 0
 
 
+@pytest.mark.slow  # compiles model steps: the fast tier stays near 5 min
 def test_the_kl_reference_is_the_base_without_adapters(trained_step):
   params, state, _, _, cfg = trained_step
   batch = _batch()
@@ -240,6 +243,7 @@ def test_the_kl_reference_is_the_base_without_adapters(trained_step):
   assert np.abs(np.asarray(adapted) - np.asarray(expected)).max() > 1e-3
 
 
+@pytest.mark.slow  # compiles model steps: the fast tier stays near 5 min
 def test_the_critic_shares_the_frozen_base_and_trains_its_own_adapters(
     lora_params, tokens):
   params = _with_random_b(lora_params, seed=7)
@@ -407,6 +411,7 @@ def test_lora_trains_with_a_critic_spec_rl_and_a_lora_teacher(lora_run,
   assert critic_names == names
 
 
+@pytest.mark.slow  # compiles model steps: the fast tier stays near 5 min
 def test_a_bfloat16_int8_lora_step_keeps_float32_adapters():
   """bfloat16 params: the adapters (trained) are float32, the base int8,
   and two updates run in the step's scan."""
