@@ -1,7 +1,6 @@
 """``rljax.train.build``: every check of ``validate`` and the advantage-shape
 check of ``build``, all without compiling anything."""
 
-import contextlib
 import glob
 import importlib.util
 import math
@@ -14,6 +13,7 @@ import optax
 import pytest
 
 from rljax import advantages, sharding
+from tests.compile_count import no_compiles
 from rljax.train import build as build_lib
 from rljax.train import algorithm as alg_lib
 from rljax.train import schema
@@ -42,24 +42,6 @@ def mesh8():
   """Eight-way data parallelism: the batch axes split rows 8 ways."""
   return sharding.mesh_from_config(
       ml_collections.ConfigDict({"data": 8, "fsdp": 1, "tensor": 1}))
-
-
-@contextlib.contextmanager
-def no_compiles():
-  """Fails if XLA compiles anything inside the block (tracing is allowed)."""
-  events = []
-
-  def listener(event, duration, **kwargs):
-    del duration, kwargs
-    if "backend_compile" in event:
-      events.append(event)
-
-  jax.monitoring.register_event_duration_secs_listener(listener)
-  try:
-    yield
-  finally:
-    jax.monitoring.unregister_event_duration_listener(listener)
-  assert not events, f"compiled during the block: {events}"
 
 
 def raises(*fields_and_values):

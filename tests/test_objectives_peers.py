@@ -884,7 +884,7 @@ def test_functions_plain_jit_and_vmap_agree():
 def test_config_errors_name_the_field(field, value, message):
   from configs import common
   from rljax.train import build as build_lib
-  from tests.test_build import no_compiles
+  from tests.compile_count import no_compiles
   config = common.tiny(common.base())
   config.rl[field] = value
   with no_compiles(), pytest.raises(ValueError, match=re.escape(message)):

@@ -8,6 +8,7 @@ import pytest
 from scipy import stats
 
 from rljax import models, sampling, sharding
+from tests import compile_count
 
 MC = models.get_preset("tiny")
 BUCKETS = (8, 16)
@@ -155,14 +156,15 @@ def test_no_recompile_for_new_prompts_in_the_same_bucket(params):
   config = BASE.replace(max_new_tokens=4, num_samples=2)
   fn = sampling.make_sampler(MC, config)
   rng = np.random.RandomState(5)
-  for lengths in ((3, 5), (8, 2), (6, 6)):
-    tokens, mask = sampling.pad_prompts(
-        [list(rng.randint(4, 200, size=n)) for n in lengths], BUCKETS)
-    jax.block_until_ready(fn(params, tokens, mask, jax.random.key(0)))
-  assert fn._cache_size() == 1
-  tokens, mask = sampling.pad_prompts([[5] * 12, [6] * 3], BUCKETS)
-  fn(params, tokens, mask, jax.random.key(0))
-  assert fn._cache_size() == 2  # a new bucket compiles once
+  with compile_count.lowerings() as programs:
+    for lengths in ((3, 5), (8, 2), (6, 6)):
+      tokens, mask = sampling.pad_prompts(
+          [list(rng.randint(4, 200, size=n)) for n in lengths], BUCKETS)
+      jax.block_until_ready(fn(params, tokens, mask, jax.random.key(0)))
+    assert programs["_sample_impl"] == 1, programs
+    tokens, mask = sampling.pad_prompts([[5] * 12, [6] * 3], BUCKETS)
+    fn(params, tokens, mask, jax.random.key(0))
+  assert programs["_sample_impl"] == 2, programs  # a new bucket compiles once
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import pytest
 from scipy import stats
 
 from rljax import checkpoint, models, sampling
+from tests import compile_count
 
 MC = models.get_preset("tiny")
 BUCKETS = (8, 16)
@@ -174,14 +175,15 @@ def test_no_recompile_across_new_prompts_in_a_bucket(params):
   plain_fn = sampling.make_sampler(MC, config)
   spec_fn = sampling.make_speculative_sampler(MC, config)
   rng = np.random.RandomState(5)
-  for lengths in ((3, 5, 2, 4), (8, 2, 6, 1), (6, 6, 7, 3)):
-    tokens, mask = sampling.pad_prompts(
-        [list(rng.randint(4, 200, size=n)) for n in lengths], BUCKETS)
-    old = plain_fn(params, tokens, mask, jax.random.key(0))
-    jax.block_until_ready(spec_fn(params, tokens, mask, _draft(old),
-                                  jax.random.key(1)))
-  assert spec_fn._cache_size() == 1
-  assert plain_fn._cache_size() == 1
+  with compile_count.lowerings() as programs:
+    for lengths in ((3, 5, 2, 4), (8, 2, 6, 1), (6, 6, 7, 3)):
+      tokens, mask = sampling.pad_prompts(
+          [list(rng.randint(4, 200, size=n)) for n in lengths], BUCKETS)
+      old = plain_fn(params, tokens, mask, jax.random.key(0))
+      jax.block_until_ready(spec_fn(params, tokens, mask, _draft(old),
+                                    jax.random.key(1)))
+  assert programs["_speculative_impl"] == 1, programs
+  assert programs["_sample_impl"] == 1, programs
 
 
 def test_draft_store_is_bounded_and_keyed_by_prompt():
