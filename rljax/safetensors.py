@@ -10,8 +10,10 @@ parser:
   codes, byte ranges inside the file that neither overlap nor leave gaps, byte
   sizes that match the shapes). ``SafetensorsFile`` then reads one tensor at a
   time, so a caller holds at most one tensor on the host; the shape and dtype
-  of every tensor are known before any is read. ``load_file`` reads a whole
-  file.
+  of every tensor are known before any is read. ``SafetensorsFile.view``
+  maps a tensor without reading it: indexing the view reads only the pages
+  the index touches (how a process of a multi-host run loads only the
+  slices its devices hold). ``load_file`` reads a whole file.
 * Writing hands NumPy arrays to ``safetensors.numpy.save_file``, through a
   temporary file and a rename, so a crash never leaves half a file. The file
   gets the mode any new file gets (``0o666`` less the umask), not the
@@ -109,6 +111,7 @@ class SafetensorsFile:
     for name in self.names:
       info = self._file.get_slice(name)
       self._header[name] = (info.get_dtype(), tuple(info.get_shape()))
+    self._data_start, self._spans = _data_spans(self.path)
 
   def __enter__(self) -> "SafetensorsFile":
     return self
@@ -166,6 +169,38 @@ class SafetensorsFile:
       return self._file.get_tensor(name)
     except safetensors.SafetensorError as e:
       raise ValueError(f"{self.path}: tensor {name!r} cannot be read: {e}") from e
+
+  def view(self, name: str, *, shape: Sequence[int] | None = None,
+           dtypes: Collection[str] | None = None) -> np.ndarray:
+    """One tensor as a read-only memory map of the file (after ``check``).
+
+    Nothing is read until the view is indexed or copied, and then only the
+    pages the index touches: ``np.array(view[rows])`` of a row block reads
+    that block. Reshapes and transposes of the view are views too.
+    """
+    self.check(name, shape=shape, dtypes=dtypes)
+    code, dims = self._header[name]
+    dtype = DTYPES[code].newbyteorder("<")  # the format is little-endian
+    begin, end = self._spans[name]
+    if begin == end:  # mmap refuses zero bytes
+      return np.zeros(dims, dtype)
+    flat = np.memmap(self.path, dtype=dtype, mode="r",
+                     offset=self._data_start + begin,
+                     shape=((end - begin) // dtype.itemsize,))
+    return flat.reshape(dims)
+
+
+def _data_spans(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
+  """Where the data starts, and each tensor's byte range after it.
+
+  Called once ``safe_open`` has validated the header, so the JSON parses and
+  the ranges lie inside the file.
+  """
+  with open(path, "rb") as f:
+    n = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(n))
+  return 8 + n, {name: tuple(info["data_offsets"])
+                 for name, info in header.items() if name != "__metadata__"}
 
 
 def load_file(path: str | os.PathLike) -> dict[str, np.ndarray]:

@@ -65,6 +65,31 @@ def test_round_trip_against_numpy(tmp_path):
     assert f.dtype("bool") == "BOOL" and f.shape("scalar") == ()
 
 
+
+def test_views_map_the_file_and_equal_the_written_arrays(tmp_path):
+  """``view`` reads nothing up front (a memory map of the file: indexing it
+  reads only what the index touches) and gives the arrays written, every
+  dtype, a scalar, an empty tensor and a big-endian source included."""
+  arrays = _arrays()
+  path = tmp_path / "a.safetensors"
+  safetensors.save_file(arrays, path)
+  with safetensors.SafetensorsFile(path) as f:
+    for name, want in arrays.items():
+      got = f.view(name)
+      assert got.shape == want.shape and got.dtype.name == want.dtype.name, name
+      np.testing.assert_array_equal(got, want, err_msg=name)
+      if want.size:
+        base = got
+        while base.base is not None and not isinstance(base, np.memmap):
+          base = base.base
+        assert isinstance(base, np.memmap), name
+        assert not got.flags.writeable, name
+    np.testing.assert_array_equal(f.view("f32")[1:, ::2], arrays["f32"][1:, ::2])
+    with pytest.raises(ValueError, match="shape"):
+      f.view("f32", shape=(4, 3))
+    with pytest.raises(ValueError, match="no tensor 'nope'"):
+      f.view("nope")
+
 def test_bfloat16_bits_match_the_format(tmp_path):
   # bfloat16 is the top half of float32: 1.0 -> 0x3F80, -2.0 -> 0xC000.
   path = _write_raw(tmp_path / "raw.safetensors",

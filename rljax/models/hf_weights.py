@@ -9,12 +9,15 @@ Files are read and written through ``rljax.safetensors`` (the
 ``safetensors`` package's NumPy API; no torch). Import first checks the
 whole checkpoint against the config: every tensor present, none unexpected,
 each of a float dtype and of the shape ``config.json`` implies, all from the
-file headers before any tensor is read. Then it reads one tensor at a time,
-changes its layout (a view) and materialises it once, in its target dtype:
+file headers before any tensor is read. Then it maps one tensor at a time
+(``SafetensorsFile.view``: a memory map, nothing read yet), changes its
+layout (a view of the map) and materialises it once, in its target dtype:
 with a mesh through ``jax.make_array_from_callback``, so each device gets
-just its own shard, with the sharding ``models.param_shardings`` gives it;
-without one on the default device. At most one tensor (and its converted
-copy) is on the host at any time, never the whole file.
+just its own shard, with the sharding ``models.param_shardings`` gives it,
+and only the file pages that shard touches are read (a process of a
+multi-host run reads its devices' slices, not the model); without one on
+the default device. At most one tensor's converted copy is on the host at
+any time, never the whole file.
 
 Export writes ``config.json`` (pre-v5 field names, which ``transformers`` 5
 still reads) and safetensors shards of at most ``max_shard_size`` bytes with
@@ -289,7 +292,8 @@ def load_hf_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *,
     shardings = None if mesh is None else param_shardings(config, mesh, rules)
     params: dict[str, Any] = {}
     for t in tensors:
-      view = t.to_rljax(ckpt.file(t.hf_name).read(t.hf_name))
+      # A memory map: each process reads the pages of its devices' slices.
+      view = t.to_rljax(ckpt.file(t.hf_name).view(t.hf_name))
       if shardings is None:
         array = jax.device_put(np.array(view, dtype=target))
       else:
