@@ -36,8 +36,11 @@ def loop_config(**overrides):
   c.rewards.names = REWARDS
   c.rewards.weights = (1.0, 0.5)
   for key, value in overrides.items():
-    section, field = key.split(".")
-    c[section][field] = value
+    *sections, field = key.split(".")
+    node = c
+    for section in sections:  # nested sections: rl.selection.name
+      node = node[section]
+    node[field] = value
   return c
 
 
@@ -83,6 +86,9 @@ OTHER_AXES = {
 SETTING_FIXUPS = {
     ("rl.is_batch_normalize", True): {"rl.is_correction": "tis",
                                       "rl.is_floor": 0.5},
+    # Prompt selection refills the static batch.
+    ("rl.selection.name", "dapo"): {"rl.rollout": "static"},
+    ("rl.selection.name", "greso"): {"rl.rollout": "static"},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)

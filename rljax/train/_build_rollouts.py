@@ -55,8 +55,16 @@ def partial_config(config: Any):
 
 
 def _validate_rollout(config: Any) -> None:
-  """``rl.rollout*`` and ``rl.max_staleness`` against each other."""
+  """``rl.rollout*``, ``rl.max_staleness`` and ``rl.selection`` against
+  each other."""
   rl = config.rl
+  if rl.selection.name != "none" and (rl.rollout != "static"
+                                      or config.env.name):
+    raise ValueError(
+        f"rl.selection.name={rl.selection.name!r} with rl.rollout="
+        f"{rl.rollout!r} and env.name={config.env.name!r}: prompt selection "
+        "refills the static batch; accepted: rl.rollout='static' without an "
+        "environment, or rl.selection.name='none'.")
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
     if config.sampler.speculative and rl.rollout == "static":

@@ -2,7 +2,8 @@
 
 A rule is ``"int>=1"`` (an integer >= 1), ``"int>=0"``, ``">0"`` / ``">=0"`` /
 ``">1"``
-(a finite number), or an interval ``"(0,1]"``, ``"[0,1)"``, ``"[0,1]"``; a
+(a finite number), or an interval ``"(0,1]"``, ``"[0,1)"``, ``"[0,1]"``,
+``"(0,1)"``; a
 trailing ``"?"`` also accepts None.
 """
 
@@ -14,11 +15,11 @@ from typing import Any
 _WANT = {"int>=1": "a positive integer", "int>=0": "an integer >= 0",
          ">0": "a finite number > 0", ">1": "a number > 1", ">=0": "a finite number >= 0",
          "(0,1]": "a number in (0, 1]", "[0,1)": "a number in [0, 1)",
-         "[0,1]": "a number in [0, 1]"}
+         "[0,1]": "a number in [0, 1]", "(0,1)": "a number in (0, 1)"}
 _TESTS = {"int>=1": lambda v: v >= 1, "int>=0": lambda v: v >= 0,
           ">0": lambda v: v > 0, ">1": lambda v: v > 1, ">=0": lambda v: v >= 0,
           "(0,1]": lambda v: 0 < v <= 1, "[0,1)": lambda v: 0 <= v < 1,
-          "[0,1]": lambda v: 0 <= v <= 1}
+          "[0,1]": lambda v: 0 <= v <= 1, "(0,1)": lambda v: 0 < v < 1}
 
 
 def check_range(field: str, value: Any, rule: str) -> None:

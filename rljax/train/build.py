@@ -34,6 +34,7 @@ from rljax import models, sampling, sharding
 from rljax import objectives as obj_lib
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
+from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
 from rljax.train import schema, table
 from rljax.train.schema import complete_config  # noqa: F401  (re-exported)
@@ -469,6 +470,16 @@ class Components:
         *self._where(True), drafts=drafts,
         log_lenience=float(self.config.sampler.spec_log_lenience))
 
+  def selection(self) -> selection_lib.Selection | None:
+    """Prompt selection and dynamic sampling (``rl.selection``); None when
+    ``rl.selection.name='none'``. GRESO's draws follow ``seed``."""
+    sel = self.config.rl.selection
+    return selection_lib.make_selection(
+        sel.name, seed=self.settings.seed, max_rounds=sel.max_rounds,
+        greso_target=sel.greso_target, greso_step_size=sel.greso_step_size,
+        greso_min_explore=sel.greso_min_explore,
+        greso_max_draws=sel.greso_max_draws)
+
   def speculation(self, *, record_policy_logprobs: bool | None = None
                   ) -> sampling.Speculation | None:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
@@ -505,6 +516,11 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   if not group.single:
     group.block(mesh)  # a clear error for a mesh that splits no rows by host
     rl = config.rl
+    if rl.selection.name != "none":
+      raise ValueError(
+          f"rl.selection.name={rl.selection.name!r} with {group.count} "
+          "processes: prompt selection runs on one process for now; "
+          "accepted: rl.selection.name='none'.")
     if rl.rollout != "static" or rl.max_staleness or rl.sampler_devices:
       raise ValueError(
           f"rl.rollout={rl.rollout!r}, rl.max_staleness={rl.max_staleness}, "

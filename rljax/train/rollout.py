@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import data as data_lib
+from rljax.data import selection as selection_lib
 from rljax import distributed
 from rljax import rewards as rewards_lib
 from rljax import sampling
@@ -87,9 +88,12 @@ def _weighted_total(rewards_NxR, weights_R):
                  * weights_R, axis=-1)
 
 
-def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
-                 algorithm: Algorithm, group_size: int):
-  """Advantages, the pivot drop and the trainer's layout (jitted)."""
+def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
+                 trained_N=None, *, algorithm: Algorithm, group_size: int):
+  """Advantages, the pivot drop and the trainer's layout (jitted).
+
+  ``trained_N``: False for rows kept in the batch with no loss (prompt
+  selection's zero-variance fillers); None: every row."""
   sampled = group_size + algorithm.extra_samples
   # The trained tokens: an environment's observations are inputs only.
   completion_mask = rollout.sampled_mask()
@@ -112,6 +116,8 @@ def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state, *,
               else finite)
   advantages_N = jnp.where(finite, advantages_N, 0.0)
   completion_mask = completion_mask & finite_N[:, None]
+  if trained_N is not None:
+    completion_mask = completion_mask & trained_N[:, None]
   row_advantages_N = advantages_N if not per_token else jnp.sum(
       advantages_N * completion_mask, -1) / jnp.maximum(
           rollout.lengths, 1)
@@ -214,6 +220,10 @@ class Collector:
       score their transcripts (model turns and observations, decoded) and
       the reward ``"env"`` reads each episode's environment reward (the
       batch field ``env_reward``). Observation tokens are not trained.
+    selection: prompt selection (``rljax.data.selection``): GRESO skips
+      prompts before sampling, and dynamic sampling refills the batch's
+      zero-variance groups from ``more_examples`` (``select/*`` metrics;
+      the sampled rounds use ``key`` folded with the round).
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -224,7 +234,8 @@ class Collector:
                group: distributed.ProcessGroup | None = None,
                slots: Any = None,
                sample_mesh: jax.sharding.Mesh | None = None,
-               episodes: Any = None):
+               episodes: Any = None,
+               selection: selection_lib.Selection | None = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     self.episodes = episodes
     if episodes is not None and (slots is not None or speculation is not None
@@ -243,6 +254,11 @@ class Collector:
                        "(partial.SlotRollouts(drafts=speculation.store)).")
     if not self.group.single and mesh is None:
       raise ValueError("Collector with several processes needs the mesh.")
+    if selection is not None and (slots is not None or episodes is not None
+                                  or not self.group.single):
+      raise ValueError("prompt selection (rl.selection) refills the static "
+                       "batch, on one process, without an environment.")
+    self.selection = selection
     self.algorithm, self.group_size = algorithm, group_size
     self.samples_per_prompt = group_size + algorithm.extra_samples
     self.buckets, self.eos_ids = tuple(buckets), tuple(eos_ids)
@@ -334,8 +350,19 @@ class Collector:
         the update there, so that the host's decoding and scoring overlap
         it).
       more_examples: ``fn() -> examples``, another batch (partial rollouts
-        draw more prompts than they train, APRIL's over-provisioning).
+        draw more prompts than they train, APRIL's over-provisioning; prompt
+        selection refills with it).
     """
+    if self.selection is not None:
+      return self._collect_selected(params, examples, key, adv_state,
+                                    version, on_dispatch, more_examples)
+    sampled = self._round(params, examples, key, version, on_dispatch,
+                          more_examples)
+    return self._finish(sampled, adv_state)
+
+  def _round(self, params, examples, key, version, on_dispatch,
+             more_examples) -> _Sampled:
+    """Samples, decodes and scores one batch of prompts."""
     g, group, mesh = self.samples_per_prompt, self.group, self.mesh
     t_start = time.time()
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
@@ -384,7 +411,7 @@ class Collector:
     valid_N = group.global_array(
         scored_rows(result.valid_NxR, self.algorithm.failed_rewards), mesh)
     # Each row's prompt (counted once per prompt below) and completion tokens.
-    prompt_tokens_N = np.repeat(mask.sum(1), g)
+    prompt_tokens_N = np.repeat(np.asarray(mask).sum(1), g)
     completion_tokens_N = completion_mask.sum(1)
     if not group.single:  # the metrics' inputs: every row's, in row order
       (rewards_all, valid_all, total_all, lengths, finished, prompt_tokens_N,
@@ -395,11 +422,29 @@ class Collector:
           result.names, rewards_all, valid_all, total_all,
           group.gather_json(result.metrics))
     t_reward = time.time()
-    fn = self._postprocess_fn(rollout.policy_logprobs is not None)
-    with (jax.set_mesh(mesh) if mesh is not None
+    return _Sampled(rollout, examples, completions, result, rewards_NxR,
+                    valid_N, lengths, finished, prompt_tokens_N,
+                    completion_tokens_N, token_versions, spec_metrics,
+                    t_sample - t_start, t_reward - t_sample)
+
+  def _finish(self, sampled: _Sampled, adv_state: Any, *,
+              trained_B: np.ndarray | None = None,
+              extra_metrics: Mapping[str, float] | None = None) -> Collected:
+    """The advantage chain, the trainer's batch and the step's metrics.
+
+    ``trained_B``: False for a group that stays in the batch with its loss
+    mask cleared (prompt selection's zero-variance fillers).
+    """
+    g = self.samples_per_prompt
+    result, lengths = sampled.result, sampled.lengths
+    t_reward = time.time()
+    fn = self._postprocess_fn(sampled.rollout.policy_logprobs is not None)
+    trained_N = None if trained_B is None else np.repeat(trained_B, g)
+    with (jax.set_mesh(self.mesh) if self.mesh is not None
           else contextlib.nullcontext()):
-      batch, adv_state, adv_metrics = fn(rollout, rewards_NxR, valid_N,
-                                         self._weights_R, adv_state)
+      batch, adv_state, adv_metrics = fn(sampled.rollout, sampled.rewards_NxR,
+                                         sampled.valid_N, self._weights_R,
+                                         adv_state, trained_N)
       adv_metrics = jax.device_get(adv_metrics)
     t_advantage = time.time()
     if adv_metrics["nonfinite_rows"]:
@@ -410,6 +455,11 @@ class Collector:
           int(adv_metrics["nonfinite_rows"]), len(result.rewards_NxR))
     correct = np.nan_to_num(result.rewards_NxR[:, self._correct_column],
                             nan=0.0) >= 1.0
+    prompt_tokens_N = sampled.prompt_tokens_N
+    completion_tokens_N = sampled.completion_tokens_N
+    if trained_N is not None:  # masked fillers train no token
+      prompt_tokens_N = prompt_tokens_N * trained_N
+      completion_tokens_N = completion_tokens_N * trained_N
     metrics = dict(result.metrics)
     metrics.update({f"adv/{k}": float(v)
                     for k, v in adv_metrics.items()})
@@ -419,20 +469,151 @@ class Collector:
         "accuracy": float(correct.mean()),
         "completion_length/mean": float(lengths.mean()),
         "completion_length/max": float(lengths.max()),
-        "truncation_rate": float(1.0 - finished.mean()),
+        "truncation_rate": float(1.0 - sampled.finished.mean()),
         "num_generated_tokens": float(lengths.sum()),
         # Tokens of the trained rows (with a pivot drop, completions pro rata).
         "num_train_tokens": float(np.sum(prompt_tokens_N[::g]))
                             * self.group_size
                             + float(np.sum(completion_tokens_N))
                             * self.group_size / g,
-        "time/sample": t_sample - t_start, "time/reward": t_reward - t_sample,
-        "time/advantage": t_advantage - t_reward, **spec_metrics,
+        "time/sample": sampled.seconds_sample,
+        "time/reward": sampled.seconds_reward,
+        "time/advantage": t_advantage - t_reward, **sampled.spec_metrics,
+        **(extra_metrics or {}),
     })
-    if "rollout/generated_tokens" in spec_metrics:  # this step's, not carried
-      metrics["num_generated_tokens"] = spec_metrics["rollout/generated_tokens"]
-    return Collected(batch, adv_state, metrics, completions, result.rewards_NxR,
-                     token_versions)
+    if "rollout/generated_tokens" in sampled.spec_metrics:  # not carried
+      metrics["num_generated_tokens"] = sampled.spec_metrics[
+          "rollout/generated_tokens"]
+    return Collected(batch, adv_state, metrics, sampled.completions,
+                     result.rewards_NxR, sampled.token_versions)
+
+  def _collect_selected(self, params, examples, key, adv_state, version,
+                        on_dispatch, more_examples) -> Collected:
+    """``collect`` with prompt selection (``rljax.data.selection``): GRESO
+    picks the prompts, then rounds are sampled until the batch has
+    ``B`` informative groups or ``max_rounds`` ran, and DAPO's plan forms
+    the batch from them."""
+    sel, g = self.selection, self.samples_per_prompt
+    batch_size = len(examples["prompt"])
+    metrics: dict[str, float] = {}
+    skipped = draws = 0.0
+    rounds: list[_Sampled] = []
+    kinds: list[np.ndarray] = []
+    while True:
+      if sel.greso is not None:
+        examples, m = sel.greso.select(examples, more_examples,
+                                       (version, len(rounds)))
+        skipped += m.pop("select/skipped_prompts")
+        draws += m.pop("select/prompt_draws")
+        metrics.update(m)
+      round_key = key if not rounds else jax.random.fold_in(key, len(rounds))
+      # No on_dispatch here: an asynchronous schedule's update donates the
+      # params a refill round still samples with; it is dispatched after the
+      # last round.
+      sampled = self._round(params, examples, round_key, version, None, None)
+      rounds.append(sampled)
+      kinds.append(selection_lib.group_kinds(
+          sampled.result.total_N, np.asarray(sampled.valid_N),
+          np.nan_to_num(sampled.result.rewards_NxR[:, self._correct_column],
+                        nan=0.0) >= 1.0, g))
+      informative = sum(int(np.sum(k == selection_lib.INFORMATIVE))
+                        for k in kinds)
+      if (informative >= batch_size or len(rounds) >= sel.max_rounds
+          or more_examples is None):
+        break
+      examples = more_examples()
+    if on_dispatch is not None:
+      on_dispatch()
+    plan = selection_lib.plan_batch(kinds, batch_size)
+    if sel.greso is not None:
+      sel.greso.update([p for r in rounds for p in r.examples["prompt"]],
+                       np.concatenate(kinds))
+    merged = self._merge(rounds, plan)
+    first = kinds[0]
+    metrics.update({
+        "select/zero_variance_before": float(np.mean(first != 0)),
+        "select/zero_variance_after": float(np.mean(~plan.trained)),
+        "select/masked_groups": float(np.sum(~plan.trained)),
+        "select/rounds": float(len(rounds)),
+        "select/rollouts": float(sum(len(r.lengths) for r in rounds)),
+    })
+    if sel.greso is not None:
+      metrics["select/skipped_prompts"] = skipped
+      metrics["select/prompt_draws"] = draws
+    return self._finish(merged, adv_state, trained_B=plan.trained,
+                        extra_metrics=metrics)
+
+  def _merge(self, rounds: Sequence[_Sampled],
+             plan: selection_lib.Plan) -> _Sampled:
+    """The planned groups of every round as one batch, round by round
+    (prompts left-padded to the widest round's bucket)."""
+    g = self.samples_per_prompt
+    rows = [(np.asarray(groups)[:, None] * g + np.arange(g)).reshape(-1)
+            for groups in plan.rounds]
+    width = max(r.rollout.prompt_tokens.shape[1] for r in rounds)
+    pad_id = self.tokenizer.pad_id
+
+    def widen(x, name):  # left-pads a prompt array to the common width
+      if not name.startswith("prompt_") or x.shape[1] == width:
+        return x
+      extra = width - x.shape[1]
+      value = pad_id if name == "prompt_tokens" else False
+      return jnp.pad(x, ((0, 0), (extra, 0)), constant_values=value)
+
+    fields = {}
+    for name in sampling.Rollout._fields:
+      parts = [getattr(r.rollout, name) for r in rounds]
+      if parts[0] is None:
+        fields[name] = None
+        continue
+      fields[name] = jnp.concatenate(
+          [jnp.take(widen(x, name), jnp.asarray(idx), axis=0)
+           for x, idx in zip(parts, rows)], 0)
+    rollout = sampling.Rollout(**fields)
+
+    def cat(get):
+      return np.concatenate([np.asarray(get(r))[idx]
+                             for r, idx in zip(rounds, rows)], 0)
+
+    names = rounds[0].result.names
+    result = rewards_lib.merge_results(
+        names, cat(lambda r: r.result.rewards_NxR),
+        cat(lambda r: r.result.valid_NxR), cat(lambda r: r.result.total_N),
+        [r.result.metrics for r in rounds])
+    examples = {f: [r.examples[f][i] for r, groups in zip(rounds, plan.rounds)
+                    for i in groups] for f in rounds[0].examples}
+    completions = [r.completions[j] for r, idx in zip(rounds, rows)
+                   for j in idx]
+    spec: dict[str, float] = {}
+    for r in rounds:  # SPEC-RL's row counts add up over the rounds
+      for k, v in r.spec_metrics.items():
+        spec[k] = spec.get(k, 0.0) + v if k == "spec/drafted_rows" else v
+    return _Sampled(
+        rollout, examples, completions, result, result.rewards_NxR,
+        scored_rows(result.valid_NxR, self.algorithm.failed_rewards),
+        cat(lambda r: r.lengths), cat(lambda r: r.finished),
+        cat(lambda r: r.prompt_tokens_N), cat(lambda r: r.completion_tokens_N),
+        None, spec, sum(r.seconds_sample for r in rounds),
+        sum(r.seconds_reward for r in rounds))
+
+
+class _Sampled(NamedTuple):
+  """One sampled and scored batch, before the advantage chain."""
+
+  rollout: Any
+  examples: Mapping[str, Sequence[Any]]
+  completions: list[str]
+  result: rewards_lib.RewardResult
+  rewards_NxR: Any      # the chain's input: this process's block, global
+  valid_N: Any
+  lengths: np.ndarray   # every row's (all processes)
+  finished: np.ndarray
+  prompt_tokens_N: np.ndarray
+  completion_tokens_N: np.ndarray
+  token_versions: np.ndarray | None
+  spec_metrics: dict[str, float]
+  seconds_sample: float
+  seconds_reward: float
 
 
 __all__ = ["Collector", "Collected", "pivot_rows", "scored_rows"]

@@ -110,6 +110,22 @@ _BASE: dict[str, Field] = {
     "rl.partial_max_carried": F(0.5, "[0,1]", "partial: groups carried to "
                                 "the next step, at most this fraction of "
                                 "rl.prompts_per_step"),
+    # --- rl.selection: which prompts are sampled and trained (docs/selection.md)
+    "rl.selection.name": F("none", None, "dapo: drop zero-variance groups "
+                           "and refill; greso: also skip prompts predicted "
+                           "uninformative before sampling",
+                           choices=("none", "dapo", "greso")),
+    "rl.selection.max_rounds": F(3, "int>=1", "sampling rounds per step at "
+                                 "most, the first included (1: no refill)"),
+    "rl.selection.greso_target": F(0.125, "(0,1)", "GRESO: each kind's "
+                                   "(easy, hard) target share of a step's "
+                                   "groups"),
+    "rl.selection.greso_step_size": F(0.01, "(0,1]", "GRESO: exploration "
+                                      "probability change per step"),
+    "rl.selection.greso_min_explore": F(0.05, "(0,1]", "GRESO: the "
+                                        "exploration probabilities' floor"),
+    "rl.selection.greso_max_draws": F(4, "int>=1", "GRESO: prompt batches "
+                                      "drawn per round at most"),
     "rl.max_staleness": F(0, "int>=0", "asynchronous: sample up to k steps "
                           "ahead with older params (0: synchronous)"),
     "rl.sampler_devices": F(0, "int>=0", "the last n devices only sample, "

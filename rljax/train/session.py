@@ -124,8 +124,19 @@ class Session:
         metrics=({best: metrics[best]} if best and metrics and best in metrics
                  else None),
         host_arrays={"drafts": spec.store.arrays() if spec else None,
-                     "partial": carried})
+                     "partial": carried, "selection": _greso_arrays(self)})
     self.seconds["checkpoint"] += time.time() - t
+
+
+def _greso(run: Session) -> Any:
+  """The run's GRESO filter (its history is checkpointed), or None."""
+  selection = run.collector.selection
+  return None if selection is None else selection.greso
+
+
+def _greso_arrays(run: Session) -> dict[str, Any] | None:
+  greso = _greso(run)
+  return None if greso is None else greso.arrays()
 
 
 def start(c: build_lib.Components, workdir: str) -> Session:
@@ -156,7 +167,8 @@ def start(c: build_lib.Components, workdir: str) -> Session:
           drafts=speculation.store if speculation else None),
       sample_mesh=c.sample_mesh,
       episodes=c.episodes(s.group_size + alg.extra_samples,
-                          record_policy_logprobs=sampler_old))
+                          record_policy_logprobs=sampler_old),
+      selection=c.selection())
   if c.env is not None:  # held-out episodes instead of single turns
     samplers = {"eval": c.episodes(s.eval_num_samples),
                 "greedy": c.episodes(1, greedy=True) if s.eval_greedy
@@ -227,13 +239,16 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   # damaged draft store falls back to the previous checkpoint like a
   # damaged state.
   resumed, tree, meta, extras = run.manager.restore_latest_valid_with(
-      target, ("drafts", "partial"))
+      target, ("drafts", "partial", "selection"))
   del target
   run.iterator.set_state(meta["data_iterator"])
   if run.collector.speculation is not None:
     drafts = extras["drafts"]
     if drafts is not None:
       run.collector.speculation.store.load_arrays(drafts)
+  greso = _greso(run)
+  if greso is not None and extras["selection"] is not None:
+    greso.load_arrays(extras["selection"])
   carried = extras["partial"]
   if run.collector.slots is not None and carried is not None:
     run.collector.slots.load_arrays(carried)
