@@ -1,0 +1,196 @@
+"""Prompt selection: DAPO's dynamic sampling and GRESO (rljax/data/selection.py).
+
+Decisions are checked against hand-derived ones on scripted rewards and
+histories; the loop runs each name (tests/test_loop.py's every-name test
+covers ``rl.selection.name``) and resumes exactly after a SIGKILL.
+"""
+
+import os
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax.data import selection as sel
+from rljax.train import rollout as rollout_lib
+from tests import test_resume
+
+E, H, I = sel.EASY, sel.HARD, sel.INFORMATIVE
+
+
+def test_group_kinds_by_hand():
+  # G = 4. Totals per group: all 1 and correct (easy), all 0 (hard), mixed
+  # (informative), all 0.5 and not correct (hard), one scored row only
+  # (zero variance: hard), two scored rows that differ (informative).
+  total = np.array([1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 0, .5, .5, .5, .5,
+                    1, 0, 0, 0, 1, 0, 7, 7], np.float32)
+  valid = np.ones(24, bool)
+  valid[17:20] = False
+  valid[22:24] = False
+  correct = total >= 1
+  np.testing.assert_array_equal(sel.group_kinds(total, valid, correct, 4),
+                                [E, H, I, H, H, I])
+
+
+def test_plan_fills_with_informative_groups_in_order_drawn():
+  # Round 0: informative groups 0 and 2; round 1: 1, 2 and 3. B = 4: the
+  # first four informative groups, 1.3 is dropped, nothing is masked.
+  plan = sel.plan_batch([np.array([I, E, I, H]), np.array([H, I, I, I])], 4)
+  assert [list(r) for r in plan.rounds] == [[0, 2], [1, 2]]
+  np.testing.assert_array_equal(plan.trained, [True] * 4)
+
+
+def test_plan_masks_zero_variance_fillers_when_rounds_run_out():
+  # One informative group in two rounds, B = 3: it, then round 0's
+  # zero-variance groups 0 and 2 as masked fillers, batch order by round.
+  plan = sel.plan_batch([np.array([E, I, H]), np.array([H, H, E])], 3)
+  assert [list(r) for r in plan.rounds] == [[1, 0, 2], []]
+  np.testing.assert_array_equal(plan.trained, [True, False, False])
+  plan = sel.plan_batch([np.array([E, H]), np.array([I, H])], 2)
+  assert [list(r) for r in plan.rounds] == [[0], [0]]
+  np.testing.assert_array_equal(plan.trained, [False, True])  # by round
+
+
+def test_greso_history_and_skip_probabilities_by_hand():
+  g = sel.Greso(seed=0, target=0.25, step_size=0.1, min_explore=0.05)
+  g.update(["a", "b", "c", "d"], [E, H, I, H])
+  # Easy share 1/4 is not above 0.25: p_easy 1 + 0.1 -> 1 (capped); hard
+  # share 1/2 is: p_hard 0.9.
+  np.testing.assert_allclose(g.state.explore, [1.0, 0.9])
+  g.update(["a", "b", "e", "f"], [E, I, E, E])
+  # Easy 3/4 > 0.25: 0.9; hard 0: 1.0. a: two easy in a row; b: reset; d:
+  # one hard; e: one easy; g: never seen.
+  np.testing.assert_allclose(g.state.explore, [0.9, 1.0])
+  np.testing.assert_allclose(
+      g.skip_probabilities(["a", "b", "c", "d", "e", "g"]),
+      [1 - 0.9 ** 2, 0.0, 0.0, 1 - 1.0 ** 1, 1 - 0.9, 0.0])
+  for _ in range(200):  # the floor holds
+    g.update(["x"] * 4, [E, E, H, H])
+  np.testing.assert_allclose(g.state.explore, [0.05, 0.05])
+
+
+def _examples(names):
+  return {"prompt": list(names), "answer": [n.upper() for n in names]}
+
+
+def test_greso_skips_a_hopeless_prompt_and_refills_from_the_iterator():
+  g = sel.Greso(seed=3, min_explore=0.05, max_draws=3)
+  for _ in range(300):  # "hot": 300 easy groups in a row, p_easy -> 0.05
+    g.update(["hot"], [E])
+  assert g.skip_probabilities(["hot"])[0] == 1.0  # 1 - 0.05**300
+  more = iter([_examples(["n3", "hot", "n4"])])
+  out, m = g.select(_examples(["hot", "n1", "n2"]), lambda: next(more), (0, 0))
+  assert out == _examples(["n1", "n2", "n3"])  # fields stay aligned
+  assert m["select/skipped_prompts"] == 2 and m["select/prompt_draws"] == 2
+  # Draws run out (max_draws=1): the batch is completed with skipped ones.
+  g.max_draws = 1
+  out, m = g.select(_examples(["hot", "n1", "hot"]), None, (1, 0))
+  assert out["prompt"] == ["n1", "hot", "hot"]
+  assert m["select/skipped_prompts"] == 2
+
+
+def test_greso_draws_are_a_function_of_seed_and_step():
+  g = sel.Greso(seed=1)
+  g.update(["p"] * 1, [E])
+  g.state = g.state._replace(explore=np.array([0.5, 0.5]))  # skip p at 1/2
+  batch = _examples(["p"] * 64)
+  first = g.select(batch, None, (5, 0))[1]["select/skipped_prompts"]
+  again = g.select(batch, None, (5, 0))[1]["select/skipped_prompts"]
+  other = g.select(batch, None, (6, 0))[1]["select/skipped_prompts"]
+  u = np.random.default_rng((1, 5, 0, 0)).random(64)
+  assert first == again == float(np.sum(u < 0.5))
+  assert 10 < first < 54 and other != first
+
+
+def test_greso_state_round_trips_and_refuses_bad_arrays():
+  g = sel.Greso(seed=0)
+  g.update(["a", "b", "c"], [E, I, H])
+  g2 = sel.Greso(seed=0)
+  g2.load_arrays(g.arrays())
+  for a, b in zip(g.state, g2.state):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(g2.skip_probabilities(["a", "b", "c"]),
+                                g.skip_probabilities(["a", "b", "c"]))
+  bad = g.arrays()
+  del bad["explore"]
+  with pytest.raises(ValueError, match="lacks \\['explore'\\]"):
+    g2.load_arrays(bad)
+  bad = dict(g.arrays(), zero_runs=np.zeros(5, np.int32))
+  with pytest.raises(ValueError, match="inconsistent shapes"):
+    g2.load_arrays(bad)
+
+
+def test_prompt_keys_are_stable_and_distinct():
+  assert sel.prompt_key("1+1=") == sel.prompt_key("1+1=")
+  assert sel.prompt_key("1+1=") != sel.prompt_key("1+2=")
+  assert 0 <= sel.prompt_key([1, 2, 3]) < 2 ** 63
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"name": "dynamic"}, "rl.selection.name='dynamic' is not one of"),
+    ({"name": "dapo", "max_rounds": 0}, "rl.selection.max_rounds=0"),
+    ({"name": "greso", "greso_target": 1.5}, "greso_target=1.5"),
+])
+def test_bad_settings_name_the_field(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    sel.make_selection(seed=0, **kwargs)
+
+
+def test_masked_fillers_have_no_loss_tokens():
+  """``_postprocess`` with ``trained_N``: a filler group's rows keep their
+  tokens but no loss mask; the other rows are as without it."""
+  from rljax import sampling  # pylint: disable=import-outside-toplevel
+  from rljax.train import build  # pylint: disable=import-outside-toplevel
+  from tests.test_train import tiny_config  # pylint: disable=import-outside-toplevel
+  n, p, t = 8, 3, 4
+  rng = np.random.RandomState(0)
+  rollout = sampling.Rollout(
+      jnp.asarray(rng.randint(1, 9, (n, p)), jnp.int32), jnp.ones((n, p), bool),
+      jnp.asarray(rng.randint(1, 9, (n, t)), jnp.int32), jnp.ones((n, t), bool),
+      jnp.full((n,), t, jnp.int32), jnp.ones((n,), bool), None,
+      jnp.asarray(rng.randn(n, t), jnp.float32))
+  alg = build.algorithm(tiny_config())  # GRPO
+  rewards = jnp.asarray(rng.rand(n, 1), jnp.float32)
+  args = (rollout, rewards, jnp.ones(n, bool), jnp.ones(1, jnp.float32),
+          alg.advantage.init(rewards))
+  full, _, _ = rollout_lib._postprocess(*args, algorithm=alg, group_size=4)
+  trained = np.repeat([True, False], 4)
+  part, _, _ = rollout_lib._postprocess(*args, jnp.asarray(trained),
+                                        algorithm=alg, group_size=4)
+  np.testing.assert_array_equal(part.loss_mask_NxL[4:], False)
+  np.testing.assert_array_equal(part.loss_mask_NxL[:4], full.loss_mask_NxL[:4])
+  np.testing.assert_array_equal(part.tokens_NxL, full.tokens_NxL)
+  np.testing.assert_array_equal(part.advantages_NxL, full.advantages_NxL)
+
+
+@pytest.mark.slow
+def test_greso_run_killed_after_step_2_resumes_exactly(tmp_path):
+  """GRESO on 8 prompts (every step resamples them, so the history
+  decides): SIGKILL after step 2's checkpoint, resume, and steps 3-4 and
+  the final params equal the uninterrupted run's."""
+  flags = ["--config.rl.selection.name=greso", "--config.rl.num_steps=4",
+           "--config.task.num_train=8",  # one batch: every step, same prompts
+           "--config.rl.selection.greso_step_size=0.5"]
+  full = str(tmp_path / "full")
+  proc = test_resume._launch(full, *flags)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out
+  killed = str(tmp_path / "killed")
+  proc = test_resume._launch(killed, *flags)
+  test_resume._wait_for_step(killed, 2, proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert os.path.isdir(os.path.join(killed, "checkpoints", "2"))
+  resumed = test_resume._launch(killed, *flags)
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0 and "resumed from step" in out, out
+  a, b = test_resume._by_step(full), test_resume._by_step(killed)
+  assert sorted(b) == [1, 2, 3, 4]
+  assert any(a[s]["select/skipped_prompts"] > 0 for s in a), a  # it decided
+  for step in (3, 4):
+    assert b[step] == a[step], step
+  for x, y in zip(jax.tree.leaves(test_resume._final_params(full)),
+                  jax.tree.leaves(test_resume._final_params(killed))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
