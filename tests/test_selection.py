@@ -5,6 +5,7 @@ histories; the loop runs each name (tests/test_loop.py's every-name test
 covers ``rl.selection.name``) and resumes exactly after a SIGKILL.
 """
 
+import json
 import os
 import signal
 
@@ -194,3 +195,60 @@ def test_greso_run_killed_after_step_2_resumes_exactly(tmp_path):
   for x, y in zip(jax.tree.leaves(test_resume._final_params(full)),
                   jax.tree.leaves(test_resume._final_params(killed))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# --- launch/bench_data_efficiency.py -----------------------------------------
+
+
+def test_bench_curves_and_summary_by_hand(tmp_path):
+  from launch import bench_data_efficiency as bench  # pylint: disable=import-outside-toplevel
+  runs = []
+  for seed, accs in enumerate(((0.5, 0.7, 0.9), (0.6, 0.8, 0.85))):
+    d = tmp_path / f"s{seed}"
+    d.mkdir()
+    rows = [{"step": 0, "eval/accuracy": accs[0]}]
+    for step in (1, 2, 3, 4):
+      rows.append({"step": step, "num_generated_tokens": 100.0 * (seed + 1),
+                   "time/step": 2.0})
+    rows[2]["eval/accuracy"] = accs[1]  # after step 2
+    rows.append({"step": 4, "eval/accuracy": accs[2]})  # a second row
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    runs.append(bench.curve(str(d)))
+  assert runs[0] == {"steps": [0, 2, 4], "accuracy": [0.5, 0.7, 0.9],
+                     "tokens": [0.0, 200.0, 400.0],
+                     "seconds": [0.0, 4.0, 8.0]}
+  s = bench.summarize({"none": runs}, target=0.8)["none"]
+  np.testing.assert_allclose(s["accuracy"]["mean"], [0.55, 0.75, 0.875])
+  # Sample std of two values: |a - b| / sqrt(2).
+  np.testing.assert_allclose(s["accuracy"]["std"],
+                             np.array([0.1, 0.1, 0.05]) / np.sqrt(2))
+  np.testing.assert_allclose(s["tokens"]["mean"], [0.0, 300.0, 600.0])
+  # Seed 0 reaches 0.8 after step 4 (400 tokens), seed 1 after step 2 (400).
+  assert [t["step"] for t in s["to_target"]] == [4, 2]
+  assert s["tokens_to_target_mean"] == 400.0 and s["seeds_reaching_target"] == 2
+  np.testing.assert_allclose([s["gain_mean"], s["gain_std"]],
+                             [0.325, 0.15 / np.sqrt(2)])
+  assert bench.summarize({"x": runs}, target=0.95)["x"][
+      "tokens_to_target_mean"] is None
+
+
+@pytest.mark.slow
+def test_bench_quick_runs_every_method_and_writes_the_plot(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.bench_data_efficiency", "--quick",
+       f"--workdir={tmp_path}"], cwd=root, env=env, capture_output=True,
+      text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  [png] = [f for f in os.listdir(tmp_path) if f.endswith(".png")]
+  assert os.path.getsize(tmp_path / png) > 10_000
+  [record] = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+  figures = json.loads((tmp_path / record).read_text())["figures"]
+  assert sorted(figures["summary"]) == ["dapo", "greso", "none"]
+  for method, runs in figures["curves"].items():
+    assert runs[0]["steps"] == [0, 2, 4, 6], method
+    assert np.all(np.diff(runs[0]["tokens"]) > 0), method

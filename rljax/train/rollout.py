@@ -536,6 +536,8 @@ class Collector:
         "select/masked_groups": float(np.sum(~plan.trained)),
         "select/rounds": float(len(rounds)),
         "select/rollouts": float(sum(len(r.lengths) for r in rounds)),
+        # Every round's sampled tokens, the dropped groups' included.
+        "num_generated_tokens": float(sum(r.lengths.sum() for r in rounds)),
     })
     if sel.greso is not None:
       metrics["select/skipped_prompts"] = skipped

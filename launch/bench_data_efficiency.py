@@ -1,0 +1,223 @@
+r"""Does prompt selection spend rollouts better? Baseline GRPO vs DAPO's
+dynamic sampling vs GRESO, several seeds, on the main job.
+
+  python -m launch.bench_data_efficiency --record_dir=benchmarks/results
+  python -m launch.bench_data_efficiency --quick      # 1 seed, tiny config
+
+Each (method, seed) is the README's main job (``configs/arithmetic_grpo.py``:
+SFT warm-up, then 400 GRPO steps on 1-2 digit arithmetic, where the warmed-up
+policy solves most prompts and a quarter to three quarters of the groups
+have zero reward variance) with ``rl.selection.name`` set and held-out
+accuracy measured every ``--eval_every`` steps. Runs go one after the other
+in subprocesses (``python -m launch.train``, one CPU device, the user's XLA
+flags). It writes:
+
+* per method, held-out accuracy (sampled, 512 problems) against cumulative
+  sampled tokens (every round's, the dropped groups' too) and against the
+  RL phase's wall clock, mean +- std over seeds;
+* ``<record_dir>/bench_data_efficiency-<commit>.png`` (or the workdir's):
+  accuracy vs tokens and vs seconds, one curve per method;
+* the sampled tokens each method needed to first reach ``--target``
+  accuracy (seeds that never reach it are counted apart).
+
+Methods are compared at the same number of updates (``rl.num_steps``), so a
+method that samples more per update shows it on the token and clock axes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from absl import app, flags
+
+from launch import benchlib
+
+_METHODS = flags.DEFINE_list("methods", ["none", "dapo", "greso"],
+                             "rl.selection.name values ('none': baseline)")
+_SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds per method")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 50, "held-out evaluation "
+                                   "every this many RL steps")
+_TARGET = flags.DEFINE_float("target", 0.88, "the accuracy the tokens-to-"
+                             "target table reads")
+_QUICK = flags.DEFINE_bool("quick", False, "1 seed of the tiny config, 6 "
+                           "steps (the tests' smoke run)")
+_WORKDIR = flags.DEFINE_string("workdir", "", "where the runs go (default: "
+                               "a new temporary directory)")
+_RECORD_DIR = flags.DEFINE_string(
+    "record_dir", "", "where the JSON record and the PNG go "
+    "(benchmarks/results to keep them); default: the workdir")
+
+_ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _args(method: str, seed: int, workdir: str, quick: bool,
+          eval_every: int) -> list[str]:
+  config = "configs/arithmetic_grpo.py" + (":tiny" if quick else "")
+  args = [f"--config={config}", f"--workdir={workdir}",
+          f"--config.seed={seed}", f"--config.rl.selection.name={method}",
+          f"--config.eval.every={eval_every}"]
+  if quick:
+    args += ["--config.rl.num_steps=6", "--config.sft.num_steps=20"]
+  return args
+
+
+def curve(workdir: str) -> dict[str, list[float]]:
+  """A run's held-out accuracy after 0, k, 2k, ... steps, with the sampled
+  tokens and RL seconds (``time/step``) spent by then."""
+  rows = [json.loads(line) for line in open(
+      os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+  by_step: dict[int, dict] = {}
+  for r in rows:
+    by_step.setdefault(int(r["step"]), {}).update(r)
+  steps, acc, tokens, seconds = [], [], [], []
+  spent_tokens = spent_seconds = 0.0
+  for step in sorted(by_step):
+    r = by_step[step]
+    if step > 0:
+      spent_tokens += r["num_generated_tokens"]
+      spent_seconds += r["time/step"]
+    if "eval/accuracy" in r:
+      steps.append(step)
+      acc.append(float(r["eval/accuracy"]))
+      tokens.append(spent_tokens)
+      seconds.append(spent_seconds)
+  return {"steps": steps, "accuracy": acc, "tokens": tokens,
+          "seconds": seconds}
+
+
+def summarize(curves: dict[str, list[dict]], target: float) -> dict:
+  """Per method: mean and sample std over seeds at each evaluated step, and
+  the tokens and seconds to first reach ``target``."""
+  out = {}
+  for method, runs in curves.items():
+    ddof = 1 if len(runs) > 1 else 0  # the sample std over seeds
+    steps = runs[0]["steps"]
+    if any(r["steps"] != steps for r in runs):
+      raise ValueError(f"{method}: the seeds evaluated at different steps.")
+    stat = {}
+    for key in ("accuracy", "tokens", "seconds"):
+      values = np.asarray([r[key] for r in runs], np.float64)
+      stat[key] = {"mean": values.mean(0).tolist(),
+                   "std": values.std(0, ddof=ddof).tolist()}
+    reached = []
+    for r in runs:
+      hit = [i for i, a in enumerate(r["accuracy"]) if a >= target and
+             r["steps"][i] > 0]
+      reached.append(None if not hit else {
+          "step": r["steps"][hit[0]], "tokens": r["tokens"][hit[0]],
+          "seconds": r["seconds"][hit[0]]})
+    hits = [x for x in reached if x is not None]
+    gains = [r["accuracy"][-1] - r["accuracy"][0] for r in runs]
+    out[method] = {
+        "steps": steps, **stat, "to_target": reached,
+        "seeds_reaching_target": len(hits),
+        "tokens_to_target_mean": (float(np.mean([x["tokens"] for x in hits]))
+                                  if hits else None),
+        "seconds_to_target_mean": (float(np.mean([x["seconds"] for x in hits]))
+                                   if hits else None),
+        "final_accuracy_mean": float(np.mean([r["accuracy"][-1]
+                                              for r in runs])),
+        "final_accuracy_std": float(np.std([r["accuracy"][-1]
+                                            for r in runs], ddof=ddof)),
+        "gain_mean": float(np.mean(gains)),
+        "gain_std": float(np.std(gains, ddof=ddof)),
+        "tokens_total_mean": float(np.mean([r["tokens"][-1] for r in runs])),
+        "seconds_total_mean": float(np.mean([r["seconds"][-1]
+                                             for r in runs])),
+    }
+  return out
+
+
+def plot(summary: dict, path: str, target: float) -> None:
+  """Accuracy vs sampled tokens and vs RL seconds, mean +- std bands."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for method, s in summary.items():
+    acc = np.asarray(s["accuracy"]["mean"])
+    std = np.asarray(s["accuracy"]["std"])
+    for ax, key, scale in ((axes[0], "tokens", 1e6), (axes[1], "seconds", 1)):
+      x = np.asarray(s[key]["mean"]) / scale
+      label = "GRPO (baseline)" if method == "none" else method
+      ax.plot(x, acc, marker="o", ms=3, label=label)
+      ax.fill_between(x, acc - std, acc + std, alpha=0.2)
+  for ax, xlabel in ((axes[0], "sampled tokens (millions)"),
+                     (axes[1], "RL wall clock (s)")):
+    ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out accuracy (sampled)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.suptitle("Prompt selection on the main job: mean +- std over seeds")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  quick = _QUICK.value
+  seeds = [0] if quick else [int(s) for s in _SEEDS.value]
+  eval_every = 2 if quick else _EVAL_EVERY.value
+  base = _WORKDIR.value or tempfile.mkdtemp(prefix="rljax-bench-data-")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)  # one CPU device: the user's main job
+  curves: dict[str, list[dict]] = {}
+  for method in _METHODS.value:
+    for seed in seeds:
+      workdir = os.path.join(base, f"{method}_seed{seed}")
+      args = _args(method, seed, workdir, quick, eval_every)
+      print(f"{method} seed {seed} ...", flush=True)
+      start = time.time()
+      result = subprocess.run([sys.executable, "-m", "launch.train", *args],
+                              cwd=_ROOT, env=env, capture_output=True,
+                              text=True)
+      if result.returncode:
+        print(result.stdout[-3000:], result.stderr[-3000:])
+        raise SystemExit(f"{method} seed {seed} failed "
+                         f"(exit {result.returncode}).")
+      c = curve(workdir)
+      c["wall_s"] = time.time() - start
+      curves.setdefault(method, []).append(c)
+      print(f"  {c['accuracy'][0]:.3f} -> {c['accuracy'][-1]:.3f} held-out, "
+            f"{c['tokens'][-1] / 1e6:.2f} M sampled tokens, RL "
+            f"{c['seconds'][-1]:.0f} s (run {c['wall_s']:.0f} s)", flush=True)
+  target = _TARGET.value
+  summary = summarize(curves, target)
+  print(f"\n{'method':<8} {'before':>7} {'after':>13} {'gain':>13} "
+        f"{'tokens (M)':>10} {'RL s':>6} {'to ' + format(target, '.0%'):>18}")
+  for method, s in summary.items():
+    acc = s["accuracy"]["mean"]
+    to = (f"{s['tokens_to_target_mean'] / 1e6:.2f} M ({s['seeds_reaching_target']}"
+          f"/{len(seeds)})" if s["tokens_to_target_mean"] is not None
+          else f"never (0/{len(seeds)})")
+    print(f"{method:<8} {acc[0]:7.3f} {s['final_accuracy_mean']:7.3f}+-"
+          f"{s['final_accuracy_std']:.3f} {s['gain_mean'] * 100:+7.1f}+-"
+          f"{s['gain_std'] * 100:.1f} {s['tokens_total_mean'] / 1e6:10.2f} "
+          f"{s['seconds_total_mean']:6.0f} {to:>18}")
+  out_dir = _RECORD_DIR.value or base
+  os.makedirs(out_dir, exist_ok=True)
+  commit = benchlib.git("rev-parse", "HEAD")[:12] or "unknown"
+  png = os.path.join(out_dir, f"bench_data_efficiency-{commit}.png")
+  plot(summary, png, target)
+  print("plot:", png)
+  figures = {"summary": summary, "curves": curves, "target": target,
+             "quick": quick, "seeds": seeds}
+  print("record:", benchlib.write_record(
+      "bench_data_efficiency" + ("_quick" if quick else ""), figures,
+      out_dir, {"methods": _METHODS.value, "eval_every": eval_every,
+                "args": _args("<method>", 0, "<workdir>", quick,
+                              eval_every)}))
+
+
+if __name__ == "__main__":
+  app.run(main)
