@@ -17,7 +17,9 @@ prompt `g`. Extra arguments are keyword-only:
   pass it as a static argument; a traced value is rejected.
 * `mask_N` (optional bool `[N]`): valid samples. Padding samples (a group with
   fewer than `G` completions, a dropped prompt) are `False`: they are ignored
-  by every statistic and their advantage is exactly 0.
+  by every statistic and their advantage is exactly 0. Rows tagged with group
+  ids instead (groups of unequal size in a flat batch): wrap the chain in
+  `by_group_ids(chain, num_groups, max_group_size)` (`grouping.py`).
 * `lengths_N` (`[N]`, completion lengths in tokens): read by the
   length-aware transforms (OPO's baseline, token-level whitening, DAPO's
   overlong penalty, VCPO's baseline); `seq_log_ratio_N` (`[N]`,
@@ -62,6 +64,7 @@ from rljax.advantages.length_aware import (
     center_by_length_weighted_group_mean, overlong_penalty, whiten_by_tokens)
 from rljax.advantages.gae import (gae_advantages, terminal_rewards,
                                   whiten_advantages)
+from rljax.advantages.grouping import by_group_ids, group_slots
 from rljax.advantages.key_tokens import ktae_advantages
 from rljax.advantages.metrics import advantage_metrics
 from rljax.advantages.min_variance import center_by_min_variance_baseline
@@ -77,6 +80,7 @@ from rljax.advantages.presets import (
 __all__ = [
     "advantage_metrics",
     "best_of_k_rank_weights",
+    "by_group_ids",
     "center_by_batch_mean",
     "center_by_greedy_baseline",
     "center_by_group_mean",
@@ -92,6 +96,7 @@ __all__ = [
     "group_median_pivot_mask",
     "grpo",
     "grpo_batch_std",
+    "group_slots",
     "grpo_passk",
     "ktae_advantages",
     "leave_one_out",
