@@ -36,6 +36,35 @@ def git(*args: str) -> str:
     return ""
 
 
+def cpu() -> dict:
+  """The host CPU as far as XLA:CPU's float results depend on it: vendor,
+  family, model, cache size and the vector ISA flags (``/proc/cpuinfo``).
+
+  Two CPUs that differ here may give different float results for the same
+  program (XLA:CPU compiles for the host's ISA; Eigen's matrix-product
+  blocking follows its caches), and a sampled trajectory that crosses a
+  different token then diverges: a run's figures reproduce to the digit on
+  a CPU with the same signature. Empty where ``/proc/cpuinfo`` is absent.
+  """
+  try:
+    with open("/proc/cpuinfo") as f:
+      text = f.read()
+  except OSError:
+    return {}
+  first = text.split("\n\n")[0]
+  fields = {}
+  for line in first.splitlines():
+    key, _, value = line.partition(":")
+    fields[key.strip()] = value.strip()
+  isa = sorted(flag for flag in fields.get("flags", "").split()
+               if flag.startswith(("avx", "fma", "sse", "amx", "f16c")))
+  return {"vendor": fields.get("vendor_id", ""),
+          "family": fields.get("cpu family", ""),
+          "model": fields.get("model", ""),
+          "model_name": fields.get("model name", ""),
+          "cache": fields.get("cache size", ""), "isa": " ".join(isa)}
+
+
 def provenance() -> dict:
   """Which code and machine a figure belongs to: commit, dirty flag, host."""
   import os  # pylint: disable=import-outside-toplevel
@@ -48,7 +77,8 @@ def provenance() -> dict:
       "machine": {"platform": platform.platform(),
                   "python": platform.python_version(),
                   "cpu_count": os.cpu_count(), "jax": jax.__version__,
-                  "devices": f"{len(devices)} x {devices[0].device_kind}"},
+                  "devices": f"{len(devices)} x {devices[0].device_kind}",
+                  "cpu": cpu()},
   }
 
 
