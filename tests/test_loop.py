@@ -77,6 +77,7 @@ OTHER_AXES = {
     "rl.count_empty_sequences": (False, True),
     "sampler.speculative": (False, True),
     "rl.max_staleness": (0, 1),
+    "rl.replay.fraction": (0.0, 0.25),
 }
 
 
@@ -89,6 +90,7 @@ SETTING_FIXUPS = {
     # Prompt selection refills the static batch.
     ("rl.selection.name", "dapo"): {"rl.rollout": "static"},
     ("rl.selection.name", "greso"): {"rl.rollout": "static"},
+    ("rl.replay.fraction", 0.25): {"rl.rollout": "static"},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)

@@ -167,13 +167,20 @@ def test_masked_fillers_have_no_loss_tokens():
 
 
 @pytest.mark.slow
-def test_greso_run_killed_after_step_2_resumes_exactly(tmp_path):
+def test_greso_and_replay_run_killed_after_step_2_resumes_exactly(tmp_path):
   """GRESO on 8 prompts (every step resamples them, so the history
-  decides): SIGKILL after step 2's checkpoint, resume, and steps 3-4 and
-  the final params equal the uninterrupted run's."""
+  decides) and a quarter of each batch replayed: SIGKILL after step 2's
+  checkpoint, resume, and steps 3-4 (replaying groups the checkpoint's
+  buffer holds) and the final params equal the uninterrupted run's."""
   flags = ["--config.rl.selection.name=greso", "--config.rl.num_steps=4",
            "--config.task.num_train=8",  # one batch: every step, same prompts
-           "--config.rl.selection.greso_step_size=0.5"]
+           "--config.rl.selection.greso_step_size=0.5",
+           "--config.rl.replay.fraction=0.25",
+           # A second reward that varies within groups: informative groups
+           # to replay (the tiny policy's accuracy is 0).
+           "--config.rewards.names=('numeric_match', "
+           "'tests.reward_fixtures:parity')",
+           "--config.rewards.weights=(1.0, 0.5)"]
   full = str(tmp_path / "full")
   proc = test_resume._launch(full, *flags)
   out, _ = proc.communicate(timeout=600)
@@ -190,6 +197,7 @@ def test_greso_run_killed_after_step_2_resumes_exactly(tmp_path):
   a, b = test_resume._by_step(full), test_resume._by_step(killed)
   assert sorted(b) == [1, 2, 3, 4]
   assert any(a[s]["select/skipped_prompts"] > 0 for s in a), a  # it decided
+  assert a[3]["replay/fraction"] == 0.25, a[3]  # step 3 replays
   for step in (3, 4):
     assert b[step] == a[step], step
   for x, y in zip(jax.tree.leaves(test_resume._final_params(full)),
@@ -252,3 +260,146 @@ def test_bench_quick_runs_every_method_and_writes_the_plot(tmp_path):
   for method, runs in figures["curves"].items():
     assert runs[0]["steps"] == [0, 2, 4, 6], method
     assert np.all(np.diff(runs[0]["tokens"]) > 0), method
+
+
+# --- the replay buffer --------------------------------------------------------
+
+
+def _group(value, width=3, g=2, t=4):
+  return {"prompt_tokens": np.full((g, width), value, np.int32),
+          "prompt_mask": np.ones((g, width), bool),
+          "completion_tokens": np.full((g, t), value, np.int32),
+          "completion_mask": np.ones((g, t), bool),
+          "lengths": np.full(g, t, np.int32), "finished": np.ones(g, bool),
+          "sampler_logprobs": np.full((g, t), -float(value), np.float32),
+          "rewards_NxR": np.arange(g, dtype=np.float32)[:, None],
+          "valid_NxR": np.ones((g, 1), bool),
+          "total_N": np.arange(g, dtype=np.float32),
+          "prompt_tokens_N": np.full(g, width), "completion_tokens_N":
+          np.full(g, t)}
+
+
+def test_replay_takes_the_newest_young_groups_once():
+  buf = sel.ReplayBuffer(fraction=0.25, max_age=2, capacity=5, batch_size=8)
+  assert buf.count == 2
+  assert buf.take(0) is None  # empty
+  buf.push([_group(1), _group(2)], version=0)
+  buf.push([_group(3)], version=1)
+  groups, versions = buf.take(2)  # newest first: 3 (v1), then 2 (v0)
+  assert [int(g["prompt_tokens"][0, 0]) for g in groups] == [3, 2]
+  assert versions == [1, 0] and len(buf) == 1  # each replayed once
+  assert buf.take(2) is None  # one left, two needed
+  assert buf.take(3) is None and len(buf) == 0  # group 1 (v0) is too old
+  buf.push([_group(v) for v in range(10, 17)], version=5)  # capacity 5
+  assert len(buf) == 5
+  groups, _ = buf.take(5)
+  assert [int(g["prompt_tokens"][0, 0]) for g in groups] == [16, 15]
+
+
+def test_replay_state_round_trips_with_each_groups_prompt_width():
+  buf = sel.ReplayBuffer(fraction=0.5, max_age=3, capacity=8, batch_size=4)
+  buf.push([_group(1, width=3), _group(2, width=5)], version=2)
+  buf.push([_group(3, width=4)], version=3)
+  again = sel.ReplayBuffer(fraction=0.5, max_age=3, capacity=8, batch_size=4)
+  again.load_arrays(buf.arrays())
+  assert again.versions == buf.versions
+  for a, b in zip(again.groups, buf.groups):
+    assert a.keys() == b.keys()
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)  # shapes too
+  empty = sel.ReplayBuffer(fraction=0.5, max_age=3, capacity=8, batch_size=4)
+  again.load_arrays(empty.arrays())
+  assert len(again) == 0
+  bad = buf.arrays()
+  del bad["prompt_width"]
+  with pytest.raises(ValueError, match="lacks \\['prompt_width'\\]"):
+    again.load_arrays(bad)
+  bad = dict(buf.arrays(), total_N=np.zeros((2, 2)))
+  with pytest.raises(ValueError, match="'total_N' has 2 groups"):
+    again.load_arrays(bad)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"fraction": 1.0}, "rl.replay.fraction=1.0"),
+    ({"fraction": 0.95}, "replays all 4 groups"),
+    ({"max_age": 0}, "rl.replay.max_age=0"),
+])
+def test_bad_replay_settings_are_named(kwargs, match):
+  args = {"fraction": 0.25, "max_age": 2, "capacity": 8, "batch_size": 4}
+  with pytest.raises(ValueError, match=match):
+    sel.ReplayBuffer(**{**args, **kwargs})
+
+
+@pytest.mark.slow
+def test_replayed_groups_train_with_their_own_rows_versions_and_is_weights():
+  """Step 1 fills the buffer with its informative groups; step 2 (another
+  policy) samples 6 fresh prompts and appends the 2 newest stored groups:
+  their tokens, rewards (GRPO advantages from their own rewards) and
+  sampler logprobs are the stored ones, their tokens carry version 0, and
+  TIS weights against the new policy equal min(exp(lp_new - lp_old), 2)."""
+  from rljax import models, objectives, train  # pylint: disable=import-outside-toplevel
+  from rljax.train import build  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import loop_config  # pylint: disable=import-outside-toplevel
+  config = loop_config()
+  c = build.build(config)
+  try:
+    alg = build.algorithm(config)
+    g = c.settings.group_size
+    buf = sel.ReplayBuffer(fraction=0.25, max_age=2, capacity=64,
+                           batch_size=8)
+    collector = train.Collector(
+        sampler=c.sampler(g), tokenizer=c.tokenizer, evaluator=c.evaluator,
+        algorithm=alg, group_size=g, buckets=c.buckets, eos_ids=c.eos_ids,
+        correctness="numeric_match", mesh=c.mesh, replay=buf)
+    ex = [{k: [e[k] for e in c.train_examples[i:i + 8]]
+           for k in c.train_examples[0]} for i in (0, 8, 16)]
+    state = alg.advantage.init(jnp.zeros((1, 2)))
+    params0 = models.init_params(c.model_config, jax.random.key(0), c.mesh)
+    out = collector.collect(params0, ex[0], jax.random.key(0), state)
+    totals = out.rewards_NxR @ np.asarray(c.evaluator.weights)
+    informative = int(np.sum(np.ptp(totals.reshape(-1, g), 1) > 0))
+    assert len(buf) == informative >= 2, informative
+    for step in (1, 2):  # a first replay may find too few young groups
+      newest = [dict(x) for x in buf.groups[-2:][::-1]]
+      params = models.init_params(c.model_config, jax.random.key(step),
+                                  c.mesh)
+      out = collector.collect(params, ex[step], jax.random.key(step), state,
+                              version=step)
+      if out.metrics["replay/fraction"]:
+        break
+    assert out.metrics["replay/fraction"] == 0.25
+    b = out.batch
+    t = c.settings.max_new_tokens if hasattr(c.settings, "max_new_tokens") \
+        else newest[0]["completion_tokens"].shape[1]
+    rows = slice(6 * g, 8 * g)
+    np.testing.assert_array_equal(
+        np.asarray(b.tokens_NxL)[rows, -t:],
+        np.concatenate([x["completion_tokens"] for x in newest]))
+    s = np.asarray(b.sampler_logprobs_NxL)[rows, -t:]
+    np.testing.assert_array_equal(
+        s, np.concatenate([x["sampler_logprobs"] for x in newest]))
+    stored_totals = np.concatenate([x["total_N"] for x in newest])
+    want = []
+    for r in stored_totals.reshape(-1, g).astype(np.float64):
+      want += list((r - r.mean()) / (r.std(ddof=1) + 1e-6))
+    np.testing.assert_allclose(np.asarray(b.advantages_NxL)[rows, -1], want,
+                               rtol=1e-5, atol=1e-6)
+    versions = out.token_versions[rows]
+    mask = np.asarray(b.loss_mask_NxL)[rows, -t:]
+    assert np.all(versions[mask] == 0) and np.all(versions[~mask] == -1)
+    assert np.all(out.token_versions[:6 * g][
+        np.asarray(b.loss_mask_NxL)[:6 * g, -t:]] == step)
+    lp, _ = models.sequence_logprobs(params, c.model_config, b.tokens_NxL,
+                                     b.input_mask_NxL)
+    lp = np.asarray(lp)[rows, -t:]
+    tis = objectives.truncated_is(cap=2.0)
+    weights, _ = tis.update(jnp.ones_like(jnp.asarray(lp)), tis.init(None),
+                            sampler_logprobs_BxT=jnp.asarray(s),
+                            old_logprobs_BxT=jnp.asarray(lp),
+                            mask_BxT=jnp.asarray(mask))
+    want = np.minimum(np.exp(lp.astype(np.float64) - s), 2.0)
+    np.testing.assert_allclose(np.asarray(weights)[mask], want[mask],
+                               rtol=1e-5)
+    assert np.abs(want[mask] - 1).max() > 1e-3  # another policy: not 1
+  finally:
+    c.close()

@@ -305,6 +305,131 @@ def make_selection(name: str, *, seed: int, max_rounds: int = 3,
   return Selection(name, max_rounds, greso)
 
 
+
+
+_REPLAY_ROW_FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens",
+                      "completion_mask", "lengths", "finished",
+                      "policy_logprobs", "sampler_logprobs", "rewards_NxR",
+                      "valid_NxR", "total_N", "prompt_tokens_N",
+                      "completion_tokens_N")
+"""What the replay buffer keeps of each row (``policy_logprobs`` only when
+the sampler records them)."""
+
+
+class ReplayBuffer:
+  """Recent informative groups, replayed in place of fresh samples.
+
+  Rollout replay (Sun et al., "Improving Data Efficiency for LLM
+  Reinforcement Fine-tuning Through Difficulty-targeted Online Data
+  Selection and Rollout Replay", https://arxiv.org/abs/2506.05316): each
+  step samples ``B - R`` fresh groups and takes ``R = round(fraction * B)``
+  groups from this buffer, the newest first, each replayed once; a group
+  older than ``max_age`` updates is dropped. Only informative groups are
+  kept (a zero-variance group teaches nothing), at most ``capacity`` (the
+  oldest go first). A replayed row carries its own tokens, rewards, sampler
+  logprobs and the policy version that drew it: the trainer's corrections
+  (PPO's clip against ``rl.old_logprobs='sampler'``, TIS/MIS, ESS) see its
+  exact behaviour logprobs, and ``rollout/staleness/*`` its age. When fewer
+  than ``R`` eligible groups are stored, the step samples all ``B`` fresh
+  (two sampler shapes at most).
+
+  Args:
+    fraction: replayed share of the step's groups, in ``[0, 1)``.
+    max_age: updates after which a stored group is too old to replay.
+    capacity: groups stored at most.
+    batch_size: ``B``, the step's groups.
+  """
+
+  def __init__(self, *, fraction: float, max_age: int, capacity: int,
+               batch_size: int):
+    if not 0 <= fraction < 1:
+      raise ValueError(f"rl.replay.fraction={fraction!r}: a number in "
+                       "[0, 1) is required.")
+    if max_age < 1 or capacity < 1:
+      raise ValueError(f"rl.replay.max_age={max_age!r} and rl.replay."
+                       f"capacity={capacity!r} must be >= 1.")
+    self.fraction, self.max_age, self.capacity = fraction, max_age, capacity
+    self.count = int(round(fraction * batch_size))
+    if self.count >= batch_size:
+      raise ValueError(f"rl.replay.fraction={fraction!r} replays all "
+                       f"{batch_size} groups: at least one must be fresh.")
+    self.groups: list[dict[str, np.ndarray]] = []  # oldest first
+    self.versions: list[int] = []
+
+  def __len__(self) -> int:
+    return len(self.groups)
+
+  def push(self, groups: Sequence[Mapping[str, np.ndarray]],
+           version: int) -> None:
+    """Stores groups (each ``{field: [G, ...] array}``) drawn by ``version``."""
+    for g in groups:
+      self.groups.append({k: np.asarray(v) for k, v in g.items()})
+      self.versions.append(int(version))
+    excess = len(self.groups) - self.capacity
+    if excess > 0:
+      del self.groups[:excess], self.versions[:excess]
+
+  def take(self, version: int) -> tuple[list[dict], list[int]] | None:
+    """``R`` groups for the step that trains ``version`` (removed from the
+    buffer, newest first) and the versions that drew them; None when fewer
+    than ``R`` are young enough. Too old groups are dropped either way."""
+    keep = [i for i, v in enumerate(self.versions)
+            if version - v <= self.max_age]
+    self.groups = [self.groups[i] for i in keep]
+    self.versions = [self.versions[i] for i in keep]
+    if self.count == 0 or len(self.groups) < self.count:
+      return None
+    taken = list(range(len(self.groups) - self.count, len(self.groups)))[::-1]
+    out = [self.groups[i] for i in taken], [self.versions[i] for i in taken]
+    del self.groups[-self.count:], self.versions[-self.count:]
+    return out
+
+  def arrays(self) -> dict[str, np.ndarray]:
+    """The buffer as named host arrays (a checkpoint item): each field
+    stacked over the groups, prompts left-padded to the widest."""
+    out: dict[str, np.ndarray] = {"versions": np.asarray(self.versions,
+                                                         np.int64)}
+    if not self.groups:
+      return out
+    # Each group's own prompt width, restored exactly on load.
+    out["prompt_width"] = np.asarray(
+        [g["prompt_tokens"].shape[1] for g in self.groups], np.int64)
+    width = int(out["prompt_width"].max())
+    for name in self.groups[0]:
+      parts = []
+      for g in self.groups:
+        x = g[name]
+        if name.startswith("prompt_") and x.ndim == 2:
+          x = np.pad(x, ((0, 0), (width - x.shape[1], 0)))
+        parts.append(x)
+      out[name] = np.stack(parts)
+    return out
+
+  def load_arrays(self, arrays: Mapping[str, np.ndarray]) -> None:
+    """Restores ``arrays()``; a malformed item is refused, naming it."""
+    if "versions" not in arrays:
+      raise ValueError("the checkpoint's replay buffer lacks 'versions'.")
+    versions = np.asarray(arrays["versions"]).tolist()
+    names = [k for k in arrays if k not in ("versions", "prompt_width")]
+    needed = {"prompt_tokens", "prompt_mask", "total_N", "prompt_width"}
+    if versions and not needed <= set(arrays):
+      raise ValueError("the checkpoint's replay buffer lacks "
+                       f"{sorted(needed - set(arrays))}.")
+    for k in names + (["prompt_width"] if versions else []):
+      if np.shape(arrays[k])[0] != len(versions):
+        raise ValueError(f"the checkpoint's replay buffer field {k!r} has "
+                         f"{np.shape(arrays[k])[0]} groups; 'versions' has "
+                         f"{len(versions)}.")
+    widths = np.asarray(arrays.get("prompt_width", []), np.int64)
+    self.groups = []
+    for i in range(len(versions)):
+      group = {k: np.asarray(arrays[k][i]) for k in names}
+      for k in ("prompt_tokens", "prompt_mask"):
+        group[k] = group[k][:, group[k].shape[1] - int(widths[i]):]
+      self.groups.append(group)
+    self.versions = [int(v) for v in versions]
+
+
 __all__ = ["EASY", "HARD", "INFORMATIVE", "NAMES", "Greso", "GresoState",
-           "Plan", "Selection", "group_kinds", "make_selection", "plan_batch",
-           "prompt_key"]
+           "Plan", "ReplayBuffer", "Selection", "group_kinds",
+           "make_selection", "plan_batch", "prompt_key"]

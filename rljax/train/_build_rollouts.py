@@ -65,6 +65,18 @@ def _validate_rollout(config: Any) -> None:
         f"{rl.rollout!r} and env.name={config.env.name!r}: prompt selection "
         "refills the static batch; accepted: rl.rollout='static' without an "
         "environment, or rl.selection.name='none'.")
+  if rl.replay.fraction and (rl.rollout != "static" or config.env.name):
+    raise ValueError(
+        f"rl.replay.fraction={rl.replay.fraction!r} with rl.rollout="
+        f"{rl.rollout!r} and env.name={config.env.name!r}: replay mixes "
+        "groups into the static batch; accepted: rl.rollout='static' "
+        "without an environment, or rl.replay.fraction=0.")
+  if rl.replay.fraction and round(rl.replay.fraction * rl.prompts_per_step) \
+      >= rl.prompts_per_step:
+    raise ValueError(
+        f"rl.replay.fraction={rl.replay.fraction!r} replays all "
+        f"{rl.prompts_per_step} groups of rl.prompts_per_step: at least one "
+        "must be sampled fresh.")
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
     if config.sampler.speculative and rl.rollout == "static":

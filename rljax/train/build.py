@@ -480,6 +480,16 @@ class Components:
         greso_min_explore=sel.greso_min_explore,
         greso_max_draws=sel.greso_max_draws)
 
+  def replay(self) -> selection_lib.ReplayBuffer | None:
+    """The replay buffer of recent informative groups (``rl.replay``);
+    None when ``rl.replay.fraction=0``."""
+    r = self.config.rl.replay
+    if not r.fraction:
+      return None
+    return selection_lib.ReplayBuffer(
+        fraction=r.fraction, max_age=r.max_age, capacity=r.capacity,
+        batch_size=self.settings.prompts_per_step)
+
   def speculation(self, *, record_policy_logprobs: bool | None = None
                   ) -> sampling.Speculation | None:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
@@ -516,11 +526,12 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   if not group.single:
     group.block(mesh)  # a clear error for a mesh that splits no rows by host
     rl = config.rl
-    if rl.selection.name != "none":
+    if rl.selection.name != "none" or rl.replay.fraction:
       raise ValueError(
-          f"rl.selection.name={rl.selection.name!r} with {group.count} "
-          "processes: prompt selection runs on one process for now; "
-          "accepted: rl.selection.name='none'.")
+          f"rl.selection.name={rl.selection.name!r}, rl.replay.fraction="
+          f"{rl.replay.fraction!r} with {group.count} processes: prompt "
+          "selection and replay run on one process for now; accepted: "
+          "rl.selection.name='none' and rl.replay.fraction=0.")
     if rl.rollout != "static" or rl.max_staleness or rl.sampler_devices:
       raise ValueError(
           f"rl.rollout={rl.rollout!r}, rl.max_staleness={rl.max_staleness}, "

@@ -224,6 +224,11 @@ class Collector:
       prompts before sampling, and dynamic sampling refills the batch's
       zero-variance groups from ``more_examples`` (``select/*`` metrics;
       the sampled rounds use ``key`` folded with the round).
+    replay: a buffer of recent informative groups
+      (``selection.ReplayBuffer``): a step that finds enough young groups
+      samples ``B - R`` fresh prompts (the first of the batch drawn) and
+      trains the ``R`` replayed groups with them, each row with the policy
+      version that drew it (``replay/*`` metrics, ``token_versions``).
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -235,7 +240,8 @@ class Collector:
                slots: Any = None,
                sample_mesh: jax.sharding.Mesh | None = None,
                episodes: Any = None,
-               selection: selection_lib.Selection | None = None):
+               selection: selection_lib.Selection | None = None,
+               replay: selection_lib.ReplayBuffer | None = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     self.episodes = episodes
     if episodes is not None and (slots is not None or speculation is not None
@@ -254,11 +260,12 @@ class Collector:
                        "(partial.SlotRollouts(drafts=speculation.store)).")
     if not self.group.single and mesh is None:
       raise ValueError("Collector with several processes needs the mesh.")
-    if selection is not None and (slots is not None or episodes is not None
-                                  or not self.group.single):
-      raise ValueError("prompt selection (rl.selection) refills the static "
-                       "batch, on one process, without an environment.")
-    self.selection = selection
+    if (selection is not None or replay is not None) and (
+        slots is not None or episodes is not None or not self.group.single):
+      raise ValueError("prompt selection (rl.selection) and replay "
+                       "(rl.replay) work on the static batch, on one "
+                       "process, without an environment.")
+    self.selection, self.replay = selection, replay
     self.algorithm, self.group_size = algorithm, group_size
     self.samples_per_prompt = group_size + algorithm.extra_samples
     self.buckets, self.eos_ids = tuple(buckets), tuple(eos_ids)
@@ -353,12 +360,24 @@ class Collector:
         draw more prompts than they train, APRIL's over-provisioning; prompt
         selection refills with it).
     """
+    replayed = None if self.replay is None else self.replay.take(version)
+    if replayed is not None:  # the batch's first B - R prompts are sampled
+      fresh = len(examples["prompt"]) - len(replayed[0])
+      examples = {f: list(v)[:fresh] for f, v in examples.items()}
+    trained_B, metrics = None, {}
     if self.selection is not None:
-      return self._collect_selected(params, examples, key, adv_state,
-                                    version, on_dispatch, more_examples)
-    sampled = self._round(params, examples, key, version, on_dispatch,
-                          more_examples)
-    return self._finish(sampled, adv_state)
+      sampled, trained_B, metrics = self._sample_selected(
+          params, examples, key, version, on_dispatch, more_examples)
+    else:
+      sampled = self._round(params, examples, key, version, on_dispatch,
+                            more_examples)
+    if self.replay is not None:
+      self._store(sampled, trained_B, version)
+      sampled, trained_B, replay_metrics = self._with_replay(
+          sampled, trained_B, replayed, version)
+      metrics.update(replay_metrics)
+    return self._finish(sampled, adv_state, trained_B=trained_B,
+                        extra_metrics=metrics)
 
   def _round(self, params, examples, key, version, on_dispatch,
              more_examples) -> _Sampled:
@@ -487,12 +506,12 @@ class Collector:
     return Collected(batch, adv_state, metrics, sampled.completions,
                      result.rewards_NxR, sampled.token_versions)
 
-  def _collect_selected(self, params, examples, key, adv_state, version,
-                        on_dispatch, more_examples) -> Collected:
-    """``collect`` with prompt selection (``rljax.data.selection``): GRESO
-    picks the prompts, then rounds are sampled until the batch has
-    ``B`` informative groups or ``max_rounds`` ran, and DAPO's plan forms
-    the batch from them."""
+  def _sample_selected(self, params, examples, key, version, on_dispatch,
+                       more_examples):
+    """Prompt selection (``rljax.data.selection``): GRESO picks the
+    prompts, then rounds are sampled until the batch has ``B`` informative
+    groups or ``max_rounds`` ran, and DAPO's plan forms the batch from
+    them. Returns ``(merged batch, trained_B, select/* metrics)``."""
     sel, g = self.selection, self.samples_per_prompt
     batch_size = len(examples["prompt"])
     metrics: dict[str, float] = {}
@@ -542,8 +561,100 @@ class Collector:
     if sel.greso is not None:
       metrics["select/skipped_prompts"] = skipped
       metrics["select/prompt_draws"] = draws
-    return self._finish(merged, adv_state, trained_B=plan.trained,
-                        extra_metrics=metrics)
+    return merged, plan.trained, metrics
+
+  def _kinds(self, sampled: _Sampled) -> np.ndarray:
+    """Each group's ``selection.group_kinds``."""
+    correct = np.nan_to_num(
+        sampled.result.rewards_NxR[:, self._correct_column], nan=0.0) >= 1.0
+    return selection_lib.group_kinds(sampled.result.total_N,
+                                     np.asarray(sampled.valid_N), correct,
+                                     self.samples_per_prompt)
+
+  def _store(self, sampled: _Sampled, trained_B, version: int) -> None:
+    """Pushes the fresh batch's informative, trained groups to the replay
+    buffer (host copies)."""
+    g = self.samples_per_prompt
+    keep = self._kinds(sampled) == selection_lib.INFORMATIVE
+    if trained_B is not None:
+      keep &= np.asarray(trained_B, bool)
+    groups = np.flatnonzero(keep)
+    if not len(groups):
+      return
+    r = sampled.rollout
+    rows = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
+            "completion_tokens": r.completion_tokens,
+            "completion_mask": r.completion_mask, "lengths": sampled.lengths,
+            "finished": sampled.finished,
+            "sampler_logprobs": r.sampler_logprobs,
+            "rewards_NxR": sampled.result.rewards_NxR,
+            "valid_NxR": sampled.result.valid_NxR,
+            "total_N": sampled.result.total_N,
+            "prompt_tokens_N": sampled.prompt_tokens_N,
+            "completion_tokens_N": sampled.completion_tokens_N}
+    if r.policy_logprobs is not None:
+      rows["policy_logprobs"] = r.policy_logprobs
+    host = {k: np.asarray(v) for k, v in rows.items()}
+    self.replay.push([{k: v[i * g:(i + 1) * g] for k, v in host.items()}
+                      for i in groups], version)
+
+  def _with_replay(self, sampled: _Sampled, trained_B, replayed,
+                   version: int):
+    """The fresh batch followed by the replayed groups, each row's tokens
+    tagged with the policy version that drew them."""
+    g = self.samples_per_prompt
+    n_fresh = len(sampled.lengths) // g
+    metrics = {"replay/stored_groups": float(len(self.replay))}
+    if replayed is None:
+      metrics.update({"replay/fraction": 0.0, "replay/mean_age": 0.0})
+      return sampled, trained_B, metrics
+    groups, versions = replayed
+    width = max(x["prompt_tokens"].shape[1] for x in groups)
+
+    def stack(name):
+      parts = [x[name] for x in groups]
+      if name.startswith("prompt_") and parts[0].ndim == 2:
+        parts = [np.pad(p, ((0, 0), (width - p.shape[1], 0)),
+                        constant_values=self.tokenizer.pad_id
+                        if name == "prompt_tokens" else False) for p in parts]
+      return np.concatenate(parts, 0)
+
+    rollout = sampling.Rollout(
+        stack("prompt_tokens"), stack("prompt_mask"),
+        stack("completion_tokens"), stack("completion_mask"),
+        stack("lengths"), stack("finished"),
+        stack("policy_logprobs") if "policy_logprobs" in groups[0] else None,
+        stack("sampler_logprobs"))
+    if (rollout.policy_logprobs is None) != (
+        sampled.rollout.policy_logprobs is None):
+      raise ValueError("the replay buffer's groups and this batch disagree "
+                       "on recorded policy logprobs (rl.old_logprobs "
+                       "changed?).")
+    names = sampled.result.names
+    result = rewards_lib.RewardResult(
+        names, stack("rewards_NxR"), stack("valid_NxR"), stack("total_N"),
+        {k: 0.0 for k in sampled.result.metrics}, ())
+    r = len(groups)
+    old = _Sampled(
+        rollout, {f: [None] * r for f in sampled.examples}, [""] * (r * g),
+        result, result.rewards_NxR,
+        scored_rows(result.valid_NxR, self.algorithm.failed_rewards),
+        stack("lengths"), stack("finished"), stack("prompt_tokens_N"),
+        stack("completion_tokens_N"), None, {}, 0.0, 0.0)
+    trained = (np.ones(n_fresh, bool) if trained_B is None
+               else np.asarray(trained_B, bool))
+    plan = selection_lib.Plan((np.arange(n_fresh), np.arange(r)),
+                              np.concatenate([trained, np.ones(r, bool)]))
+    merged = self._merge([sampled, old], plan)
+    row_version = np.concatenate([np.full(n_fresh * g, version),
+                                  np.repeat(versions, g)]).astype(np.int32)
+    mask = np.asarray(merged.rollout.completion_mask)
+    merged = merged._replace(token_versions=np.where(
+        mask, row_version[:, None], -1).astype(np.int32))
+    metrics.update({"replay/fraction": r / (n_fresh + r),
+                    "replay/mean_age": float(np.mean(
+                        version - np.asarray(versions)))})
+    return merged, plan.trained, metrics
 
   def _merge(self, rounds: Sequence[_Sampled],
              plan: selection_lib.Plan) -> _Sampled:

@@ -126,6 +126,12 @@ _BASE: dict[str, Field] = {
                                         "exploration probabilities' floor"),
     "rl.selection.greso_max_draws": F(4, "int>=1", "GRESO: prompt batches "
                                       "drawn per round at most"),
+    "rl.replay.fraction": F(0.0, "[0,1)", "share of each step's groups "
+                            "replayed from recent informative ones instead "
+                            "of sampled (0: off)"),
+    "rl.replay.max_age": F(4, "int>=1", "replay: a stored group older than "
+                           "this many updates is dropped"),
+    "rl.replay.capacity": F(256, "int>=1", "replay: groups stored at most"),
     "rl.max_staleness": F(0, "int>=0", "asynchronous: sample up to k steps "
                           "ahead with older params (0: synchronous)"),
     "rl.sampler_devices": F(0, "int>=0", "the last n devices only sample, "

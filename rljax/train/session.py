@@ -124,7 +124,9 @@ class Session:
         metrics=({best: metrics[best]} if best and metrics and best in metrics
                  else None),
         host_arrays={"drafts": spec.store.arrays() if spec else None,
-                     "partial": carried, "selection": _greso_arrays(self)})
+                     "partial": carried, "selection": _greso_arrays(self),
+                     "replay": (self.collector.replay.arrays()
+                                if self.collector.replay else None)})
     self.seconds["checkpoint"] += time.time() - t
 
 
@@ -168,7 +170,7 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       sample_mesh=c.sample_mesh,
       episodes=c.episodes(s.group_size + alg.extra_samples,
                           record_policy_logprobs=sampler_old),
-      selection=c.selection())
+      selection=c.selection(), replay=c.replay())
   if c.env is not None:  # held-out episodes instead of single turns
     samplers = {"eval": c.episodes(s.eval_num_samples),
                 "greedy": c.episodes(1, greedy=True) if s.eval_greedy
@@ -239,7 +241,7 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   # damaged draft store falls back to the previous checkpoint like a
   # damaged state.
   resumed, tree, meta, extras = run.manager.restore_latest_valid_with(
-      target, ("drafts", "partial", "selection"))
+      target, ("drafts", "partial", "selection", "replay"))
   del target
   run.iterator.set_state(meta["data_iterator"])
   if run.collector.speculation is not None:
@@ -249,6 +251,8 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   greso = _greso(run)
   if greso is not None and extras["selection"] is not None:
     greso.load_arrays(extras["selection"])
+  if run.collector.replay is not None and extras["replay"] is not None:
+    run.collector.replay.load_arrays(extras["replay"])
   carried = extras["partial"]
   if run.collector.slots is not None and carried is not None:
     run.collector.slots.load_arrays(carried)
