@@ -2,6 +2,7 @@ r"""Does prompt selection spend rollouts better? Baseline GRPO vs DAPO's
 dynamic sampling vs GRESO, several seeds, on the main job.
 
   python -m launch.bench_data_efficiency --record_dir=benchmarks/results
+  python -m launch.bench_data_efficiency --methods=replay,dapo+replay
   python -m launch.bench_data_efficiency --quick      # 1 seed, tiny config
 
 Each (method, seed) is the README's main job (``configs/arithmetic_grpo.py``:
@@ -38,8 +39,12 @@ from absl import app, flags
 
 from launch import benchlib
 
-_METHODS = flags.DEFINE_list("methods", ["none", "dapo", "greso"],
-                             "rl.selection.name values ('none': baseline)")
+_METHODS = flags.DEFINE_list(
+    "methods", ["none", "dapo", "greso"], "rl.selection.name values ('none': "
+    "baseline), each optionally joined with '+replay' ('replay' alone: the "
+    "baseline with rollout replay)")
+_REPLAY = flags.DEFINE_float("replay_fraction", 0.25, "rl.replay.fraction of "
+                             "the methods with '+replay'")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds per method")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 50, "held-out evaluation "
                                    "every this many RL steps")
@@ -56,11 +61,24 @@ _RECORD_DIR = flags.DEFINE_string(
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
+def method_flags(method: str, replay_fraction: float) -> list[str]:
+  """``dapo``, ``greso+replay``, ``replay``, ... as config flags."""
+  parts = method.split("+")
+  names = [p for p in parts if p != "replay"]
+  if len(names) > 1 or any(n not in ("none", "dapo", "greso") for n in names):
+    raise app.UsageError(f"--methods: {method!r} is not a selection name "
+                         "(none, dapo, greso), optionally with '+replay'.")
+  flags_ = [f"--config.rl.selection.name={names[0] if names else 'none'}"]
+  if "replay" in parts:
+    flags_.append(f"--config.rl.replay.fraction={replay_fraction}")
+  return flags_
+
+
 def _args(method: str, seed: int, workdir: str, quick: bool,
           eval_every: int) -> list[str]:
   config = "configs/arithmetic_grpo.py" + (":tiny" if quick else "")
   args = [f"--config={config}", f"--workdir={workdir}",
-          f"--config.seed={seed}", f"--config.rl.selection.name={method}",
+          f"--config.seed={seed}", *method_flags(method, _REPLAY.value),
           f"--config.eval.every={eval_every}"]
   if quick:
     args += ["--config.rl.num_steps=6", "--config.sft.num_steps=20"]
@@ -215,8 +233,8 @@ def main(argv):
   print("record:", benchlib.write_record(
       "bench_data_efficiency" + ("_quick" if quick else ""), figures,
       out_dir, {"methods": _METHODS.value, "eval_every": eval_every,
-                "args": _args("<method>", 0, "<workdir>", quick,
-                              eval_every)}))
+                "replay_fraction": _REPLAY.value,
+                "args": _args("none", 0, "<workdir>", quick, eval_every)}))
 
 
 if __name__ == "__main__":
