@@ -209,7 +209,7 @@ def test_greso_and_replay_run_killed_after_step_2_resumes_exactly(tmp_path):
 
 
 def test_bench_curves_and_summary_by_hand(tmp_path):
-  from launch import bench_data_efficiency as bench  # pylint: disable=import-outside-toplevel
+  from launch import data_efficiency as bench  # pylint: disable=import-outside-toplevel
   runs = []
   for seed, accs in enumerate(((0.5, 0.7, 0.9), (0.6, 0.8, 0.85))):
     d = tmp_path / f"s{seed}"

@@ -1,0 +1,109 @@
+"""The curves, summary and plot of ``launch/bench_data_efficiency.py``.
+
+No absl flags here, so tests and notebooks import it beside any launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+
+def curve(workdir: str) -> dict[str, list[float]]:
+  """A run's held-out accuracy after 0, k, 2k, ... steps, with the sampled
+  tokens and RL seconds (``time/step``) spent by then."""
+  rows = [json.loads(line) for line in open(
+      os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+  by_step: dict[int, dict] = {}
+  for r in rows:
+    by_step.setdefault(int(r["step"]), {}).update(r)
+  steps, acc, tokens, seconds = [], [], [], []
+  spent_tokens = spent_seconds = 0.0
+  for step in sorted(by_step):
+    r = by_step[step]
+    if step > 0:
+      spent_tokens += r["num_generated_tokens"]
+      spent_seconds += r["time/step"]
+    if "eval/accuracy" in r:
+      steps.append(step)
+      acc.append(float(r["eval/accuracy"]))
+      tokens.append(spent_tokens)
+      seconds.append(spent_seconds)
+  return {"steps": steps, "accuracy": acc, "tokens": tokens,
+          "seconds": seconds}
+
+
+def summarize(curves: dict[str, list[dict]], target: float) -> dict:
+  """Per method: mean and sample std over seeds at each evaluated step, and
+  the tokens and seconds to first reach ``target``."""
+  out = {}
+  for method, runs in curves.items():
+    ddof = 1 if len(runs) > 1 else 0  # the sample std over seeds
+    steps = runs[0]["steps"]
+    if any(r["steps"] != steps for r in runs):
+      raise ValueError(f"{method}: the seeds evaluated at different steps.")
+    stat = {}
+    for key in ("accuracy", "tokens", "seconds"):
+      values = np.asarray([r[key] for r in runs], np.float64)
+      stat[key] = {"mean": values.mean(0).tolist(),
+                   "std": values.std(0, ddof=ddof).tolist()}
+    reached = []
+    for r in runs:
+      hit = [i for i, a in enumerate(r["accuracy"]) if a >= target and
+             r["steps"][i] > 0]
+      reached.append(None if not hit else {
+          "step": r["steps"][hit[0]], "tokens": r["tokens"][hit[0]],
+          "seconds": r["seconds"][hit[0]]})
+    hits = [x for x in reached if x is not None]
+    gains = [r["accuracy"][-1] - r["accuracy"][0] for r in runs]
+    out[method] = {
+        "steps": steps, **stat, "to_target": reached,
+        "seeds_reaching_target": len(hits),
+        "tokens_to_target_mean": (float(np.mean([x["tokens"] for x in hits]))
+                                  if hits else None),
+        "seconds_to_target_mean": (float(np.mean([x["seconds"] for x in hits]))
+                                   if hits else None),
+        "final_accuracy_mean": float(np.mean([r["accuracy"][-1]
+                                              for r in runs])),
+        "final_accuracy_std": float(np.std([r["accuracy"][-1]
+                                            for r in runs], ddof=ddof)),
+        "gain_mean": float(np.mean(gains)),
+        "gain_std": float(np.std(gains, ddof=ddof)),
+        "tokens_total_mean": float(np.mean([r["tokens"][-1] for r in runs])),
+        "seconds_total_mean": float(np.mean([r["seconds"][-1]
+                                             for r in runs])),
+    }
+  return out
+
+
+def plot(summary: dict, path: str, target: float) -> None:
+  """Accuracy vs sampled tokens and vs RL seconds, mean +- std bands."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  for method, s in summary.items():
+    acc = np.asarray(s["accuracy"]["mean"])
+    std = np.asarray(s["accuracy"]["std"])
+    for ax, key, scale in ((axes[0], "tokens", 1e6), (axes[1], "seconds", 1)):
+      x = np.asarray(s[key]["mean"]) / scale
+      label = "GRPO (baseline)" if method == "none" else method
+      ax.plot(x, acc, marker="o", ms=3, label=label)
+      ax.fill_between(x, acc - std, acc + std, alpha=0.2)
+  for ax, xlabel in ((axes[0], "sampled tokens (millions)"),
+                     (axes[1], "RL wall clock (s)")):
+    ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out accuracy (sampled)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.suptitle("Prompt selection on the main job: mean +- std over seeds")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+__all__ = ["curve", "plot", "summarize"]
