@@ -369,6 +369,9 @@ def test_replayed_groups_train_with_their_own_rows_versions_and_is_weights():
         break
     assert out.metrics["replay/fraction"] == 0.25
     b = out.batch
+    # Generated this step: the 6 fresh groups' tokens only.
+    fresh_mask = np.asarray(b.loss_mask_NxL)[:6 * g]
+    assert out.metrics["num_generated_tokens"] == fresh_mask.sum()
     t = c.settings.max_new_tokens if hasattr(c.settings, "max_new_tokens") \
         else newest[0]["completion_tokens"].shape[1]
     rows = slice(6 * g, 8 * g)

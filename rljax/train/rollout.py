@@ -372,6 +372,9 @@ class Collector:
       sampled = self._round(params, examples, key, version, on_dispatch,
                             more_examples)
     if self.replay is not None:
+      # Generated this step: the fresh rows' tokens (every round's).
+      metrics.setdefault("num_generated_tokens",
+                         float(np.sum(sampled.lengths)))
       self._store(sampled, trained_B, version)
       sampled, trained_B, replay_metrics = self._with_replay(
           sampled, trained_B, replayed, version)
