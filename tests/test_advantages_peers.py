@@ -33,6 +33,7 @@ from rljax import sampling
 from rljax import train
 from rljax.train import algorithm as alg_lib
 from rljax.train import build as build_lib
+from rljax.train import batch_layout
 from rljax.train import rollout as rollout_lib
 
 G = 4
@@ -360,7 +361,7 @@ def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
   assert remax.extra_samples == 1 and remax.greedy_baseline
   r = np.array([[1.0], [0.0], [0.5], [2.0], [0.0], [1.0]], np.float32)
   rollout = _fake_rollout(6)
-  batch, _, _ = rollout_lib._postprocess(
+  batch, _, _ = batch_layout.postprocess(
       rollout, jnp.asarray(r), jnp.ones(6, bool), jnp.ones(1),
       remax.advantage.init(jnp.asarray(r)), algorithm=remax, group_size=2)
   # One advantage per row over its completion columns, 0 on the prompt's.
@@ -372,7 +373,7 @@ def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
                                 rollout.completion_tokens[kept])
   ktae = alg_lib.from_config({"advantage": "ktae", "group_size": 3,
                               "num_steps": 1}, opt)
-  batch, _, metrics = rollout_lib._postprocess(
+  batch, _, metrics = batch_layout.postprocess(
       rollout, jnp.asarray(r), jnp.ones(6, bool), jnp.ones(1),
       ktae.advantage.init(jnp.asarray(r)), algorithm=ktae, group_size=3)
   assert batch.advantages_NxL.shape == (6, 5)

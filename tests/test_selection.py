@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from rljax.data import selection as sel
-from rljax.train import rollout as rollout_lib
+from rljax.train import batch_layout
 from tests import test_resume
 
 E, H, I = sel.EASY, sel.HARD, sel.INFORMATIVE
@@ -156,9 +156,9 @@ def test_masked_fillers_have_no_loss_tokens():
   rewards = jnp.asarray(rng.rand(n, 1), jnp.float32)
   args = (rollout, rewards, jnp.ones(n, bool), jnp.ones(1, jnp.float32),
           alg.advantage.init(rewards))
-  full, _, _ = rollout_lib._postprocess(*args, algorithm=alg, group_size=4)
+  full, _, _ = batch_layout.postprocess(*args, algorithm=alg, group_size=4)
   trained = np.repeat([True, False], 4)
-  part, _, _ = rollout_lib._postprocess(*args, jnp.asarray(trained),
+  part, _, _ = batch_layout.postprocess(*args, jnp.asarray(trained),
                                         algorithm=alg, group_size=4)
   np.testing.assert_array_equal(part.loss_mask_NxL[4:], False)
   np.testing.assert_array_equal(part.loss_mask_NxL[:4], full.loss_mask_NxL[:4])

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from rljax import sharding
+from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
 from rljax.train import partial as partial_lib
 
@@ -95,3 +96,25 @@ def _validate_rollout(config: Any) -> None:
                          "None.")
     return
   partial_config(config)  # checks slots against refill rows
+
+
+def selection(config: Any) -> selection_lib.Selection | None:
+  """Prompt selection and dynamic sampling (``rl.selection``); None when
+  ``rl.selection.name='none'``. GRESO's draws follow ``seed``."""
+  sel = config.rl.selection
+  return selection_lib.make_selection(
+      sel.name, seed=config.seed, max_rounds=sel.max_rounds,
+      greso_target=sel.greso_target, greso_step_size=sel.greso_step_size,
+      greso_min_explore=sel.greso_min_explore,
+      greso_max_draws=sel.greso_max_draws)
+
+
+def replay_buffer(config: Any) -> selection_lib.ReplayBuffer | None:
+  """The replay buffer of recent informative groups (``rl.replay``); None
+  when ``rl.replay.fraction=0``."""
+  r = config.rl.replay
+  if not r.fraction:
+    return None
+  return selection_lib.ReplayBuffer(
+      fraction=r.fraction, max_age=r.max_age, capacity=r.capacity,
+      batch_size=config.rl.prompts_per_step)

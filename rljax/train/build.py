@@ -34,7 +34,6 @@ from rljax import models, sampling, sharding
 from rljax import objectives as obj_lib
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
-from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
 from rljax.train import schema, table
 from rljax.train.schema import complete_config  # noqa: F401  (re-exported)
@@ -47,7 +46,7 @@ from rljax.train._build_inputs import (  # noqa: F401  (re-exported)
     load_task, make_evaluator, make_tokenizer, preset_model_config, reward_fn,
     reward_specs, run_model_and_tokenizer, save_hf_files)
 from rljax.train._build_rollouts import (  # noqa: F401  (re-exported)
-    meshes, partial_config)
+    meshes, partial_config, replay_buffer, selection)
 from rljax.train._validate import validate  # noqa: F401  (re-exported)
 from rljax.train.sft import SFTConfig
 from rljax.train import policy as policy_lib
@@ -470,25 +469,13 @@ class Components:
         *self._where(True), drafts=drafts,
         log_lenience=float(self.config.sampler.spec_log_lenience))
 
-  def selection(self) -> selection_lib.Selection | None:
-    """Prompt selection and dynamic sampling (``rl.selection``); None when
-    ``rl.selection.name='none'``. GRESO's draws follow ``seed``."""
-    sel = self.config.rl.selection
-    return selection_lib.make_selection(
-        sel.name, seed=self.settings.seed, max_rounds=sel.max_rounds,
-        greso_target=sel.greso_target, greso_step_size=sel.greso_step_size,
-        greso_min_explore=sel.greso_min_explore,
-        greso_max_draws=sel.greso_max_draws)
+  def selection(self) -> Any:
+    """``_build_rollouts.selection`` of the config (``rl.selection``)."""
+    return selection(self.config)
 
-  def replay(self) -> selection_lib.ReplayBuffer | None:
-    """The replay buffer of recent informative groups (``rl.replay``);
-    None when ``rl.replay.fraction=0``."""
-    r = self.config.rl.replay
-    if not r.fraction:
-      return None
-    return selection_lib.ReplayBuffer(
-        fraction=r.fraction, max_age=r.max_age, capacity=r.capacity,
-        batch_size=self.settings.prompts_per_step)
+  def replay(self) -> Any:
+    """``_build_rollouts.replay_buffer`` of the config (``rl.replay``)."""
+    return replay_buffer(self.config)
 
   def speculation(self, *, record_policy_logprobs: bool | None = None
                   ) -> sampling.Speculation | None:

@@ -5,7 +5,9 @@
 host (to be decoded and scored), and only the rewards ``[N, R]`` cross back.
 The advantage chain, MC-GRPO's pivot drop (or ReMax's greedy-row drop) and
 the trainer's ``[N, P + T]`` layout run in one jitted function whose outputs
-are sharded as ``rl_step`` takes them.
+are sharded as ``rl_step`` takes them (``batch_layout.postprocess``).
+Several sampled batches (prompt selection's rounds, replayed groups) are
+merged before it (``rounds.merge``).
 
 Rewards. Each reward function is a column of ``rewards_NxR`` (NaN where it
 gave no reward); the ``RewardSpec`` weights reach the advantage chain as
@@ -30,7 +32,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from rljax import data as data_lib
@@ -40,119 +41,13 @@ from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import sharding as sharding_lib
 from rljax import tokenizers as tok_lib
-from rljax.advantages import advantage_metrics
-from rljax.train.algorithm import Algorithm, advantage_extra_args
+from rljax.train import rounds as rounds_lib
+from rljax.train.batch_layout import pivot_rows, postprocess
+from rljax.train.algorithm import Algorithm
+from rljax.train.rounds import Sampled, scored_rows
 from rljax.train.steps import RLBatch, batch_shardings
 
 log = logging.getLogger("rljax")
-
-
-def pivot_rows(rewards_N: jax.Array, valid_N: jax.Array,
-               group_size: int) -> jax.Array:
-  """Row indices that keep all but each group's median pivot (MC-GRPO).
-
-  The pivot of a group of ``group_size = G + 1`` rows is the valid row at the
-  lower-median position of a stable sort of the valid rewards (the row that
-  ``advantages.center_by_group_median`` gives advantage exactly 0, and
-  ``advantages.group_median_pivot_mask`` marks); a group with no valid row
-  drops its last row. Returns ``[num_groups * G]`` int32 indices, in order.
-
-  References:
-    Kim, "MC-GRPO: Median-Centered Group Relative Policy Optimization for
-    Small-Rollout Reinforcement Learning", https://arxiv.org/abs/2601.22582.
-  """
-  x = rewards_N.reshape(-1, group_size)
-  valid = valid_N.reshape(-1, group_size)
-  order = jnp.argsort(jnp.where(valid, x, jnp.inf), axis=-1, stable=True)
-  n = jnp.sum(valid, -1, keepdims=True)
-  pivot = jnp.take_along_axis(order, jnp.maximum((n - 1) // 2, 0), axis=-1)
-  pivot = jnp.where(n > 0, pivot, group_size - 1)
-  is_pivot = jnp.arange(group_size)[None] == pivot
-  keep = jnp.argsort(is_pivot, axis=-1, stable=True)[:, :group_size - 1]
-  groups = jnp.arange(x.shape[0])[:, None] * group_size
-  return (groups + keep).reshape(-1).astype(jnp.int32)
-
-
-def scored_rows(valid_NxR: np.ndarray, failed_rewards: str) -> np.ndarray:
-  """``mask_N`` of the advantage chain: the rows with at least one reward
-  (``failed_rewards="exclude"``, TRL since PR #5902), or every row
-  (``"zero"``: a row whose every reward failed scores 0 in the statistics,
-  as TRL's earlier ``nansum``)."""
-  if failed_rewards == "zero":
-    return np.ones(valid_NxR.shape[0], bool)
-  return np.asarray(valid_NxR).any(axis=1)
-
-
-def _weighted_total(rewards_NxR, weights_R):
-  return jnp.sum(jnp.where(jnp.isfinite(rewards_NxR), rewards_NxR, 0.0)
-                 * weights_R, axis=-1)
-
-
-def _postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
-                 trained_N=None, *, algorithm: Algorithm, group_size: int):
-  """Advantages, the pivot drop and the trainer's layout (jitted).
-
-  ``trained_N``: False for rows kept in the batch with no loss (prompt
-  selection's zero-variance fillers); None: every row."""
-  sampled = group_size + algorithm.extra_samples
-  # The trained tokens: an environment's observations are inputs only.
-  completion_mask = rollout.sampled_mask()
-  if rollout.policy_logprobs is None:
-    seq_log_ratio_N = jnp.zeros(rollout.lengths.shape, jnp.float32)
-  else:  # log pi_old(y) / mu(y), masked positions are 0 in both.
-    seq_log_ratio_N = jnp.sum(
-        rollout.policy_logprobs - rollout.sampler_logprobs, axis=-1)
-  advantages_N, adv_state = algorithm.advantage.update(
-      rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
-      reward_weights_R=weights_R,
-      **advantage_extra_args(rollout.lengths, seq_log_ratio_N,
-                             rollout.completion_tokens, completion_mask))
-  total_N = _weighted_total(rewards_NxR, weights_R)
-  per_token = advantages_N.ndim == 2  # KTAE: [N, T] on the completion.
-  # Non-finite advantages never reach the update: their rows are out of the
-  # loss (and counted), whatever the user's chain or optimizer.
-  finite = jnp.isfinite(advantages_N)
-  finite_N = (jnp.all(finite | ~completion_mask, -1) if per_token
-              else finite)
-  advantages_N = jnp.where(finite, advantages_N, 0.0)
-  completion_mask = completion_mask & finite_N[:, None]
-  if trained_N is not None:
-    completion_mask = completion_mask & trained_N[:, None]
-  row_advantages_N = advantages_N if not per_token else jnp.sum(
-      advantages_N * completion_mask, -1) / jnp.maximum(
-          rollout.lengths, 1)
-  metrics = advantage_metrics(total_N, row_advantages_N, group_size=sampled,
-                              mask_N=valid_N)
-  metrics["nonfinite_rows"] = jnp.sum(~finite_N).astype(jnp.float32)
-  tokens, input_mask = rollout.sequences()
-  zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
-  completion_advantages = (
-      advantages_N if per_token else jnp.broadcast_to(
-          advantages_N[:, None], completion_mask.shape))
-  if algorithm.critic:  # the step's GAE turns the rewards into advantages
-    completion_advantages = jnp.zeros_like(completion_advantages)
-  layout = {
-      "tokens_NxL": tokens, "input_mask_NxL": input_mask,
-      "loss_mask_NxL": jnp.concatenate(
-          [jnp.zeros_like(rollout.prompt_mask), completion_mask], 1),
-      "advantages_NxL": jnp.concatenate(
-          [zeros, completion_advantages], 1).astype(jnp.float32),
-      "sampler_logprobs_NxL": jnp.concatenate(
-          [zeros, rollout.sampler_logprobs], 1),
-  }
-  if rollout.policy_logprobs is not None:
-    layout["old_logprobs_NxL"] = jnp.concatenate(
-        [zeros, rollout.policy_logprobs], 1)
-  if algorithm.critic:
-    layout["rewards_N"] = advantages_N.astype(jnp.float32)
-  if algorithm.drop_pivot:
-    rows = pivot_rows(total_N, valid_N, sampled)
-    layout = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), layout)
-  elif algorithm.greedy_baseline:  # ReMax: the last row of a group is greedy.
-    rows = jnp.arange(total_N.shape[0]).reshape(-1, sampled)[:, :-1]
-    layout = jax.tree.map(lambda x: jnp.take(x, rows.reshape(-1), axis=0),
-                          layout)
-  return RLBatch(**layout), adv_state, metrics
 
 
 class Collected(NamedTuple):
@@ -282,7 +177,7 @@ class Collector:
   def _postprocess_fn(self, has_old_logprobs: bool):
     """The jitted postprocessing, outputs sharded as ``rl_step`` takes them."""
     if has_old_logprobs not in self._jitted:
-      fn = functools.partial(_postprocess, algorithm=self.algorithm,
+      fn = functools.partial(postprocess, algorithm=self.algorithm,
                              group_size=self.group_size)
       if self.mesh is None:
         self._jitted[has_old_logprobs] = jax.jit(fn)
@@ -383,7 +278,7 @@ class Collector:
                         extra_metrics=metrics)
 
   def _round(self, params, examples, key, version, on_dispatch,
-             more_examples) -> _Sampled:
+             more_examples) -> Sampled:
     """Samples, decodes and scores one batch of prompts."""
     g, group, mesh = self.samples_per_prompt, self.group, self.mesh
     t_start = time.time()
@@ -444,12 +339,12 @@ class Collector:
           result.names, rewards_all, valid_all, total_all,
           group.gather_json(result.metrics))
     t_reward = time.time()
-    return _Sampled(rollout, examples, completions, result, rewards_NxR,
+    return Sampled(rollout, examples, completions, result, rewards_NxR,
                     valid_N, lengths, finished, prompt_tokens_N,
                     completion_tokens_N, token_versions, spec_metrics,
                     t_sample - t_start, t_reward - t_sample)
 
-  def _finish(self, sampled: _Sampled, adv_state: Any, *,
+  def _finish(self, sampled: Sampled, adv_state: Any, *,
               trained_B: np.ndarray | None = None,
               extra_metrics: Mapping[str, float] | None = None) -> Collected:
     """The advantage chain, the trainer's batch and the step's metrics.
@@ -519,7 +414,7 @@ class Collector:
     batch_size = len(examples["prompt"])
     metrics: dict[str, float] = {}
     skipped = draws = 0.0
-    rounds: list[_Sampled] = []
+    rounds: list[Sampled] = []
     kinds: list[np.ndarray] = []
     while True:
       if sel.greso is not None:
@@ -566,7 +461,7 @@ class Collector:
       metrics["select/prompt_draws"] = draws
     return merged, plan.trained, metrics
 
-  def _kinds(self, sampled: _Sampled) -> np.ndarray:
+  def _kinds(self, sampled: Sampled) -> np.ndarray:
     """Each group's ``selection.group_kinds``."""
     correct = np.nan_to_num(
         sampled.result.rewards_NxR[:, self._correct_column], nan=0.0) >= 1.0
@@ -574,34 +469,17 @@ class Collector:
                                      np.asarray(sampled.valid_N), correct,
                                      self.samples_per_prompt)
 
-  def _store(self, sampled: _Sampled, trained_B, version: int) -> None:
+  def _store(self, sampled: Sampled, trained_B, version: int) -> None:
     """Pushes the fresh batch's informative, trained groups to the replay
     buffer (host copies)."""
-    g = self.samples_per_prompt
     keep = self._kinds(sampled) == selection_lib.INFORMATIVE
     if trained_B is not None:
       keep &= np.asarray(trained_B, bool)
-    groups = np.flatnonzero(keep)
-    if not len(groups):
-      return
-    r = sampled.rollout
-    rows = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
-            "completion_tokens": r.completion_tokens,
-            "completion_mask": r.completion_mask, "lengths": sampled.lengths,
-            "finished": sampled.finished,
-            "sampler_logprobs": r.sampler_logprobs,
-            "rewards_NxR": sampled.result.rewards_NxR,
-            "valid_NxR": sampled.result.valid_NxR,
-            "total_N": sampled.result.total_N,
-            "prompt_tokens_N": sampled.prompt_tokens_N,
-            "completion_tokens_N": sampled.completion_tokens_N}
-    if r.policy_logprobs is not None:
-      rows["policy_logprobs"] = r.policy_logprobs
-    host = {k: np.asarray(v) for k, v in rows.items()}
-    self.replay.push([{k: v[i * g:(i + 1) * g] for k, v in host.items()}
-                      for i in groups], version)
+    if keep.any():
+      self.replay.push(rounds_lib.host_groups(
+          sampled, np.flatnonzero(keep), self.samples_per_prompt), version)
 
-  def _with_replay(self, sampled: _Sampled, trained_B, replayed,
+  def _with_replay(self, sampled: Sampled, trained_B, replayed,
                    version: int):
     """The fresh batch followed by the replayed groups, each row's tokens
     tagged with the policy version that drew them."""
@@ -612,38 +490,10 @@ class Collector:
       metrics.update({"replay/fraction": 0.0, "replay/mean_age": 0.0})
       return sampled, trained_B, metrics
     groups, versions = replayed
-    width = max(x["prompt_tokens"].shape[1] for x in groups)
-
-    def stack(name):
-      parts = [x[name] for x in groups]
-      if name.startswith("prompt_") and parts[0].ndim == 2:
-        parts = [np.pad(p, ((0, 0), (width - p.shape[1], 0)),
-                        constant_values=self.tokenizer.pad_id
-                        if name == "prompt_tokens" else False) for p in parts]
-      return np.concatenate(parts, 0)
-
-    rollout = sampling.Rollout(
-        stack("prompt_tokens"), stack("prompt_mask"),
-        stack("completion_tokens"), stack("completion_mask"),
-        stack("lengths"), stack("finished"),
-        stack("policy_logprobs") if "policy_logprobs" in groups[0] else None,
-        stack("sampler_logprobs"))
-    if (rollout.policy_logprobs is None) != (
-        sampled.rollout.policy_logprobs is None):
-      raise ValueError("the replay buffer's groups and this batch disagree "
-                       "on recorded policy logprobs (rl.old_logprobs "
-                       "changed?).")
-    names = sampled.result.names
-    result = rewards_lib.RewardResult(
-        names, stack("rewards_NxR"), stack("valid_NxR"), stack("total_N"),
-        {k: 0.0 for k in sampled.result.metrics}, ())
+    old = rounds_lib.from_groups(
+        groups, sampled, pad_id=self.tokenizer.pad_id,
+        failed_rewards=self.algorithm.failed_rewards)
     r = len(groups)
-    old = _Sampled(
-        rollout, {f: [None] * r for f in sampled.examples}, [""] * (r * g),
-        result, result.rewards_NxR,
-        scored_rows(result.valid_NxR, self.algorithm.failed_rewards),
-        stack("lengths"), stack("finished"), stack("prompt_tokens_N"),
-        stack("completion_tokens_N"), None, {}, 0.0, 0.0)
     trained = (np.ones(n_fresh, bool) if trained_B is None
                else np.asarray(trained_B, bool))
     plan = selection_lib.Plan((np.arange(n_fresh), np.arange(r)),
@@ -659,77 +509,12 @@ class Collector:
                         version - np.asarray(versions)))})
     return merged, plan.trained, metrics
 
-  def _merge(self, rounds: Sequence[_Sampled],
-             plan: selection_lib.Plan) -> _Sampled:
-    """The planned groups of every round as one batch, round by round
-    (prompts left-padded to the widest round's bucket)."""
-    g = self.samples_per_prompt
-    rows = [(np.asarray(groups)[:, None] * g + np.arange(g)).reshape(-1)
-            for groups in plan.rounds]
-    width = max(r.rollout.prompt_tokens.shape[1] for r in rounds)
-    pad_id = self.tokenizer.pad_id
-
-    def widen(x, name):  # left-pads a prompt array to the common width
-      if not name.startswith("prompt_") or x.shape[1] == width:
-        return x
-      extra = width - x.shape[1]
-      value = pad_id if name == "prompt_tokens" else False
-      return jnp.pad(x, ((0, 0), (extra, 0)), constant_values=value)
-
-    fields = {}
-    for name in sampling.Rollout._fields:
-      parts = [getattr(r.rollout, name) for r in rounds]
-      if parts[0] is None:
-        fields[name] = None
-        continue
-      fields[name] = jnp.concatenate(
-          [jnp.take(widen(x, name), jnp.asarray(idx), axis=0)
-           for x, idx in zip(parts, rows)], 0)
-    rollout = sampling.Rollout(**fields)
-
-    def cat(get):
-      return np.concatenate([np.asarray(get(r))[idx]
-                             for r, idx in zip(rounds, rows)], 0)
-
-    names = rounds[0].result.names
-    result = rewards_lib.merge_results(
-        names, cat(lambda r: r.result.rewards_NxR),
-        cat(lambda r: r.result.valid_NxR), cat(lambda r: r.result.total_N),
-        [r.result.metrics for r in rounds])
-    examples = {f: [r.examples[f][i] for r, groups in zip(rounds, plan.rounds)
-                    for i in groups] for f in rounds[0].examples}
-    completions = [r.completions[j] for r, idx in zip(rounds, rows)
-                   for j in idx]
-    spec: dict[str, float] = {}
-    for r in rounds:  # SPEC-RL's row counts add up over the rounds
-      for k, v in r.spec_metrics.items():
-        spec[k] = spec.get(k, 0.0) + v if k == "spec/drafted_rows" else v
-    return _Sampled(
-        rollout, examples, completions, result, result.rewards_NxR,
-        scored_rows(result.valid_NxR, self.algorithm.failed_rewards),
-        cat(lambda r: r.lengths), cat(lambda r: r.finished),
-        cat(lambda r: r.prompt_tokens_N), cat(lambda r: r.completion_tokens_N),
-        None, spec, sum(r.seconds_sample for r in rounds),
-        sum(r.seconds_reward for r in rounds))
-
-
-class _Sampled(NamedTuple):
-  """One sampled and scored batch, before the advantage chain."""
-
-  rollout: Any
-  examples: Mapping[str, Sequence[Any]]
-  completions: list[str]
-  result: rewards_lib.RewardResult
-  rewards_NxR: Any      # the chain's input: this process's block, global
-  valid_N: Any
-  lengths: np.ndarray   # every row's (all processes)
-  finished: np.ndarray
-  prompt_tokens_N: np.ndarray
-  completion_tokens_N: np.ndarray
-  token_versions: np.ndarray | None
-  spec_metrics: dict[str, float]
-  seconds_sample: float
-  seconds_reward: float
+  def _merge(self, rounds: Sequence[Sampled],
+             plan: selection_lib.Plan) -> Sampled:
+    """``rounds.merge`` with this collector's group rows and pad id."""
+    return rounds_lib.merge(rounds, plan, group_rows=self.samples_per_prompt,
+                            pad_id=self.tokenizer.pad_id,
+                            failed_rewards=self.algorithm.failed_rewards)
 
 
 __all__ = ["Collector", "Collected", "pivot_rows", "scored_rows"]

@@ -1,0 +1,117 @@
+"""The trainer's batch from a scored rollout (jitted by ``Collector``).
+
+``postprocess`` runs the advantage chain, MC-GRPO's pivot drop (or ReMax's
+greedy-row drop) and lays the rows out as ``RLBatch`` (``[N, P + T]``,
+advantages 0 on the prompt); ``rljax.train.rollout`` documents the
+conventions.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from rljax.advantages import advantage_metrics
+from rljax.train.algorithm import Algorithm, advantage_extra_args
+from rljax.train.steps import RLBatch
+
+
+def pivot_rows(rewards_N: jax.Array, valid_N: jax.Array,
+               group_size: int) -> jax.Array:
+  """Row indices that keep all but each group's median pivot (MC-GRPO).
+
+  The pivot of a group of ``group_size = G + 1`` rows is the valid row at the
+  lower-median position of a stable sort of the valid rewards (the row that
+  ``advantages.center_by_group_median`` gives advantage exactly 0, and
+  ``advantages.group_median_pivot_mask`` marks); a group with no valid row
+  drops its last row. Returns ``[num_groups * G]`` int32 indices, in order.
+
+  References:
+    Kim, "MC-GRPO: Median-Centered Group Relative Policy Optimization for
+    Small-Rollout Reinforcement Learning", https://arxiv.org/abs/2601.22582.
+  """
+  x = rewards_N.reshape(-1, group_size)
+  valid = valid_N.reshape(-1, group_size)
+  order = jnp.argsort(jnp.where(valid, x, jnp.inf), axis=-1, stable=True)
+  n = jnp.sum(valid, -1, keepdims=True)
+  pivot = jnp.take_along_axis(order, jnp.maximum((n - 1) // 2, 0), axis=-1)
+  pivot = jnp.where(n > 0, pivot, group_size - 1)
+  is_pivot = jnp.arange(group_size)[None] == pivot
+  keep = jnp.argsort(is_pivot, axis=-1, stable=True)[:, :group_size - 1]
+  groups = jnp.arange(x.shape[0])[:, None] * group_size
+  return (groups + keep).reshape(-1).astype(jnp.int32)
+
+
+def _weighted_total(rewards_NxR, weights_R):
+  return jnp.sum(jnp.where(jnp.isfinite(rewards_NxR), rewards_NxR, 0.0)
+                 * weights_R, axis=-1)
+
+
+def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
+                 trained_N=None, *, algorithm: Algorithm, group_size: int):
+  """Advantages, the pivot drop and the trainer's layout (jitted).
+
+  ``trained_N``: False for rows kept in the batch with no loss (prompt
+  selection's zero-variance fillers); None: every row."""
+  sampled = group_size + algorithm.extra_samples
+  # The trained tokens: an environment's observations are inputs only.
+  completion_mask = rollout.sampled_mask()
+  if rollout.policy_logprobs is None:
+    seq_log_ratio_N = jnp.zeros(rollout.lengths.shape, jnp.float32)
+  else:  # log pi_old(y) / mu(y), masked positions are 0 in both.
+    seq_log_ratio_N = jnp.sum(
+        rollout.policy_logprobs - rollout.sampler_logprobs, axis=-1)
+  advantages_N, adv_state = algorithm.advantage.update(
+      rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
+      reward_weights_R=weights_R,
+      **advantage_extra_args(rollout.lengths, seq_log_ratio_N,
+                             rollout.completion_tokens, completion_mask))
+  total_N = _weighted_total(rewards_NxR, weights_R)
+  per_token = advantages_N.ndim == 2  # KTAE: [N, T] on the completion.
+  # Non-finite advantages never reach the update: their rows are out of the
+  # loss (and counted), whatever the user's chain or optimizer.
+  finite = jnp.isfinite(advantages_N)
+  finite_N = (jnp.all(finite | ~completion_mask, -1) if per_token
+              else finite)
+  advantages_N = jnp.where(finite, advantages_N, 0.0)
+  completion_mask = completion_mask & finite_N[:, None]
+  if trained_N is not None:
+    completion_mask = completion_mask & trained_N[:, None]
+  row_advantages_N = advantages_N if not per_token else jnp.sum(
+      advantages_N * completion_mask, -1) / jnp.maximum(
+          rollout.lengths, 1)
+  metrics = advantage_metrics(total_N, row_advantages_N, group_size=sampled,
+                              mask_N=valid_N)
+  metrics["nonfinite_rows"] = jnp.sum(~finite_N).astype(jnp.float32)
+  tokens, input_mask = rollout.sequences()
+  zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
+  completion_advantages = (
+      advantages_N if per_token else jnp.broadcast_to(
+          advantages_N[:, None], completion_mask.shape))
+  if algorithm.critic:  # the step's GAE turns the rewards into advantages
+    completion_advantages = jnp.zeros_like(completion_advantages)
+  layout = {
+      "tokens_NxL": tokens, "input_mask_NxL": input_mask,
+      "loss_mask_NxL": jnp.concatenate(
+          [jnp.zeros_like(rollout.prompt_mask), completion_mask], 1),
+      "advantages_NxL": jnp.concatenate(
+          [zeros, completion_advantages], 1).astype(jnp.float32),
+      "sampler_logprobs_NxL": jnp.concatenate(
+          [zeros, rollout.sampler_logprobs], 1),
+  }
+  if rollout.policy_logprobs is not None:
+    layout["old_logprobs_NxL"] = jnp.concatenate(
+        [zeros, rollout.policy_logprobs], 1)
+  if algorithm.critic:
+    layout["rewards_N"] = advantages_N.astype(jnp.float32)
+  if algorithm.drop_pivot:
+    rows = pivot_rows(total_N, valid_N, sampled)
+    layout = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), layout)
+  elif algorithm.greedy_baseline:  # ReMax: the last row of a group is greedy.
+    rows = jnp.arange(total_N.shape[0]).reshape(-1, sampled)[:, :-1]
+    layout = jax.tree.map(lambda x: jnp.take(x, rows.reshape(-1), axis=0),
+                          layout)
+  return RLBatch(**layout), adv_state, metrics
+
+
+__all__ = ["pivot_rows", "postprocess"]

@@ -1,0 +1,155 @@
+"""Sampled batches before the advantage chain: merged, stored and replayed.
+
+A ``Sampled`` is one sampled and scored batch as ``Collector`` holds it
+between scoring and the advantage chain. Prompt selection samples several
+rounds and ``merge``s the groups its plan keeps (``rljax.data.selection``);
+rollout replay keeps groups on the host (``host_groups``) and turns stored
+groups back into a ``Sampled`` (``from_groups``) to merge after the fresh
+ones. Prompts of different batches are left-padded to a common width.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from rljax import rewards as rewards_lib
+from rljax import sampling
+
+
+def scored_rows(valid_NxR: np.ndarray, failed_rewards: str) -> np.ndarray:
+  """``mask_N`` of the advantage chain: the rows with at least one reward
+  (``failed_rewards="exclude"``, TRL since PR #5902), or every row
+  (``"zero"``: a row whose every reward failed scores 0 in the statistics,
+  as TRL's earlier ``nansum``)."""
+  if failed_rewards == "zero":
+    return np.ones(valid_NxR.shape[0], bool)
+  return np.asarray(valid_NxR).any(axis=1)
+
+
+class Sampled(NamedTuple):
+  """One sampled and scored batch, before the advantage chain."""
+
+  rollout: Any
+  examples: Mapping[str, Sequence[Any]]
+  completions: list[str]
+  result: rewards_lib.RewardResult
+  rewards_NxR: Any      # the chain's input: this process's block, global
+  valid_N: Any
+  lengths: np.ndarray   # every row's (all processes)
+  finished: np.ndarray
+  prompt_tokens_N: np.ndarray
+  completion_tokens_N: np.ndarray
+  token_versions: np.ndarray | None
+  spec_metrics: dict[str, float]
+  seconds_sample: float
+  seconds_reward: float
+
+
+def left_pad(x: Any, name: str, width: int, pad_id: int, xp: Any = np) -> Any:
+  """A ``prompt_*`` array of a rollout left-padded to ``width`` columns
+  (``pad_id`` tokens, False mask); other fields as they are."""
+  if not name.startswith("prompt_") or x.ndim != 2 or x.shape[1] == width:
+    return x
+  value = pad_id if name == "prompt_tokens" else False
+  return xp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
+
+
+def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
+          pad_id: int, failed_rewards: str) -> Sampled:
+  """The planned groups of every round (``selection.Plan``) as one batch,
+  round by round, prompts left-padded to the widest round's bucket.
+  ``group_rows``: rows per group."""
+  g = group_rows
+  rows = [(np.asarray(groups)[:, None] * g + np.arange(g)).reshape(-1)
+          for groups in plan.rounds]
+  width = max(r.rollout.prompt_tokens.shape[1] for r in rounds)
+  fields = {}
+  for name in sampling.Rollout._fields:
+    parts = [getattr(r.rollout, name) for r in rounds]
+    fields[name] = None if parts[0] is None else jnp.concatenate(
+        [jnp.take(left_pad(x, name, width, pad_id, jnp), jnp.asarray(idx),
+                  axis=0) for x, idx in zip(parts, rows)], 0)
+
+  def cat(get):
+    return np.concatenate([np.asarray(get(r))[idx]
+                           for r, idx in zip(rounds, rows)], 0)
+
+  result = rewards_lib.merge_results(
+      rounds[0].result.names, cat(lambda r: r.result.rewards_NxR),
+      cat(lambda r: r.result.valid_NxR), cat(lambda r: r.result.total_N),
+      [r.result.metrics for r in rounds])
+  examples = {f: [r.examples[f][i] for r, groups in zip(rounds, plan.rounds)
+                  for i in groups] for f in rounds[0].examples}
+  completions = [r.completions[j] for r, idx in zip(rounds, rows)
+                 for j in idx]
+  spec: dict[str, float] = {}
+  for r in rounds:  # SPEC-RL's row counts add up over the rounds
+    for k, v in r.spec_metrics.items():
+      spec[k] = spec.get(k, 0.0) + v if k == "spec/drafted_rows" else v
+  return Sampled(
+      sampling.Rollout(**fields), examples, completions, result,
+      result.rewards_NxR, scored_rows(result.valid_NxR, failed_rewards),
+      cat(lambda r: r.lengths), cat(lambda r: r.finished),
+      cat(lambda r: r.prompt_tokens_N), cat(lambda r: r.completion_tokens_N),
+      None, spec, sum(r.seconds_sample for r in rounds),
+      sum(r.seconds_reward for r in rounds))
+
+
+def host_groups(sampled: Sampled, groups: Sequence[int],
+                group_rows: int) -> list[dict[str, np.ndarray]]:
+  """Host copies of the given groups' rows, the fields a replay buffer
+  keeps (``selection.ReplayBuffer``)."""
+  r, result = sampled.rollout, sampled.result
+  rows = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
+          "completion_tokens": r.completion_tokens,
+          "completion_mask": r.completion_mask, "lengths": sampled.lengths,
+          "finished": sampled.finished, "sampler_logprobs": r.sampler_logprobs,
+          "rewards_NxR": result.rewards_NxR, "valid_NxR": result.valid_NxR,
+          "total_N": result.total_N, "prompt_tokens_N": sampled.prompt_tokens_N,
+          "completion_tokens_N": sampled.completion_tokens_N}
+  if r.policy_logprobs is not None:
+    rows["policy_logprobs"] = r.policy_logprobs
+  host = {k: np.asarray(v) for k, v in rows.items()}
+  g = group_rows
+  return [{k: v[i * g:(i + 1) * g] for k, v in host.items()} for i in groups]
+
+
+def from_groups(groups: Sequence[Mapping[str, np.ndarray]], like: Sampled, *,
+                pad_id: int, failed_rewards: str) -> Sampled:
+  """Stored groups (``host_groups``) as a ``Sampled`` to merge after
+  ``like``, the fresh batch (same reward names and example fields)."""
+  width = max(x["prompt_tokens"].shape[1] for x in groups)
+
+  def stack(name):
+    return np.concatenate([left_pad(x[name], name, width, pad_id)
+                           for x in groups], 0)
+
+  rollout = sampling.Rollout(
+      stack("prompt_tokens"), stack("prompt_mask"),
+      stack("completion_tokens"), stack("completion_mask"),
+      stack("lengths"), stack("finished"),
+      stack("policy_logprobs") if "policy_logprobs" in groups[0] else None,
+      stack("sampler_logprobs"))
+  if (rollout.policy_logprobs is None) != (
+      like.rollout.policy_logprobs is None):
+    raise ValueError("the replay buffer's groups and this batch disagree "
+                     "on recorded policy logprobs (rl.old_logprobs "
+                     "changed?).")
+  result = rewards_lib.RewardResult(
+      like.result.names, stack("rewards_NxR"), stack("valid_NxR"),
+      stack("total_N"), {k: 0.0 for k in like.result.metrics}, ())
+  n = len(result.total_N)
+  return Sampled(
+      rollout, {f: [None] * len(groups) for f in like.examples}, [""] * n,
+      result, result.rewards_NxR,
+      scored_rows(result.valid_NxR, failed_rewards), stack("lengths"),
+      stack("finished"), stack("prompt_tokens_N"),
+      stack("completion_tokens_N"), None, {}, 0.0, 0.0)
+
+
+__all__ = ["Sampled", "from_groups", "host_groups", "left_pad", "merge",
+           "scored_rows"]
