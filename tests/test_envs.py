@@ -116,13 +116,13 @@ def test_episode_rewards_sum_the_steps_and_metrics_count_turns(scripted):
 def test_the_trainer_gets_the_rollouts_ids_and_loss_only_on_model_tokens(
     scripted):
   from rljax.train import build  # pylint: disable=g-import-not-at-top
-  from rljax.train import rollout as rollout_lib  # pylint: disable=g-import-not-at-top
+  from rljax.train import batch_layout  # pylint: disable=g-import-not-at-top
   from tests.test_train import tiny_config  # pylint: disable=g-import-not-at-top
   r = jax.tree.map(jnp.asarray, scripted.rollout)
   alg = build.algorithm(tiny_config())
   n = r.lengths.shape[0]
   rewards = jnp.asarray(np.arange(n, dtype=np.float32)[:, None] % 2)
-  batch, _, _ = rollout_lib._postprocess(  # pylint: disable=protected-access
+  batch, _, _ = batch_layout.postprocess(
       r, rewards, jnp.ones(n, bool), jnp.ones(1), alg.advantage.init(rewards),
       algorithm=alg, group_size=G)
   p = r.prompt_tokens.shape[1]

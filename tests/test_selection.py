@@ -140,7 +140,7 @@ def test_bad_settings_name_the_field(kwargs, match):
 
 
 def test_masked_fillers_have_no_loss_tokens():
-  """``_postprocess`` with ``trained_N``: a filler group's rows keep their
+  """``batch_layout.postprocess`` with ``trained_N``: a filler group's rows keep their
   tokens but no loss mask; the other rows are as without it."""
   from rljax import sampling  # pylint: disable=import-outside-toplevel
   from rljax.train import build  # pylint: disable=import-outside-toplevel
