@@ -1,7 +1,7 @@
 """Hugging Face checkpoint weights: import into rljax params, export back.
 
 The architectures and the ``config.json`` mapping are
-``rljax.models.hf_config``; this module maps tensors. ``_tensor_map`` is the
+``rljax.models.hf_config``; this module maps tensors. ``tensor_map`` is the
 one table of Hugging Face tensor names and layouts (``[N*H, D]`` to
 ``[D, N, H]`` and so on) against rljax parameter paths, used both ways.
 
@@ -63,7 +63,7 @@ from rljax.models.params import param_shapes, param_shardings
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tensor:
+class Tensor:
   hf_name: str
   path: tuple[str, ...]             # key path in the rljax params
   hf_shape: tuple[int, ...]
@@ -72,34 +72,34 @@ class _Tensor:
 
 
 def _same(hf_name, path, shape):
-  return _Tensor(hf_name, path, shape, lambda w: w, lambda a: a)
+  return Tensor(hf_name, path, shape, lambda w: w, lambda a: a)
 
 
 def _in_proj(hf_name, path, heads, h, d):
   """``[X*H, D]`` (torch Linear) <-> ``[D, X, H]``."""
-  return _Tensor(hf_name, path, (heads * h, d),
+  return Tensor(hf_name, path, (heads * h, d),
                  lambda w: w.reshape(heads, h, d).transpose(2, 0, 1),
                  lambda a: a.transpose(1, 2, 0).reshape(heads * h, d))
 
 
 def _out_proj(hf_name, path, n, h, d):
   """``[D, N*H]`` <-> ``[N, H, D]``."""
-  return _Tensor(hf_name, path, (d, n * h),
+  return Tensor(hf_name, path, (d, n * h),
                  lambda w: w.reshape(d, n, h).transpose(1, 2, 0),
                  lambda a: a.transpose(2, 0, 1).reshape(d, n * h))
 
 
 def _bias(hf_name, path, heads, h):
-  return _Tensor(hf_name, path, (heads * h,),
+  return Tensor(hf_name, path, (heads * h,),
                  lambda w: w.reshape(heads, h), lambda a: a.reshape(heads * h))
 
 
-def _linear(hf_name, path, out_dim, in_dim):
+def linear(hf_name, path, out_dim, in_dim):
   """``[out, in]`` (torch Linear) <-> ``[in, out]``."""
-  return _Tensor(hf_name, path, (out_dim, in_dim), lambda w: w.T, lambda a: a.T)
+  return Tensor(hf_name, path, (out_dim, in_dim), lambda w: w.T, lambda a: a.T)
 
 
-def _tensor_map(c: ModelConfig) -> list[_Tensor]:
+def tensor_map(c: ModelConfig) -> list[Tensor]:
   """Every parameter of ``c``, in Hugging Face's file order."""
   d, n, k, h, f, v = (c.d_model, c.num_heads, c.num_kv_heads, c.head_dim,
                       c.mlp_dim, c.vocab_size)
@@ -124,14 +124,14 @@ def _tensor_map(c: ModelConfig) -> list[_Tensor]:
     if c.qk_norm:
       out += [_same(a + "q_norm.weight", (r, "attn", "q_norm", "scale"), (h,)),
               _same(a + "k_norm.weight", (r, "attn", "k_norm", "scale"), (h,))]
-    out += [_linear(p + "mlp.gate_proj.weight", (r, "mlp", "gate_kernel"), f, d),
-            _linear(p + "mlp.up_proj.weight", (r, "mlp", "up_kernel"), f, d),
-            _linear(p + "mlp.down_proj.weight", (r, "mlp", "down_kernel"), d, f)]
+    out += [linear(p + "mlp.gate_proj.weight", (r, "mlp", "gate_kernel"), f, d),
+            linear(p + "mlp.up_proj.weight", (r, "mlp", "up_kernel"), f, d),
+            linear(p + "mlp.down_proj.weight", (r, "mlp", "down_kernel"), d, f)]
     out += [_same(p + hf_norm + ".weight", (r, norm, "scale"), (d,))
             for hf_norm, norm in norms]
   out.append(_same("model.norm.weight", ("final_norm", "scale"), (d,)))
   if not c.tie_embeddings:
-    out.append(_linear("lm_head.weight", ("lm_head",), v, d))
+    out.append(linear("lm_head.weight", ("lm_head",), v, d))
   return out
 
 
@@ -226,15 +226,16 @@ def _ignorable(name: str, config: ModelConfig) -> bool:
       config.tie_embeddings and name == "lm_head.weight")
 
 
-def _check_tensors(ckpt: _Checkpoint, tensors: list[_Tensor],
-                   config: ModelConfig, arch: str, directory: str) -> None:
+def _check_tensors(ckpt: _Checkpoint, tensors: list[Tensor],
+                   ignorable: Callable[[str], bool], arch: str,
+                   directory: str) -> None:
   expected = {t.hf_name: t for t in tensors}
   missing = [name for name in expected if name not in ckpt.where]
   if missing:
     raise ValueError(f"{directory}: {len(missing)} tensor(s) that {arch} with "
                      f"this config.json needs are missing, e.g. {missing[:5]}.")
   extra = [name for name in ckpt.where
-           if name not in expected and not _ignorable(name, config)]
+           if name not in expected and not ignorable(name)]
   if extra:
     raise ValueError(f"{directory}: {len(extra)} tensor(s) that rljax's {arch} "
                      f"does not use, e.g. {extra[:5]}: config.json and the "
@@ -283,13 +284,27 @@ def load_hf_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *,
   hf = read_hf_config(path)
   config = model_config_from_hf(hf, param_dtype=param_dtype, dtype=dtype,
                                 source=os.path.join(path, "config.json"))
-  arch = hf_architecture(hf)
-  tensors = _tensor_map(config)
+  shardings = None if mesh is None else param_shardings(config, mesh, rules)
+  params = read_tensors(path, tensor_map(config), hf_architecture(hf),
+                        np.dtype(config.jnp_param_dtype), shardings,
+                        ignorable=lambda name: _ignorable(name, config))
+  return config, params
+
+
+def read_tensors(path: str, tensors: list[Tensor], arch: str,
+                 target: np.dtype, shardings: Any = None, *,
+                 ignorable: Callable[[str], bool] = lambda name: False,
+                 ) -> dict[str, Any]:
+  """The params tree of ``tensors`` read from checkpoint directory ``path``.
+
+  Every tensor is checked (present, none unexpected unless ``ignorable``,
+  float, of its shape) before any is read; then each is mapped, converted to
+  ``target`` and placed: with ``shardings`` (a tree indexed like the params)
+  each device gets its own slice, else the default device.
+  """
   ckpt = _Checkpoint(path)
   try:
-    _check_tensors(ckpt, tensors, config, arch, path)
-    target = np.dtype(config.jnp_param_dtype)
-    shardings = None if mesh is None else param_shardings(config, mesh, rules)
+    _check_tensors(ckpt, tensors, ignorable, arch, path)
     params: dict[str, Any] = {}
     for t in tensors:
       # A memory map: each process reads the pages of its devices' slices.
@@ -303,7 +318,7 @@ def load_hf_checkpoint(path: str | os.PathLike, mesh: Mesh | None = None, *,
       _set_path(params, t.path, array)
   finally:
     ckpt.close()
-  return config, params
+  return params
 
 
 class HFModel(NamedTuple):
@@ -340,7 +355,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"
                     "generation_config.json")
 
 
-def _parse_size(size: int | str) -> int:
+def parse_size(size: int | str) -> int:
   if isinstance(size, int) and size > 0:
     return size
   if isinstance(size, str):
@@ -363,7 +378,7 @@ def _to_host(x: Any) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def _write_shard(file: str, tensors: list[_Tensor], params: Mapping[str, Any],
+def _write_shard(file: str, tensors: list[Tensor], params: Mapping[str, Any],
                  out_dtype: np.dtype) -> None:
   arrays = {}
   for t in tensors:
@@ -416,22 +431,32 @@ def save_hf_checkpoint(path: str | os.PathLike, config: ModelConfig,
   if dtype not in HF_DTYPES:
     raise ValueError(f"dtype={dtype!r}: accepted {HF_DTYPES}.")
   out_dtype = np.dtype(jnp.dtype(dtype))
-  limit = _parse_size(max_shard_size)
+  limit = parse_size(max_shard_size)
   hf = hf_config_from_model_config(config, architecture, dtype=dtype)
   hf.update(extra_config or {})
-  expected = param_shapes(config)
+  return write_tensors(path, tensor_map(config), params, param_shapes(config),
+                       hf, out_dtype, limit, tokenizer_from)
+
+
+def write_tensors(path: str, tensors: list[Tensor], params: Mapping[str, Any],
+                  expected: Any, hf: Mapping[str, Any], out_dtype: np.dtype,
+                  limit: int, tokenizer_from: str | os.PathLike | None
+                  ) -> list[str]:
+  """Writes ``tensors`` of ``params`` (checked against the ``expected``
+  shapes) in shards of at most ``limit`` bytes, ``config.json`` from ``hf``
+  and the tokenizer files; returns the files written (``save_hf_checkpoint``).
+  """
   if jax.tree.structure(params) != jax.tree.structure(expected):
     raise ValueError("params do not have the structure of the config's params: "
                      f"{jax.tree.structure(params)} vs "
                      f"{jax.tree.structure(expected)}.")
-  tensors = _tensor_map(config)
   for t in tensors:
     got = tuple(_get_path(params, t.path).shape)
     want = tuple(_get_path(expected, t.path).shape)
     if got != want:
       raise ValueError(f"params[{'/'.join(t.path)}] has shape {got}; the "
                        f"config gives {want}.")
-  shards: list[list[_Tensor]] = [[]]
+  shards: list[list[Tensor]] = [[]]
   used = 0
   for t in tensors:
     size = math.prod(t.hf_shape) * out_dtype.itemsize
