@@ -50,7 +50,8 @@ def main(argv):
   config.env.num_workers = 0
   runner = build.env_runner(config)
   try:
-    with build.make_evaluator(config, num_workers=0) as evaluator:
+    with build.make_evaluator(config, num_workers=0,
+                              tokenizer=tok) as evaluator:
       for label, k, greedy in (("greedy_", 1, True), ("", _NUM.value, False)):
         sc = build.sampler_config(config, tok, k, greedy=greedy)
         fn = sampling.make_sampler(policy.model_config, sc)

@@ -440,6 +440,8 @@ class RewardEvaluator:
       prompts: Sequence[str],
       completions: Sequence[str],
       example_fields: Mapping[str, Sequence[Any]] | None = None,
+      *,
+      tokens: Any = None,
   ) -> RewardResult:
     """Scores a batch with every reward function.
 
@@ -448,6 +450,11 @@ class RewardEvaluator:
       completions: ``N`` completion strings.
       example_fields: ``{field: list of N values}``, passed to every function
         as keyword arguments (e.g. ``answer``, ``numbers``, ``target``).
+      tokens: the batch's token ids (the rollout: ``prompt_tokens``,
+        ``prompt_mask``, ``completion_tokens``, ``completion_mask``), for
+        in-process functions that read tokens rather than text (those with
+        ``reads_tokens`` true are called as ``fn.score_tokens(tokens)``: a
+        reward model, ``rljax.train.model_rewards``). Opaque here.
 
     Returns:
       A ``RewardResult``. Its metrics, for each reward ``<name>``:
@@ -529,8 +536,10 @@ class RewardEvaluator:
     if n:
       for j, spec in enumerate(self._specs):
         if j not in self._pooled:
-          record(j, 0, n, _call_in_process(spec.fn, prompts, completions,
-                                           fields))
+          fn = spec.fn
+          if tokens is not None and getattr(fn, "reads_tokens", False):
+            fn = lambda *_, score=fn.score_tokens, **__: score(tokens)  # pylint: disable=unnecessary-lambda-assignment
+          record(j, 0, n, _call_in_process(fn, prompts, completions, fields))
       restarts_before = self._pool.restarts if self._pool else 0
       if self._pool is not None:
         size = self._chunk_size or -(-n // self._num_workers)

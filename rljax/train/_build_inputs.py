@@ -24,6 +24,7 @@ from rljax import models, sharding
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
 from rljax.train import algorithm as alg_lib
+from rljax.train import model_rewards
 
 log = logging.getLogger("rljax")
 
@@ -42,7 +43,15 @@ every other field."""
 
 
 def reward_fn(name: str):
-  """``(label, fn)``: a built-in reward by name, or ``"package.module:function"``."""
+  """``(label, fn)``: a built-in reward by name, or ``"package.module:function"``.
+
+  A reward model (``"model:<path>"``, ``rljax.train.model_rewards``) gives
+  ``(label, None)`` once its config is checked: its weights are read by
+  ``make_evaluator``, which has the mesh.
+  """
+  if model_rewards.is_model_reward(name):
+    model_rewards.check(name)
+    return model_rewards.label(name), None
   if ":" in name:
     module, _, attr = name.partition(":")
     try:
@@ -50,7 +59,7 @@ def reward_fn(name: str):
     except (ImportError, AttributeError) as e:
       raise ValueError(f"rewards.names contains {name!r}, which cannot be "
                        f"imported ({e}); accepted: a built-in name or "
-                       "'package.module:function'.") from e
+                       "'package.module:function' or 'model:<path>'.") from e
     return attr, fn
   if name not in rewards_lib.REWARD_FNS:
     raise ValueError(f"rewards.names contains {name!r}; accepted: "
@@ -59,17 +68,48 @@ def reward_fn(name: str):
   return name, rewards_lib.get_reward_fn(name)
 
 
-def reward_specs(config: Any) -> list[rewards_lib.RewardSpec]:
-  """One ``RewardSpec`` per ``rewards.names`` entry, weighted by ``rewards.weights``."""
-  return [rewards_lib.RewardSpec(*reward_fn(n), weight=float(w))
-          for n, w in zip(config.rewards.names, config.rewards.weights)]
+def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
+                 tokenizer: Any = None,
+                 group: distributed.ProcessGroup | None = None,
+                 ) -> list[rewards_lib.RewardSpec]:
+  """One ``RewardSpec`` per ``rewards.names`` entry, weighted by
+  ``rewards.weights``; a reward model (``"model:<path>"``) is loaded onto
+  ``mesh`` and scores in-process, reading the policy's tokens when it has
+  the policy's ``tokenizer``."""
+  specs = []
+  for name, weight in zip(config.rewards.names, config.rewards.weights):
+    label, fn = reward_fn(name)
+    if fn is not None:
+      specs.append(rewards_lib.RewardSpec(label, fn, weight=float(weight)))
+      continue
+    if group is not None and not group.single:
+      raise ValueError(f"rewards.names entry {name!r} with {group.count} "
+                       "processes: a reward model scores on one process for "
+                       "now.")
+    if tokenizer is None:
+      raise ValueError(f"rewards.names entry {name!r}: a reward model needs "
+                       "the policy's tokenizer (make_evaluator(tokenizer=)).")
+    m = config.rewards.models
+    fn = model_rewards.load(
+        name, policy_tokenizer=tokenizer, policy_dir=config.model.path,
+        mesh=mesh, tokens=m.tokens, chat_template=m.chat_template,
+        param_dtype=m.param_dtype or None)
+    log.info("reward model %s: %s params, reads the %s", label,
+             f"{models.count_params(fn.params):,}",
+             "policy's tokens" if fn.reads_tokens else "text")
+    specs.append(rewards_lib.RewardSpec(label, fn, weight=float(weight),
+                                        in_process=True))
+  return specs
 
 
-def make_evaluator(config: Any, num_workers: int | None = None
+def make_evaluator(config: Any, num_workers: int | None = None, *,
+                   mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None,
+                   group: distributed.ProcessGroup | None = None,
                    ) -> rewards_lib.RewardEvaluator:
-  """The reward evaluator of ``rewards.*`` (``num_workers`` overrides)."""
+  """The reward evaluator of ``rewards.*`` (``num_workers`` overrides;
+  ``mesh``, ``tokenizer`` and ``group`` are for reward models)."""
   return rewards_lib.RewardEvaluator(
-      reward_specs(config),
+      reward_specs(config, mesh=mesh, tokenizer=tokenizer, group=group),
       num_workers=(config.rewards.num_workers if num_workers is None
                    else num_workers),
       timeout_s=config.rewards.timeout_s,

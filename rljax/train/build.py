@@ -574,7 +574,8 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
     log.info("teacher for on-policy distillation: %s (%s params)",
              config.teacher.path, f"{models.count_params(teacher[1]):,}")
   # Worker processes last, once nothing else can fail.
-  evaluator = make_evaluator(config)
+  evaluator = make_evaluator(config, mesh=mesh, tokenizer=tokenizer,
+                             group=group)
   runner = env_runner(config)
   return Components(
       config=config, settings=loop_settings(config), mesh=mesh, task=task,

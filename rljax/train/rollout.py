@@ -322,7 +322,9 @@ class Collector:
     fields = data_lib.repeat_each(examples, g)
     if env_reward is not None:
       fields["env_reward"] = env_reward
-    result = self.evaluator.evaluate(fields["prompt"], completions, fields)
+    result = self.evaluator.evaluate(  # a reward model reads the tokens
+        fields["prompt"], completions, fields,
+        tokens=rollout if group.single else None)
     # The chain's inputs: this process's rows, as blocks of global arrays.
     rewards_NxR = group.global_array(result.rewards_NxR, mesh)
     valid_N = group.global_array(

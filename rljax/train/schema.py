@@ -227,6 +227,14 @@ _BASE: dict[str, Field] = {
     "rewards.max_failure_fraction": F(0.99, "[0,1]", "stop when more (sample, "
                                       "reward) pairs fail ..."),
     "rewards.failure_patience": F(5, "int>=1", "... for this many steps"),
+    "rewards.models.tokens": F("auto", None, "a 'model:<path>' reward reads "
+                               "the policy's tokens (same tokenizer) or the "
+                               "text", choices=("auto", "policy", "text")),
+    "rewards.models.chat_template": F(True, None, "text read through the "
+                                      "reward model's chat template"),
+    "rewards.models.param_dtype": F("", None, "reward-model params' dtype "
+                                    "('': the checkpoint's)",
+                                    choices=("", "float32", "bfloat16")),
     # --- env: multi-turn environments (docs/environments.md) ---
     "env.name": F("", None, "a built-in environment or "
                   "'package.module:factory' ('': single-turn)"),

@@ -1,0 +1,232 @@
+"""Rewards scored by a model on the policy's mesh: the reward kind ``model``.
+
+A ``ModelReward`` is a reward function (``rljax.rewards.RewardFn``) whose
+values are a reward model's scores (``rljax.models.reward_model``: a
+decoder with a score head on the last real token), computed in a jitted
+forward on the same devices as the policy, with no second serving system.
+It runs in the trainer's process (``RewardSpec(in_process=True)``), so its
+values enter the ``[N, R]`` reward columns like any function's, with their
+weight, the failure counts and the ``reward/<name>/*`` metrics; a
+non-finite score counts as ``reward/<name>/invalid``.
+
+Two ways to read a completion:
+
+* **Tokens** (the reward model has the policy's tokenizer): the evaluator
+  hands over the rollout itself (``RewardEvaluator.evaluate(tokens=...)``)
+  and the model scores ``prompt_tokens + completion_tokens`` as they were
+  sampled (EOS included where the row finished): no decode/encode round
+  trip.
+* **Text** (another tokenizer, or a caller without tokens): each (prompt,
+  completion) is rendered through the reward model's chat template as a
+  user turn and an assistant turn (``rewards.models.chat_template``), or
+  else as the prompt's ids, the completion's and EOS, then encoded with the
+  reward model's tokenizer, left-padded and scored.
+
+In a config a model reward is a ``rewards.names`` entry ``"model:<path>"``
+(``<path>``: a Hugging Face ``*ForSequenceClassification`` directory, or a
+run directory of ``launch.train_reward_model``, whose ``reward_model/``
+holds one); its metric label is the directory's name. ``rewards.models.*``
+holds the kind's settings. Reference: Ouyang et al., "Training language
+models to follow instructions with human feedback" (RL against a learned
+reward model), https://arxiv.org/abs/2203.02155; TRL's ``GRPOTrainer``
+takes a sequence-classification model among its ``reward_funcs``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from rljax import sampling
+from rljax import tokenizers as tok_lib
+from rljax.models import reward_model as rm_lib
+from rljax.models.hf_config import read_hf_config
+
+PREFIX = "model:"
+"""The ``rewards.names`` prefix of the reward kind ``model``."""
+
+RUN_SUBDIR = "reward_model"
+"""Where a ``launch.train_reward_model`` run keeps its exported model."""
+
+TOKEN_MODES = ("auto", "policy", "text")
+
+_score = jax.jit(rm_lib.scores, static_argnames="config")
+
+
+def is_model_reward(name: str) -> bool:
+  return isinstance(name, str) and name.startswith(PREFIX)
+
+
+def label(name: str) -> str:
+  """The metric label of ``"model:<path>"``: the directory's name, with
+  characters outside ``[A-Za-z0-9_.-]`` replaced by ``_``."""
+  base = os.path.basename(os.path.normpath(name[len(PREFIX):])) or "model"
+  return re.sub(r"[^A-Za-z0-9_.\-]", "_", base)
+
+
+def resolve(path: str) -> str:
+  """The reward model's Hugging Face directory of ``path`` (itself, or the
+  ``reward_model/`` of a reward-model run).
+
+  Raises:
+    FileNotFoundError: naming what was looked for.
+  """
+  for directory in (path, os.path.join(path, RUN_SUBDIR)):
+    if os.path.isfile(os.path.join(directory, "config.json")):
+      return directory
+  raise FileNotFoundError(
+      f"rewards.names entry {PREFIX}{path}: neither {path}/config.json nor "
+      f"{path}/{RUN_SUBDIR}/config.json exists; accepted: a Hugging Face "
+      f"sequence-classification directory ({rm_lib.ARCHITECTURES}) or a run "
+      "directory of launch.train_reward_model.")
+
+
+def check(name: str) -> rm_lib.RewardModelConfig:
+  """Reads the config of ``"model:<path>"`` (cheap: no weights), checked to
+  be a scalar reward model."""
+  directory = resolve(name[len(PREFIX):])
+  config = rm_lib.reward_model_config_from_hf(
+      read_hf_config(directory), source=os.path.join(directory, "config.json"))
+  if config.num_labels != 1:
+    raise ValueError(f"rewards.names entry {name!r}: the model has "
+                     f"num_labels={config.num_labels}; a reward model has one "
+                     "score (accepted: num_labels=1).")
+  return config
+
+
+def shares_tokenizer(policy_tokenizer: Any, directory: str,
+                     policy_dir: str = "") -> bool:
+  """Whether the reward model in ``directory`` has the policy's tokenizer:
+  the same sentencepiece model bytes, or the same ``tokenizer.json`` /
+  ``tokenizer.model`` file as the policy's checkpoint ``policy_dir``."""
+  base = getattr(policy_tokenizer, "tokenizer", policy_tokenizer)
+  serialized = getattr(base, "serialized", None)
+  for name in ("tokenizer.json", "tokenizer.model"):
+    theirs = os.path.join(directory, name)
+    if not os.path.isfile(theirs):
+      continue
+    with open(theirs, "rb") as f:
+      data = f.read()
+    ours = os.path.join(policy_dir, name) if policy_dir else ""
+    if ours and os.path.isfile(ours):
+      with open(ours, "rb") as f:
+        return f.read() == data
+    if name == "tokenizer.model" and serialized is not None:
+      return serialized == data
+  return False
+
+
+class ModelReward:
+  """A reward model as a reward function (see the module docstring).
+
+  Args:
+    config, params: the reward model (``models.load_hf_reward_model``).
+    tokenizer: the reward model's tokenizer (the text path).
+    score_tokens: score the policy's tokens when the caller hands them over
+      (the reward model has the policy's tokenizer).
+    chat_template: render text through ``tokenizer``'s chat template when it
+      has one.
+    mesh: the params' mesh (text-path inputs are replicated on it); None:
+      the default device.
+  """
+
+  def __init__(self, config: rm_lib.RewardModelConfig, params: Any,
+               tokenizer: Any, *, score_tokens: bool,
+               chat_template: bool = True, mesh: Mesh | None = None):
+    if config.num_labels != 1:
+      raise ValueError(f"ModelReward: num_labels={config.num_labels}; a "
+                       "reward model has one score (accepted: 1).")
+    self.config, self.params, self.tokenizer = config, params, tokenizer
+    self.reads_tokens = score_tokens
+    self._chat = chat_template and getattr(tokenizer, "chat_template",
+                                           None) is not None
+    self._mesh = mesh
+
+  def _values(self, tokens_BxT: Any, mask_BxT: Any, n: int) -> np.ndarray:
+    out = np.asarray(jax.device_get(_score(self.params, config=self.config,
+                                           tokens_BxT=tokens_BxT,
+                                           input_mask_BxT=mask_BxT)),
+                     np.float64)[:n, 0]
+    # Non-finite is a failed score (counted invalid), never "no reward".
+    return np.where(np.isfinite(out), out, np.inf)
+
+  def score_tokens(self, rollout: Any) -> np.ndarray:
+    """``[N]`` scores of a rollout's ``prompt_tokens + completion_tokens``
+    (``prompt_mask``, ``completion_mask``); what the evaluator calls when
+    ``reads_tokens`` and it has the rollout."""
+    tokens = jax.numpy.concatenate([rollout.prompt_tokens,
+                                    rollout.completion_tokens], 1)
+    mask = jax.numpy.concatenate([rollout.prompt_mask,
+                                  rollout.completion_mask], 1)
+    return self._values(tokens, mask, tokens.shape[0])
+
+  def encode(self, prompt: str, completion: str) -> list[int]:
+    """The reward model's ids of one (prompt, completion)."""
+    tok = self.tokenizer
+    if self._chat:
+      text = tok.apply_chat_template(
+          [{"role": "user", "content": prompt},
+           {"role": "assistant", "content": completion}],
+          add_generation_prompt=False)
+      return tok.encode(text)
+    return (tok_lib.encode_prompts(tok, [prompt])[0]
+            + tok_lib.continuation_ids(tok, completion) + [tok.eos_id])
+
+  def __call__(self, prompts: Sequence[str], completions: Sequence[str],
+               **unused_fields: Any) -> np.ndarray:
+    n = len(completions)
+    if not n:
+      return np.zeros(0)
+    ids = [self.encode(p, c) for p, c in zip(prompts, completions)]
+    bucket = max(16, 1 << (max(len(i) for i in ids) - 1).bit_length())
+    tokens, mask = sampling.pad_prompts(ids, (bucket,),
+                                        self.tokenizer.pad_id)
+    if self._mesh is not None:
+      replicated = NamedSharding(self._mesh, PartitionSpec())
+      tokens, mask = jax.device_put((tokens, mask), replicated)
+    return self._values(tokens, mask, n)
+
+
+def load(name: str, *, policy_tokenizer: Any, policy_dir: str = "",
+         mesh: Mesh | None = None, tokens: str = "auto",
+         chat_template: bool = True, param_dtype: str | None = None
+         ) -> ModelReward:
+  """The ``ModelReward`` of a ``rewards.names`` entry ``"model:<path>"``.
+
+  Args:
+    name: the entry.
+    policy_tokenizer, policy_dir: the policy's tokenizer and checkpoint
+      directory (``model.path``; empty for a trained sentencepiece one).
+    mesh: where the params go (``models.reward_model.shardings``).
+    tokens: ``"auto"`` scores the policy's tokens when the reward model has
+      the policy's tokenizer (``shares_tokenizer``), else the text;
+      ``"policy"`` always the tokens (its vocabulary must cover the
+      policy's); ``"text"`` always the text.
+    chat_template: the text path renders through the chat template.
+    param_dtype: the params' dtype (None: the checkpoint's).
+  """
+  if tokens not in TOKEN_MODES:
+    raise ValueError(f"rewards.models.tokens={tokens!r}: accepted "
+                     f"{TOKEN_MODES}.")
+  directory = resolve(name[len(PREFIX):])
+  check(name)
+  config, params = rm_lib.load_hf_reward_model(directory, mesh,
+                                               param_dtype=param_dtype)
+  same = (tokens == "policy" or tokens == "auto" and shares_tokenizer(
+      policy_tokenizer, directory, policy_dir))
+  if same:
+    tok_lib.check_tokenizer_vocab(policy_tokenizer, config.decoder.vocab_size,
+                                  directory)
+    tokenizer = policy_tokenizer
+  else:
+    tokenizer = tok_lib.load_hf_tokenizer(directory)
+    tok_lib.check_tokenizer_vocab(tokenizer, config.decoder.vocab_size,
+                                  directory)
+  return ModelReward(config, params, tokenizer, score_tokens=same,
+                     chat_template=chat_template, mesh=mesh)
