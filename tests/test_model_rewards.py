@@ -55,7 +55,7 @@ def rm_dir(tmp_path_factory, policy_tokenizer):
 class _Rollout:  # the fields a reward model reads
   def __init__(self, tokenizer, prompts, completions):
     p = [tok_lib.encode_prompts(tokenizer, [x])[0] for x in prompts]
-    c = [tok_lib.continuation_ids(tokenizer, x) + [tokenizer.eos_id]
+    c = [tokenizer.encode(x) + [tokenizer.eos_id]
          for x in completions]
     self.prompt_tokens, self.prompt_mask = sampling.pad_prompts(p, (8,))
     width = max(map(len, c))
@@ -201,7 +201,7 @@ def test_a_vocabulary_smaller_than_the_policy_s_is_refused(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tokens", ["auto", "text"])
+@pytest.mark.parametrize("tokens", ["auto", "policy", "text"])
 def test_a_run_trains_on_a_reward_model(tmp_path, tokens):
   config = tiny_config()
   config.rl.num_steps = 2

@@ -19,7 +19,7 @@ Two ways to read a completion:
 * **Text** (another tokenizer, or a caller without tokens): each (prompt,
   completion) is rendered through the reward model's chat template as a
   user turn and an assistant turn (``rewards.models.chat_template``), or
-  else as the prompt's ids, the completion's and EOS, then encoded with the
+  else as the prompt's ids, the completion's and EOS (``encode``), encoded with the
   reward model's tokenizer, left-padded and scored.
 
 In a config a model reward is a ``rewards.names`` entry ``"model:<path>"``
@@ -100,6 +100,25 @@ def check(name: str) -> rm_lib.RewardModelConfig:
   return config
 
 
+def encode(tokenizer: Any, prompt: str, completion: str,
+           chat_template: bool = False) -> list[int]:
+  """The ids a reward model reads for one (prompt, completion).
+
+  With ``chat_template`` (and a tokenizer that has one): a user turn and an
+  assistant turn rendered by the template. Otherwise what the policy's
+  rollouts hold after SFT (``sft.sft_arrays``): the prompt's ids
+  (``encode_prompts``), the completion's ``encode`` and EOS. The reward-model
+  trainer encodes its pairs with this too.
+  """
+  if chat_template and getattr(tokenizer, "chat_template", None) is not None:
+    return tokenizer.encode(tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt},
+         {"role": "assistant", "content": completion}],
+        add_generation_prompt=False))
+  return (tok_lib.encode_prompts(tokenizer, [prompt])[0]
+          + tokenizer.encode(completion) + [tokenizer.eos_id])
+
+
 def shares_tokenizer(policy_tokenizer: Any, directory: str,
                      policy_dir: str = "") -> bool:
   """Whether the reward model in ``directory`` has the policy's tokenizer:
@@ -167,16 +186,8 @@ class ModelReward:
     return self._values(tokens, mask, tokens.shape[0])
 
   def encode(self, prompt: str, completion: str) -> list[int]:
-    """The reward model's ids of one (prompt, completion)."""
-    tok = self.tokenizer
-    if self._chat:
-      text = tok.apply_chat_template(
-          [{"role": "user", "content": prompt},
-           {"role": "assistant", "content": completion}],
-          add_generation_prompt=False)
-      return tok.encode(text)
-    return (tok_lib.encode_prompts(tok, [prompt])[0]
-            + tok_lib.continuation_ids(tok, completion) + [tok.eos_id])
+    """The reward model's ids of one (prompt, completion): ``encode``."""
+    return encode(self.tokenizer, prompt, completion, self._chat)
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str],
                **unused_fields: Any) -> np.ndarray:

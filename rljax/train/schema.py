@@ -90,6 +90,24 @@ _BASE: dict[str, Field] = {
     "sft.label_noise": F(0.0, "[0,1)", "fraction of near-miss demonstrations"),
     "sft.padding_free": F(True, None, "warm-up rows packed, real tokens only "
                           "(the same loss; False: padded rows)"),
+    # --- reward_model: launch.train_reward_model (Bradley-Terry) ---
+    "reward_model.num_steps": F(300, "int>=1", "optimizer steps"),
+    "reward_model.batch_size": F(32, "int>=1", "pairs per step"),
+    "reward_model.learning_rate": F(3e-4, ">0", "peak learning rate (AdamW, "
+                                    "cosine)"),
+    "reward_model.center_coef": F(0.0, ">=0", "TRL's center_rewards_"
+                                  "coefficient: + c * mean((r_c + r_r)^2)"),
+    "reward_model.init": F("sft", None, "the decoder: the sft.* warm-up's "
+                           "model, or fresh", choices=("sft", "scratch")),
+    "reward_model.pairs_path": F("", None, "JSONL of prompt/chosen/rejected"
+                                 "[/margin] ('': built from the task)"),
+    "reward_model.heldout_path": F("", None, "held-out pairs JSONL ('': the "
+                                   "head of pairs_path)"),
+    "reward_model.num_pairs": F(4000, "int>=1", "built-in training pairs"),
+    "reward_model.num_heldout": F(256, "int>=1", "held-out pairs"),
+    "reward_model.max_length": F(16, "int>=1", "padded length of one side"),
+    "reward_model.eval_every": F(50, "int>=1", "held-out pair accuracy cadence"),
+    "reward_model.checkpoint_every": F(100, "int>=1", "checkpoint cadence"),
     # --- rl: the batch ---
     "rl.num_steps": F(100, "int>=1", "RL steps"),
     "rl.prompts_per_step": F(32, "int>=1", "prompts per step (B)"),

@@ -93,11 +93,18 @@ def noisy_completions(completions: Sequence[str], fraction: float,
   out = []
   for c in completions:
     if fraction and c.strip().lstrip("-").isdigit() and rng.random() < fraction:
-      offset = int(rng.integers(1, max_offset + 1)) * int(rng.choice([-1, 1]))
-      wrong = int(c) + offset
-      c = str(wrong if wrong >= 0 else int(c) + abs(offset))
+      c = near_miss(c, rng, max_offset)
     out.append(c)
   return out
+
+
+def near_miss(answer: str, rng: np.random.Generator, max_offset: int = 9
+              ) -> str:
+  """A wrong integer within ``max_offset`` of integer ``answer`` (never
+  negative unless ``answer`` is)."""
+  offset = int(rng.integers(1, max_offset + 1)) * int(rng.choice([-1, 1]))
+  wrong = int(answer) + offset
+  return str(wrong if wrong >= 0 else int(answer) + abs(offset))
 
 
 SEGMENT_KINDS = ("model", "eos", "observation")

@@ -1,0 +1,326 @@
+"""Training a reward model on preference pairs with the Bradley–Terry loss.
+
+A pair is a prompt with a ``chosen`` and a ``rejected`` completion (and an
+optional ``margin``). The reward model (``models.reward_model``) scores both;
+the loss is the negative log-likelihood that the chosen one wins under the
+Bradley–Terry model,
+
+    loss = -mean_b log sigmoid(r_chosen_b - r_rejected_b - margin_b)
+           + center_coef * mean_b (r_chosen_b + r_rejected_b)^2,
+
+the second term (TRL's ``center_rewards_coefficient``, Eisenstein et al.
+2023) pulling the rewards' mean to zero. References: Bradley & Terry, "Rank
+Analysis of Incomplete Block Designs" (1952); Ouyang et al., "Training
+language models to follow instructions with human feedback",
+https://arxiv.org/abs/2203.02155 (the pairwise loss); Touvron et al.,
+"Llama 2" (the margin), https://arxiv.org/abs/2307.09288; TRL's
+``RewardTrainer``.
+
+Pairs come from a JSONL file (``reward_model.pairs_path``: lines with
+``prompt``, ``chosen``, ``rejected``, optionally ``margin``) or are built
+from a built-in task (``builtin_pairs``: the reference answer preferred over
+a near miss). Each pair is encoded as the policy's rollouts are
+(``model_rewards.encode``), so a model trained here scores the policy's
+tokens as they were sampled. The run (``run``; ``launch/train_reward_model.py``)
+starts from the config's SFT warm-up (``reward_model.init="sft"``: the
+reward model is the SFT model with a score head, as in InstructGPT) or from
+scratch, checkpoints and resumes, measures held-out pair accuracy, and
+exports the model as a Hugging Face sequence-classification checkpoint with
+the tokenizer in ``<workdir>/reward_model``, which ``"model:<workdir>"``
+reads.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rljax import checkpoint as ckpt_lib
+from rljax import data as data_lib
+from rljax import metrics as metrics_lib
+from rljax import models, sharding
+from rljax import tokenizers as tok_lib
+from rljax.models import reward_model as rm_lib
+from rljax.train import model_rewards, sft
+
+log = logging.getLogger("rljax")
+
+INITS = ("sft", "scratch")
+
+
+def bradley_terry_loss(chosen_B: jax.Array, rejected_B: jax.Array,
+                       margin_B: jax.Array | None = None,
+                       center_coef: float = 0.0
+                       ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The pairwise loss of the module docstring and its metrics."""
+  diff = chosen_B - rejected_B
+  if margin_B is not None:
+    diff = diff - margin_B
+  loss = -jnp.mean(jax.nn.log_sigmoid(diff))
+  if center_coef:
+    loss = loss + center_coef * jnp.mean((chosen_B + rejected_B) ** 2)
+  return loss, {"loss": loss,
+                "accuracy": jnp.mean((chosen_B > rejected_B).astype(jnp.float32)),
+                "reward_chosen": jnp.mean(chosen_B),
+                "reward_rejected": jnp.mean(rejected_B),
+                "reward_gap": jnp.mean(chosen_B - rejected_B)}
+
+
+class Pairs(NamedTuple):
+  """Encoded pairs: ``[P, L]`` right-padded ids and masks, ``[P]`` margins."""
+  chosen: np.ndarray
+  chosen_mask: np.ndarray
+  rejected: np.ndarray
+  rejected_mask: np.ndarray
+  margin: np.ndarray
+
+
+def _check_pair(pair: Any, where: str) -> None:
+  if not isinstance(pair, dict):
+    raise ValueError(f"{where}: a JSON object with 'prompt', 'chosen' and "
+                     f"'rejected' is required, not {type(pair).__name__}.")
+  for field in ("prompt", "chosen", "rejected"):
+    if not isinstance(pair.get(field), str):
+      raise ValueError(f"{where}: field {field!r} is "
+                       f"{pair.get(field)!r}; a string is required.")
+  margin = pair.get("margin", 0.0)
+  if (isinstance(margin, bool) or not isinstance(margin, (int, float))
+      or not math.isfinite(margin)):
+    raise ValueError(f"{where}: field 'margin' is {margin!r}; a finite "
+                     "number is required.")
+
+
+def read_pairs(path: str) -> list[dict[str, Any]]:
+  """The pairs of a JSONL file, each checked (errors name the line)."""
+  pairs = list(data_lib.read_jsonl(path, required_fields=("prompt", "chosen",
+                                                          "rejected")))
+  for i, pair in enumerate(pairs):
+    _check_pair(pair, f"{path}: pair {i + 1}")
+  if not pairs:
+    raise ValueError(f"{path} holds no pairs.")
+  return pairs
+
+
+def builtin_pairs(task: Any, split: str, num_pairs: int, seed: int
+                  ) -> list[dict[str, Any]]:
+  """Pairs from a built-in task: its reference completion preferred over a
+  near miss (an integer within 9 of the answer, ``sft.near_miss``)."""
+  rng = np.random.default_rng((seed, 7))
+  pairs = []
+  for e in task.sft_examples(split, num_pairs, seed):
+    chosen = e["completion"]
+    if not chosen.strip().lstrip("-").isdigit():
+      raise ValueError(f"task {task.name!r}: completion {chosen!r} is not an "
+                       "integer; built-in pairs need one (give "
+                       "reward_model.pairs_path).")
+    pairs.append({"prompt": e["prompt"], "chosen": chosen,
+                  "rejected": sft.near_miss(chosen, rng)})
+  return pairs
+
+
+def encode_pairs(tokenizer: Any, pairs: Sequence[dict[str, Any]], width: int,
+                 chat_template: bool = False) -> Pairs:
+  """Right-padded ids of each side (``model_rewards.encode``).
+
+  Raises:
+    ValueError: if a side is longer than ``width`` (``reward_model.max_length``).
+  """
+  n = len(pairs)
+  out = {k: np.full((n, width), tokenizer.pad_id, np.int32)
+         for k in ("chosen", "rejected")}
+  masks = {k: np.zeros((n, width), bool) for k in out}
+  for i, pair in enumerate(pairs):
+    for side in out:
+      ids = model_rewards.encode(tokenizer, pair["prompt"], pair[side],
+                                 chat_template)
+      if len(ids) > width:
+        raise ValueError(f"pair {i + 1}'s {side} side is {len(ids)} tokens; "
+                         f"reward_model.max_length={width} is shorter "
+                         f"(accepted: >= {len(ids)}).")
+      out[side][i, :len(ids)] = ids
+      masks[side][i, :len(ids)] = True
+  margin = np.asarray([float(p.get("margin", 0.0)) for p in pairs], np.float32)
+  return Pairs(out["chosen"], masks["chosen"], out["rejected"],
+               masks["rejected"], margin)
+
+
+def make_step(config: rm_lib.RewardModelConfig,
+              optimizer: optax.GradientTransformation, center_coef: float):
+  """``step(params, opt_state, pairs) -> (params, opt_state, metrics)``:
+  both sides in one forward (``[2P, L]``)."""
+
+  def loss_fn(params, batch: Pairs):
+    tokens = jnp.concatenate([batch.chosen, batch.rejected])
+    mask = jnp.concatenate([batch.chosen_mask, batch.rejected_mask])
+    r = rm_lib.scores(params, config, tokens, mask)[:, 0]
+    p = batch.chosen.shape[0]
+    return bradley_terry_loss(r[:p], r[p:], batch.margin, center_coef)
+
+  def step(params, opt_state, batch: Pairs):
+    (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    m["grad_norm"] = optax.global_norm(grads)
+    return optax.apply_updates(params, updates), opt_state, m
+
+  return step, loss_fn
+
+
+def pair_accuracy(params: Any, config: rm_lib.RewardModelConfig,
+                  pairs: Pairs, batch_size: int, mesh: jax.sharding.Mesh
+                  ) -> float:
+  """The fraction of ``pairs`` whose chosen side scores higher (a tie
+  counts one half)."""
+  score = _scores_fn(config)
+  wins = []
+  rows = sharding.batch_sharding(mesh, 2)
+  for lo in range(0, len(pairs.chosen), batch_size):
+    idx = np.arange(lo, lo + batch_size) % len(pairs.chosen)  # full batches
+    sides = [score(params, jax.device_put(t[idx], rows),
+                   jax.device_put(m[idx], rows))
+             for t, m in ((pairs.chosen, pairs.chosen_mask),
+                          (pairs.rejected, pairs.rejected_mask))]
+    c, r = np.asarray(sides[0][:, 0]), np.asarray(sides[1][:, 0])
+    won = (c > r) + 0.5 * (c == r)  # a tie is half a win
+    wins.append(won[:min(batch_size, len(pairs.chosen) - lo)])
+  return float(np.concatenate(wins).mean())
+
+
+@functools.lru_cache(maxsize=None)
+def _scores_fn(config: rm_lib.RewardModelConfig):
+  return jax.jit(lambda params, tokens, mask: rm_lib.scores(params, config,
+                                                            tokens, mask))
+
+
+def load_pairs(config: Any, task: Any) -> tuple[list[dict[str, Any]],
+                                                list[dict[str, Any]]]:
+  """``(train pairs, held-out pairs)`` of ``reward_model.*``."""
+  r = config.reward_model
+  if r.pairs_path:
+    train = read_pairs(r.pairs_path)
+    heldout = (read_pairs(r.heldout_path) if r.heldout_path
+               else train[:r.num_heldout])
+    return train, heldout[:r.num_heldout]
+  if task is None:
+    raise ValueError("reward_model.pairs_path is empty and task.path is a "
+                     "JSONL task: built-in pairs need a built-in task "
+                     "(task.name), or give reward_model.pairs_path.")
+  return (builtin_pairs(task, "train", r.num_pairs, config.seed),
+          builtin_pairs(task, "heldout", r.num_heldout, config.seed + 1))
+
+
+def run(config: Any, workdir: str) -> dict[str, Any]:
+  """Trains a reward model (``reward_model.*`` of an RL config) in ``workdir``.
+
+  Uses the config's task, tokenizer, ``model.preset`` and ``sft.*`` (with
+  ``reward_model.init="sft"``), so a policy trained from the same config and
+  seed has the same tokenizer and ``"model:<workdir>"`` reads its tokens.
+  Resumes from the newest checkpoint in ``workdir/checkpoints``.
+
+  Returns:
+    The summary (also ``workdir/summary.json``): held-out pair accuracy
+    before and after, steps, seconds, the export's directory.
+  """
+  from rljax.train import build  # pylint: disable=g-import-not-at-top
+  r = config.reward_model
+  if r.init not in INITS:
+    raise ValueError(f"reward_model.init={r.init!r}: accepted {INITS}.")
+  build.validate(config)
+  if config.model.path:
+    raise ValueError("model.path is set: launch.train_reward_model trains a "
+                     "model.preset with the run's own tokenizer; accepted: "
+                     "model.path=''.")
+  t0 = time.time()
+  os.makedirs(workdir, exist_ok=True)
+  mesh = sharding.mesh_from_config(config.mesh)
+  task, train_examples, _ = build.load_task(config)
+  tokenizer = build.make_tokenizer(config, task, train_examples)
+  decoder = build.preset_model_config(config, tokenizer.vocab_size)
+  if decoder.lora is not None:
+    raise ValueError("model.lora.rank > 0: a reward model is trained in "
+                     "full; accepted: model.lora.rank=0.")
+  rm_config = rm_lib.RewardModelConfig(decoder)
+  train_pairs, heldout_pairs = load_pairs(config, task)
+  chat = config.tokenizer.chat_template
+  train = encode_pairs(tokenizer, train_pairs, r.max_length, chat)
+  heldout = encode_pairs(tokenizer, heldout_pairs, r.max_length, chat)
+  sharding.check_batch_divisible(r.batch_size, mesh, "reward_model.batch_size")
+  opt = optax.adamw(optax.warmup_cosine_decay_schedule(
+      0.0, r.learning_rate, max(1, r.num_steps // 10), max(1, r.num_steps),
+      r.learning_rate * 0.1), weight_decay=0.0)
+  opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
+  step_fn, _ = make_step(rm_config, opt, r.center_coef)
+  manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                                       max_to_keep=2, async_save=False)
+  writer = metrics_lib.MetricWriter(workdir)
+  key = jax.random.key(config.seed)
+  with jax.set_mesh(mesh):
+    params = rm_lib.init_params(rm_config, key, mesh)
+    opt_state = jax.jit(opt.init)(params)
+    start, before = 0, None
+    if manager.latest_step() is not None:
+      start, (params, opt_state), meta = manager.restore_latest_valid(
+          (params, opt_state))
+      before = meta.get("heldout_accuracy_before")
+      log.info("reward model: resumed at step %d", start)
+    else:
+      if r.init == "sft" and config.sft.num_steps:
+        policy = sft.run_sft(
+            models.init_params(decoder, key, mesh), build.sft_config(config),
+            task=task, tokenizer=tokenizer, model_config=decoder, mesh=mesh,
+            param_shardings=models.param_shardings(decoder, mesh),
+            writer=writer)
+        params = rm_lib.init_params(rm_config, key, mesh, decoder=policy)
+        opt_state = jax.jit(opt.init)(params)
+      before = pair_accuracy(params, rm_config, heldout, r.batch_size, mesh)
+      writer.write(0, {"rm/heldout_accuracy": before})
+      log.info("reward model: held-out pair accuracy before %.3f", before)
+    jitted = jax.jit(step_fn, donate_argnums=(0, 1))
+    rows = sharding.batch_sharding(mesh, 2)
+    rng = np.random.default_rng((config.seed, 11))
+    for _ in range(start):  # the batches already trained on
+      rng.integers(0, len(train.chosen), r.batch_size)
+    accuracy = before
+    for i in range(start, r.num_steps):
+      idx = rng.integers(0, len(train.chosen), r.batch_size)
+      batch = Pairs(*(jax.device_put(x[idx], rows) for x in train[:4]),
+                    jax.device_put(train.margin[idx]))
+      params, opt_state, m = jitted(params, opt_state, batch)
+      step = i + 1
+      if step % r.eval_every == 0 or step == r.num_steps:
+        m = {f"rm/{k}": v for k, v in metrics_lib.to_floats(m).items()}
+        accuracy = pair_accuracy(params, rm_config, heldout, r.batch_size, mesh)
+        m["rm/heldout_accuracy"] = accuracy
+        writer.write(step, m)
+        log.info("reward model step %d/%d: loss %.4f, train pair accuracy "
+                 "%.3f, held-out %.3f", step, r.num_steps, m["rm/loss"],
+                 m["rm/accuracy"], accuracy)
+      if step % r.checkpoint_every == 0 or step == r.num_steps:
+        manager.save(step, (params, opt_state),
+                     {"heldout_accuracy_before": before})
+  manager.wait()
+  writer.close()
+  out = os.path.join(workdir, model_rewards.RUN_SUBDIR)
+  rm_lib.save_hf_reward_model(out, rm_config, params, extra_config={
+      "pad_token_id": tokenizer.pad_id, "eos_token_id": tokenizer.eos_id,
+      "bos_token_id": tokenizer.bos_id})
+  tok_lib.save_hf_tokenizer(tokenizer, out,
+                            add_bos_token=tokenizer.bos_id is not None)
+  summary = {"heldout_accuracy_before": before, "heldout_accuracy": accuracy,
+             "steps": r.num_steps, "train_pairs": len(train_pairs),
+             "heldout_pairs": len(heldout_pairs), "export": out,
+             "seconds": time.time() - t0}
+  with open(os.path.join(workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  manager.close()
+  return summary

@@ -1,0 +1,161 @@
+"""Reward-model training: rljax.train.reward_training and launch.train_reward_model.
+
+The Bradley–Terry loss and its gradient against NumPy (the derivative of
+``-log sigmoid(d)`` is ``sigmoid(d) - 1``); pair files and pair encoding
+with hostile input; a tiny run that exports a model ``"model:<workdir>"``
+reads, resumes without retraining, and refuses what it cannot do.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import data, metrics, models
+from rljax import tokenizers as tok_lib
+from rljax.models import reward_model as rm
+from rljax.train import model_rewards, reward_training as rt
+from rljax.train import sft
+from tests.test_train import tiny_config
+
+
+def _np_loss(c, r, m, k):
+  d = c - r - m
+  return np.mean(np.log1p(np.exp(-d))) + k * np.mean((c + r) ** 2)
+
+
+@pytest.mark.parametrize("margin, center", [(False, 0.0), (True, 0.0),
+                                            (True, 0.05)])
+def test_bradley_terry_loss_and_gradient_match_numpy(margin, center):
+  rng = np.random.default_rng(0)
+  c, r = rng.normal(size=6), rng.normal(size=6)
+  m = rng.uniform(0, 1, 6) if margin else np.zeros(6)
+  loss, out = rt.bradley_terry_loss(jnp.asarray(c), jnp.asarray(r),
+                                    jnp.asarray(m) if margin else None, center)
+  np.testing.assert_allclose(loss, _np_loss(c, r, m, center), rtol=1e-6)
+  assert out["accuracy"] == pytest.approx(np.mean(c > r))
+  grad_c, grad_r = jax.grad(lambda a, b: rt.bradley_terry_loss(
+      a, b, jnp.asarray(m) if margin else None, center)[0], (0, 1))(
+          jnp.asarray(c), jnp.asarray(r))
+  sig = 1 / (1 + np.exp(-(c - r - m)))
+  want_c = (sig - 1) / 6 + 2 * center * (c + r) / 6
+  want_r = (1 - sig) / 6 + 2 * center * (c + r) / 6
+  np.testing.assert_allclose(grad_c, want_c, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(grad_r, want_r, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("line, match", [
+    ('{"prompt": "1+1=", "chosen": "2"}', "rejected"),
+    ('{"prompt": "1+1=", "chosen": 2, "rejected": "3"}', "'chosen' is 2"),
+    ('{"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": NaN}',
+     "'margin' is nan"),
+    ('{"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": "big"}',
+     "'margin' is 'big'"),
+    ('{"prompt": "1+1=", "chosen": "2", "rej',
+     r"pairs.jsonl:1: not valid JSON"),
+])
+def test_bad_pair_files_name_the_line_and_field(tmp_path, line, match):
+  path = tmp_path / "pairs.jsonl"
+  path.write_text(line + "\n")
+  with pytest.raises(ValueError, match=match):
+    rt.read_pairs(str(path))
+
+
+def test_an_empty_pair_file_is_refused(tmp_path):
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("")
+  with pytest.raises(ValueError, match="pairs.jsonl: no examples"):
+    rt.read_pairs(str(path))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  texts = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
+  return tok_lib.train_sentencepiece(texts, vocab_size=32)
+
+
+def test_pairs_encode_as_the_reward_model_reads_them(tokenizer):
+  pairs = [{"prompt": "1+2=", "chosen": "3", "rejected": "5", "margin": 0.5}]
+  out = rt.encode_pairs(tokenizer, pairs, 12)
+  for side, tokens, mask in (("chosen", out.chosen, out.chosen_mask),
+                             ("rejected", out.rejected, out.rejected_mask)):
+    want = model_rewards.encode(tokenizer, "1+2=", pairs[0][side])
+    assert list(tokens[0][mask[0]]) == want and want[-1] == tokenizer.eos_id
+    assert mask[0].sum() == len(want) and not mask[0][len(want):].any()
+  assert out.margin.tolist() == [0.5]
+  with pytest.raises(ValueError, match=r"reward_model.max_length=3 is "
+                     r"shorter \(accepted: >= \d+\)"):
+    rt.encode_pairs(tokenizer, pairs, 3)
+
+
+def test_builtin_pairs_prefer_the_answer_over_a_near_miss():
+  task = data.get_task("arithmetic")
+  pairs = rt.builtin_pairs(task, "train", 200, 0)
+  examples = task.examples("train", 200, 0)
+  assert [p["prompt"] for p in pairs] == [e["prompt"] for e in examples]
+  for p, e in zip(pairs, examples):
+    assert p["chosen"] == e["answer"]
+    assert p["rejected"] != p["chosen"] and int(p["rejected"]) >= 0
+    assert abs(int(p["rejected"]) - int(p["chosen"])) <= 9
+  assert rt.builtin_pairs(task, "train", 200, 0) == pairs  # seeded
+  assert sft.near_miss("0", np.random.default_rng(0)) != "0"
+
+
+def _tiny(workdir_steps=20):
+  config = tiny_config()
+  config.reward_model.num_steps = workdir_steps
+  config.reward_model.eval_every = 10
+  config.reward_model.checkpoint_every = 10
+  config.reward_model.num_pairs = 256
+  config.reward_model.num_heldout = 64
+  config.reward_model.batch_size = 16
+  return config
+
+
+@pytest.mark.slow
+def test_a_tiny_run_exports_a_reward_model_and_resumes(tmp_path):
+  workdir = str(tmp_path / "rm")
+  summary = rt.run(_tiny(), workdir)
+  assert summary["steps"] == 20 and 0.0 <= summary["heldout_accuracy"] <= 1.0
+  rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert [r["step"] for r in rows if "rm/loss" in r] == [10, 20]
+  assert all(np.isfinite(r["rm/loss"]) for r in rows if "rm/loss" in r)
+  config, params = rm.load_hf_reward_model(os.path.join(workdir,
+                                                        "reward_model"))
+  assert config.num_labels == 1
+  # The export reads the policy's tokens: the same tokenizer as a run of
+  # the same config and seed.
+  task, train_examples, _ = _build().load_task(_tiny())
+  policy_tok = _build().make_tokenizer(_tiny(), task, train_examples)
+  fn = model_rewards.load(f"model:{workdir}", policy_tokenizer=policy_tok)
+  assert fn.reads_tokens
+  jax.tree.map(np.testing.assert_array_equal, fn.params, params)
+  # A rerun with more steps resumes from step 20.
+  longer = rt.run(_tiny(30), workdir)
+  rows = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert [r["step"] for r in rows if "rm/loss" in r] == [10, 20, 30]
+  assert longer["heldout_accuracy_before"] == summary["heldout_accuracy_before"]
+
+
+def _build():
+  from rljax.train import build  # pylint: disable=g-import-not-at-top
+  return build
+
+
+def test_bad_reward_model_configs_are_refused_before_training(tmp_path):
+  config = _tiny()
+  config.reward_model.init = "policy"
+  with pytest.raises(ValueError, match="reward_model.init='policy'"):
+    rt.run(config, str(tmp_path))
+  config = _tiny()
+  config.model.lora.rank = 4
+  with pytest.raises(ValueError, match="model.lora.rank > 0"):
+    rt.run(config, str(tmp_path))
+  config = _tiny()
+  config.reward_model.max_length = 4
+  with pytest.raises(ValueError, match="reward_model.max_length=4"):
+    rt.run(config, str(tmp_path))
+  assert not os.path.exists(os.path.join(str(tmp_path), "checkpoints"))
