@@ -24,7 +24,7 @@ from rljax import models, sharding
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
 from rljax.train import algorithm as alg_lib
-from rljax.train import model_rewards
+from rljax.train import judges, model_rewards
 
 log = logging.getLogger("rljax")
 
@@ -45,13 +45,17 @@ every other field."""
 def reward_fn(name: str):
   """``(label, fn)``: a built-in reward by name, or ``"package.module:function"``.
 
-  A reward model (``"model:<path>"``, ``rljax.train.model_rewards``) gives
-  ``(label, None)`` once its config is checked: its weights are read by
-  ``make_evaluator``, which has the mesh.
+  A reward model (``"model:<path>"``, ``rljax.train.model_rewards``) or a
+  judge (``"judge:<path>"``, ``rljax.train.judges``) gives ``(label, None)``
+  once its path is checked: its weights are read by ``make_evaluator``,
+  which has the mesh.
   """
   if model_rewards.is_model_reward(name):
     model_rewards.check(name)
     return model_rewards.label(name), None
+  if judges.is_judge(name):
+    judges.check(name)
+    return judges.label(name), None
   if ":" in name:
     module, _, attr = name.partition(":")
     try:
@@ -84,8 +88,16 @@ def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
       continue
     if group is not None and not group.single:
       raise ValueError(f"rewards.names entry {name!r} with {group.count} "
-                       "processes: a reward model scores on one process for "
-                       "now.")
+                       "processes: a reward model or judge scores on one "
+                       "process for now.")
+    if judges.is_judge(name):
+      fn = judges.load(name, mesh=mesh, seed=config.seed,
+                       settings=config.rewards.judges)
+      log.info("judge %s: %s params", label,
+               f"{models.count_params(fn.params):,}")
+      specs.append(rewards_lib.RewardSpec(label, fn, weight=float(weight),
+                                          in_process=True))
+      continue
     if tokenizer is None:
       raise ValueError(f"rewards.names entry {name!r}: a reward model needs "
                        "the policy's tokenizer (make_evaluator(tokenizer=)).")

@@ -170,7 +170,7 @@ def make_step(config: rm_lib.RewardModelConfig,
   def step(params, opt_state, batch: Pairs):
     (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    m["grad_norm"] = optax.global_norm(grads)
+    m["grad_norm"] = optax.tree.norm(grads)
     return optax.apply_updates(params, updates), opt_state, m
 
   return step, loss_fn

@@ -91,7 +91,7 @@ _BASE: dict[str, Field] = {
     "sft.padding_free": F(True, None, "warm-up rows packed, real tokens only "
                           "(the same loss; False: padded rows)"),
     # --- reward_model: launch.train_reward_model (Bradley-Terry) ---
-    "reward_model.num_steps": F(300, "int>=1", "optimizer steps"),
+    "reward_model.num_steps": F(600, "int>=1", "optimizer steps"),
     "reward_model.batch_size": F(32, "int>=1", "pairs per step"),
     "reward_model.learning_rate": F(3e-4, ">0", "peak learning rate (AdamW, "
                                     "cosine)"),
@@ -103,10 +103,10 @@ _BASE: dict[str, Field] = {
                                  "[/margin] ('': built from the task)"),
     "reward_model.heldout_path": F("", None, "held-out pairs JSONL ('': the "
                                    "head of pairs_path)"),
-    "reward_model.num_pairs": F(4000, "int>=1", "built-in training pairs"),
+    "reward_model.num_pairs": F(8000, "int>=1", "built-in training pairs"),
     "reward_model.num_heldout": F(256, "int>=1", "held-out pairs"),
     "reward_model.max_length": F(16, "int>=1", "padded length of one side"),
-    "reward_model.eval_every": F(50, "int>=1", "held-out pair accuracy cadence"),
+    "reward_model.eval_every": F(100, "int>=1", "held-out pair accuracy cadence"),
     "reward_model.checkpoint_every": F(100, "int>=1", "checkpoint cadence"),
     # --- rl: the batch ---
     "rl.num_steps": F(100, "int>=1", "RL steps"),
@@ -250,6 +250,18 @@ _BASE: dict[str, Field] = {
                                "text", choices=("auto", "policy", "text")),
     "rewards.models.chat_template": F(True, None, "text read through the "
                                       "reward model's chat template"),
+    "rewards.judges.template": F(
+        "Question: {prompt}\nAnswer: {completion}\nIs the answer correct? "
+        "Reply yes or no.\nVerdict: ", None, "a 'judge:<path>' reward's "
+        "prompt ({prompt}, {completion})"),
+    "rewards.judges.max_new_tokens": F(8, "int>=1", "verdict tokens at most"),
+    "rewards.judges.num_samples": F(1, "int>=1", "verdicts per completion "
+                                    "(1: greedy; more: sampled, majority)"),
+    "rewards.judges.temperature": F(1.0, ">0", "of sampled verdicts"),
+    "rewards.judges.parser": F("", None, "verdict -> score: '' (yes/no or a "
+                               "number) or 'package.module:function'"),
+    "rewards.judges.chat_template": F(True, None, "the judge prompt as a user "
+                                      "turn of its chat template"),
     "rewards.models.param_dtype": F("", None, "reward-model params' dtype "
                                     "('': the checkpoint's)",
                                     choices=("", "float32", "bfloat16")),
