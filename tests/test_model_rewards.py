@@ -13,7 +13,6 @@
 """
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp

@@ -6,7 +6,6 @@ with hostile input; a tiny run that exports a model ``"model:<workdir>"``
 reads, resumes without retraining, and refuses what it cannot do.
 """
 
-import json
 import os
 
 import jax
@@ -14,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax import data, metrics, models
+from rljax import data, metrics
 from rljax import tokenizers as tok_lib
 from rljax.models import reward_model as rm
 from rljax.train import model_rewards, reward_training as rt
