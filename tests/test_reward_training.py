@@ -3,10 +3,14 @@
 The Bradley–Terry loss and its gradient against NumPy (the derivative of
 ``-log sigmoid(d)`` is ``sigmoid(d) - 1``); pair files and pair encoding
 with hostile input; a tiny run that exports a model ``"model:<workdir>"``
-reads, resumes without retraining, and refuses what it cannot do.
+reads, resumes without retraining (and exactly after a SIGKILL), and
+refuses what it cannot do.
 """
 
 import os
+import signal
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ from rljax import tokenizers as tok_lib
 from rljax.models import reward_model as rm
 from rljax.train import model_rewards, reward_training as rt
 from rljax.train import sft
+from tests.test_resume import ROOT, _wait_for_step
 from tests.test_train import tiny_config
 
 
@@ -158,3 +163,49 @@ def test_bad_reward_model_configs_are_refused_before_training(tmp_path):
   with pytest.raises(ValueError, match="reward_model.max_length=4"):
     rt.run(config, str(tmp_path))
   assert not os.path.exists(os.path.join(str(tmp_path), "checkpoints"))
+
+
+_RM_FLAGS = ("--config=configs/arithmetic_grpo.py:tiny",
+             "--config.reward_model.num_steps=30",
+             "--config.reward_model.eval_every=10",
+             "--config.reward_model.checkpoint_every=10",
+             "--config.reward_model.num_pairs=256",
+             "--config.reward_model.num_heldout=64",
+             "--config.reward_model.batch_size=16")
+
+
+def _launch(workdir):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.Popen(
+      [sys.executable, "-m", "launch.train_reward_model",
+       f"--workdir={workdir}", *_RM_FLAGS], cwd=ROOT, env=env,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _exported(workdir):
+  return rm.load_hf_reward_model(os.path.join(workdir, "reward_model"))[1]
+
+
+def _rm_rows(workdir):
+  return {r["step"]: {k: v for k, v in r.items()}
+          for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+          if "rm/loss" in r}
+
+
+@pytest.mark.slow
+def test_a_killed_reward_model_run_resumes_exactly(tmp_path):
+  reference = str(tmp_path / "whole")
+  assert _launch(reference).wait(timeout=600) == 0
+  workdir = str(tmp_path / "killed")
+  proc = _launch(workdir)
+  _wait_for_step(workdir, 10, proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not os.path.exists(os.path.join(workdir, "reward_model"))
+  out = _launch(workdir)
+  assert out.wait(timeout=600) == 0, out.stdout.read()
+  assert "resumed at step" in out.stdout.read()
+  assert _rm_rows(workdir) == _rm_rows(reference)
+  jax.tree.map(np.testing.assert_array_equal, _exported(workdir),
+               _exported(reference))

@@ -52,7 +52,7 @@ from rljax import metrics as metrics_lib
 from rljax import models, sharding
 from rljax import tokenizers as tok_lib
 from rljax.models import reward_model as rm_lib
-from rljax.train import model_rewards, sft
+from rljax.train import model_rewards, rundir, sft
 
 log = logging.getLogger("rljax")
 
@@ -262,6 +262,10 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   step_fn, _ = make_step(rm_config, opt, r.center_coef)
   manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                        max_to_keep=2, async_save=False)
+  metrics_path = os.path.join(workdir, "metrics.jsonl")
+  latest = manager.latest_step()
+  # Rows past the newest checkpoint (a killed run's) are written again.
+  rundir.trim_metrics(metrics_path, latest if latest is not None else -10**9)
   writer = metrics_lib.MetricWriter(workdir)
   key = jax.random.key(config.seed)
   with jax.set_mesh(mesh):
