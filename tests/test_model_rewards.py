@@ -226,3 +226,16 @@ def test_a_run_trains_on_a_reward_model(tmp_path, tokens):
     assert r["reward/arith_rm/mean"] != 0.0  # the head is not zero
     assert np.isfinite(r["reward/numeric_match/mean"])
   assert "eval/accuracy" in rows[-1]
+
+
+def test_bfloat16_params_score_close_to_float32(rm_dir, policy_tokenizer):
+  rollout = _Rollout(policy_tokenizer, PROMPTS, COMPLETIONS)
+  scores = {}
+  for dtype in (None, "bfloat16"):
+    fn = model_rewards.load(f"model:{rm_dir}", policy_tokenizer=policy_tokenizer,
+                            param_dtype=dtype)
+    leaves = jax.tree.leaves(fn.params["decoder"])
+    assert {x.dtype for x in leaves} == {jnp.dtype(dtype or "float32")}
+    scores[dtype] = fn.score_tokens(rollout)
+  np.testing.assert_allclose(scores["bfloat16"], scores[None], rtol=0.05)
+  assert not np.array_equal(scores["bfloat16"], scores[None])

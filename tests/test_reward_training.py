@@ -144,6 +144,17 @@ def test_a_tiny_run_exports_a_reward_model_and_resumes(tmp_path):
   assert longer["heldout_accuracy_before"] == summary["heldout_accuracy_before"]
 
 
+@pytest.mark.slow
+def test_a_run_from_scratch_skips_the_warm_up(tmp_path):
+  config = _tiny(10)
+  config.reward_model.init = "scratch"
+  summary = rt.run(config, str(tmp_path))
+  rows = metrics.read_jsonl(os.path.join(str(tmp_path), "metrics.jsonl"))
+  assert not any("sft/sft_loss" in r for r in rows)
+  assert [r["step"] for r in rows if "rm/loss" in r] == [10]
+  assert summary["heldout_accuracy_before"] == 0.5  # a zero head: all ties
+
+
 def _build():
   from rljax.train import build  # pylint: disable=g-import-not-at-top
   return build
