@@ -171,3 +171,9 @@ def test_a_run_trains_with_two_judges_one_of_them_garbage(judge_dirs,
     assert r["reward/yes_judge/valid_frac"] == 1.0
     assert r["reward/plus_judge/valid_frac"] == 0.0
     assert r["reward/plus_judge/none"] > 0
+  # The finished run is itself a judge (an rljax run directory).
+  judge = judges.load(f"judge:{tmp_path / 'run'}", mesh=None, seed=0,
+                      settings=_settings(max_new_tokens=3))
+  verdicts = judge.verdicts(["1+2="], ["3"])
+  assert len(verdicts) == 1 and isinstance(verdicts[0][0], str)
+  assert judge.model_config.vocab_size >= judge.tokenizer.vocab_size
