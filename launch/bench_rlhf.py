@@ -5,11 +5,13 @@ r"""RLHF on a built-in task: a learned reward model against the verifier.
 
 For each seed, one after the other in subprocesses (one CPU device):
 
-1. ``launch.train_reward_model``: the main job's SFT warm-up, then a reward
-   model (the SFT model with a score head) trained with the Bradley–Terry
-   loss on preference pairs built from the arithmetic task (the right
-   answer over a near miss); its held-out pair accuracy.
-2. ``launch.train`` with that reward model as the only reward
+1. ``launch.train_reward_model``, twice: the main job's SFT warm-up, then a
+   reward model (the SFT model with a score head) trained with the
+   Bradley–Terry loss on preference pairs built from the arithmetic task,
+   the right answer over a near miss (``reward_model.negatives=near``) or
+   over a mix of near misses, random integers and digit edits (``mixed``);
+   their held-out pair accuracy.
+2. ``launch.train`` with each reward model as the only reward
    (``rewards.names=("model:<rm>", "numeric_match")``, weights ``(1, 0)``:
    the verifier is computed and logged, never trained on), held-out
    accuracy measured by the verifier.
@@ -48,6 +50,8 @@ _RECORD_DIR = flags.DEFINE_string("record_dir", "", "where the JSON record "
                                   "goes (default: the workdir)")
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
+_NEGATIVES = ("near", "mixed")  # reward_model.negatives
+_KINDS = _NEGATIVES + ("verifier",)  # the policies' rewards
 _WINDOW = 50
 
 
@@ -108,23 +112,27 @@ def main(argv):
   config, extra = _config(quick), _quick_flags(quick)
   runs = []
   for seed in seeds:
-    rm_dir = os.path.join(base, f"rm_seed{seed}")
     common = [f"--config={config}", f"--config.seed={seed}", *extra]
-    print(f"seed {seed}: reward model ...", flush=True)
-    rm_s = _run("launch.train_reward_model",
-                [*common, f"--workdir={rm_dir}"], env)
-    with open(os.path.join(rm_dir, "summary.json")) as f:
-      rm_summary = json.load(f)
-    label = os.path.basename(rm_dir)
-    print(f"  pair accuracy {rm_summary['heldout_accuracy_before']:.3f} -> "
-          f"{rm_summary['heldout_accuracy']:.3f} ({rm_s:.0f} s)", flush=True)
-    result = {"seed": seed, "rm": rm_summary, "rm_seconds": rm_s}
-    for kind, flags_ in (
-        ("learned", [f'--config.rewards.names=("model:{rm_dir}",'
-                     '"numeric_match")', "--config.rewards.weights=(1.0,0.0)",
-                     "--config.eval.reward=numeric_match"]),
-        ("verifier", [])):
-      workdir = os.path.join(base, f"{kind}_seed{seed}")
+    result = {"seed": seed}
+    for negatives in _NEGATIVES:
+      rm_dir = os.path.join(base, f"rm_{negatives}_seed{seed}")
+      print(f"seed {seed}: reward model on {negatives} negatives ...",
+            flush=True)
+      seconds = _run("launch.train_reward_model",
+                     [*common, f"--workdir={rm_dir}",
+                      f"--config.reward_model.negatives={negatives}"], env)
+      with open(os.path.join(rm_dir, "summary.json")) as f:
+        result[f"rm_{negatives}"] = dict(json.load(f), seconds=seconds)
+      print(f"  pair accuracy {result[f'rm_{negatives}']['heldout_accuracy']:.3f}"
+            f" ({seconds:.0f} s)", flush=True)
+    for kind in _KINDS:
+      flags_ = []
+      if kind != "verifier":
+        rm_dir = os.path.join(base, f"rm_{kind}_seed{seed}")
+        flags_ = [f'--config.rewards.names=("model:{rm_dir}","numeric_match")',
+                  "--config.rewards.weights=(1.0,0.0)",
+                  "--config.eval.reward=numeric_match"]
+      workdir = os.path.join(base, f"policy_{kind}_seed{seed}")
       print(f"seed {seed}: policy on the {kind} reward ...", flush=True)
       seconds = _run("launch.train", [*common, f"--workdir={workdir}",
                                       *flags_], env)
@@ -133,36 +141,42 @@ def main(argv):
                       "before": c["accuracy"][0], "after": c["accuracy"][-1],
                       "gain": c["accuracy"][-1] - c["accuracy"][0],
                       "seconds": seconds}
-      if kind == "learned":
-        result[kind]["rewards"] = reward_columns(workdir,
-                                                 (label, "numeric_match"))
+      if kind != "verifier":
+        result[kind]["rewards"] = reward_columns(
+            workdir, (os.path.basename(rm_dir), "numeric_match"))
+        result[kind]["rewards"]["proxy"] = result[kind]["rewards"].pop(
+            os.path.basename(rm_dir))
       print(f"  held-out {c['accuracy'][0]:.3f} -> {c['accuracy'][-1]:.3f} "
             f"({seconds:.0f} s)", flush=True)
     runs.append(result)
-  summary = {
-      "pair_accuracy": _stats([r["rm"]["heldout_accuracy"] for r in runs]),
-      **{f"{kind}_{what}": _stats([r[kind][what] for r in runs])
-         for kind in ("learned", "verifier")
-         for what in ("before", "after", "gain")},
-      "proxy_reward": {w: _stats([r["learned"]["rewards"][
-          f"rm_seed{r['seed']}"][w] for r in runs]) for w in ("first", "last")},
-      "true_reward": {w: _stats([r["learned"]["rewards"]["numeric_match"][w]
-                                 for r in runs]) for w in ("first", "last")},
-  }
+  summary = {f"rm_{n}_pair_accuracy": _stats(
+      [r[f"rm_{n}"]["heldout_accuracy"] for r in runs]) for n in _NEGATIVES}
+  for kind in _KINDS:
+    for what in ("before", "after", "gain"):
+      summary[f"{kind}_{what}"] = _stats([r[kind][what] for r in runs])
+    if kind != "verifier":
+      for column in ("proxy", "numeric_match"):
+        for w in ("first", "last"):
+          summary[f"{kind}_{column}_{w}"] = _stats(
+              [r[kind]["rewards"][column][w] for r in runs])
   s = summary
-  print(f"\nreward model held-out pair accuracy: "
-        f"{s['pair_accuracy']['mean']:.3f} +- {s['pair_accuracy']['std']:.3f}")
-  for kind in ("learned", "verifier"):
-    print(f"{kind:>8} reward: held-out {s[f'{kind}_before']['mean']:.3f} -> "
-          f"{s[f'{kind}_after']['mean']:.3f} +- "
-          f"{s[f'{kind}_after']['std']:.3f}, gain "
-          f"{s[f'{kind}_gain']['mean'] * 100:+.1f} +- "
-          f"{s[f'{kind}_gain']['std'] * 100:.1f} points")
-  print(f"learned-reward runs, first/last {_WINDOW} steps: proxy (reward "
-        f"model) {s['proxy_reward']['first']['mean']:.3f} -> "
-        f"{s['proxy_reward']['last']['mean']:.3f}; true (verifier) "
-        f"{s['true_reward']['first']['mean']:.3f} -> "
-        f"{s['true_reward']['last']['mean']:.3f}")
+  for n in _NEGATIVES:
+    print(f"reward model ({n} negatives) held-out pair accuracy: "
+          f"{s[f'rm_{n}_pair_accuracy']['mean']:.3f} +- "
+          f"{s[f'rm_{n}_pair_accuracy']['std']:.3f}")
+  for kind in _KINDS:
+    line = (f"{kind:>8} reward: held-out {s[f'{kind}_before']['mean']:.3f} -> "
+            f"{s[f'{kind}_after']['mean']:.3f} +- "
+            f"{s[f'{kind}_after']['std']:.3f}, gain "
+            f"{s[f'{kind}_gain']['mean'] * 100:+.1f} +- "
+            f"{s[f'{kind}_gain']['std'] * 100:.1f} points")
+    if kind != "verifier":
+      line += (f"; first/last {_WINDOW} steps: proxy "
+               f"{s[f'{kind}_proxy_first']['mean']:.2f} -> "
+               f"{s[f'{kind}_proxy_last']['mean']:.2f}, true "
+               f"{s[f'{kind}_numeric_match_first']['mean']:.3f} -> "
+               f"{s[f'{kind}_numeric_match_last']['mean']:.3f}")
+    print(line)
   out_dir = _RECORD_DIR.value or base
   os.makedirs(out_dir, exist_ok=True)
   print("record:", benchlib.write_record(

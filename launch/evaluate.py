@@ -18,6 +18,7 @@ import jax
 from launch import cli
 from rljax import envs, sampling
 from rljax.train import build, evaluation, load_policy
+from rljax.train import policy as policy_lib
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "a training run directory",
                                required=True)
@@ -50,8 +51,9 @@ def main(argv):
   config.env.num_workers = 0
   runner = build.env_runner(config)
   try:
-    with build.make_evaluator(config, num_workers=0,
-                              tokenizer=tok) as evaluator:
+    with build.make_evaluator(
+        config, num_workers=0, tokenizer=tok,
+        load_judge=policy_lib.load_judge) as evaluator:
       for label, k, greedy in (("greedy_", 1, True), ("", _NUM.value, False)):
         sc = build.sampler_config(config, tok, k, greedy=greedy)
         fn = sampling.make_sampler(policy.model_config, sc)

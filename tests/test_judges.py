@@ -14,7 +14,7 @@ import pytest
 
 from rljax import metrics, models, rewards, train
 from rljax import tokenizers as tok_lib
-from rljax.train import build, judges, schema
+from rljax.train import build, judges, policy, schema
 from tests.test_train import tiny_config
 
 TEMPLATE = schema.fields()["rewards.judges.template"].default
@@ -84,6 +84,11 @@ def judge_dirs(tmp_path_factory, judge_tokenizer):
   return out
 
 
+def _load(name, settings):
+  return judges.load(name, model=policy.load_judge(judges.check(name), None),
+                     mesh=None, seed=0, settings=settings)
+
+
 def _settings(**changes):
   settings = tiny_config().rewards.judges
   settings.max_new_tokens = 1
@@ -97,7 +102,7 @@ PROMPTS, COMPLETIONS = ["1+2=", "3+4=", "5+5="], ["3", "8", "10"]
 
 def test_a_yes_judge_scores_one_greedy_and_by_majority(judge_dirs):
   for k in (1, 3):
-    judge = judges.load(f"judge:{judge_dirs['yes_judge']}", mesh=None, seed=0,
+    judge = _load(f"judge:{judge_dirs['yes_judge']}",
                         settings=_settings(num_samples=k))
     verdicts = judge.verdicts(PROMPTS, COMPLETIONS)
     assert [len(v) for v in verdicts] == [k] * 3
@@ -112,7 +117,7 @@ def test_a_yes_judge_scores_one_greedy_and_by_majority(judge_dirs):
 
 def test_the_judge_reads_the_template_with_the_question_and_answer(
     judge_dirs):
-  judge = judges.load(f"judge:{judge_dirs['yes_judge']}", mesh=None, seed=0,
+  judge = _load(f"judge:{judge_dirs['yes_judge']}",
                       settings=_settings())
   ids = judge.encode("1+2=", "3")
   text = judge.tokenizer.decode(ids)
@@ -123,7 +128,7 @@ def test_the_judge_reads_the_template_with_the_question_and_answer(
 def test_a_garbage_judge_counts_as_no_reward_and_a_user_parser_reads_it(
     judge_dirs):
   name = f"judge:{judge_dirs['plus_judge']}"
-  judge = judges.load(name, mesh=None, seed=0, settings=_settings())
+  judge = _load(name, settings=_settings())
   with rewards.RewardEvaluator(
       [rewards.RewardSpec("plus_judge", judge, in_process=True),
        rewards.reward_spec("numeric_match", in_process=True)],
@@ -133,7 +138,7 @@ def test_a_garbage_judge_counts_as_no_reward_and_a_user_parser_reads_it(
   assert result.metrics["reward/plus_judge/none"] == 3
   assert result.metrics["reward/plus_judge/valid_frac"] == 0.0
   np.testing.assert_array_equal(result.rewards_NxR[:, 1], [1, 0, 1])
-  parsed = judges.load(name, mesh=None, seed=0, settings=_settings(
+  parsed = _load(name, settings=_settings(
       parser="tests.test_judges:plus_count"))
   assert parsed(PROMPTS, COMPLETIONS) == [1.0, 1.0, 1.0]
 
@@ -143,7 +148,7 @@ def test_bad_judge_settings_are_clear_errors(judge_dirs, tmp_path):
     judges.get_parser("nowhere:fn")
   with pytest.raises(ValueError, match=r"rewards.judges.template=.*\{prompt\} "
                      r"and \{completion\}"):
-    judges.load(f"judge:{judge_dirs['yes_judge']}", mesh=None, seed=0,
+    _load(f"judge:{judge_dirs['yes_judge']}",
                 settings=_settings(template="{question} {completion}"))
   config = tiny_config()
   config.rewards.names = ("numeric_match", f"judge:{tmp_path}/none")
@@ -172,7 +177,7 @@ def test_a_run_trains_with_two_judges_one_of_them_garbage(judge_dirs,
     assert r["reward/plus_judge/valid_frac"] == 0.0
     assert r["reward/plus_judge/none"] > 0
   # The finished run is itself a judge (an rljax run directory).
-  judge = judges.load(f"judge:{tmp_path / 'run'}", mesh=None, seed=0,
+  judge = _load(f"judge:{tmp_path / 'run'}",
                       settings=_settings(max_new_tokens=3))
   verdicts = judge.verdicts(["1+2="], ["3"])
   assert len(verdicts) == 1 and isinstance(verdicts[0][0], str)

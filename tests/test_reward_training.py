@@ -7,6 +7,7 @@ reads, resumes without retraining (and exactly after a SIGKILL), and
 refuses what it cannot do.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -95,17 +96,35 @@ def test_pairs_encode_as_the_reward_model_reads_them(tokenizer):
     rt.encode_pairs(tokenizer, pairs, 3)
 
 
-def test_builtin_pairs_prefer_the_answer_over_a_near_miss():
+@pytest.mark.parametrize("negatives", ["near", "mixed"])
+def test_builtin_pairs_prefer_the_answer_over_a_wrong_one(negatives):
   task = data.get_task("arithmetic")
-  pairs = rt.builtin_pairs(task, "train", 200, 0)
-  examples = task.examples("train", 200, 0)
+  pairs = rt.builtin_pairs(task, "train", 400, 0, negatives)
+  examples = task.examples("train", 400, 0)
   assert [p["prompt"] for p in pairs] == [e["prompt"] for e in examples]
+  far = 0
   for p, e in zip(pairs, examples):
     assert p["chosen"] == e["answer"]
     assert p["rejected"] != p["chosen"] and int(p["rejected"]) >= 0
-    assert abs(int(p["rejected"]) - int(p["chosen"])) <= 9
-  assert rt.builtin_pairs(task, "train", 200, 0) == pairs  # seeded
+    assert p["rejected"] == str(int(p["rejected"]))  # a plain integer
+    far += abs(int(p["rejected"]) - int(p["chosen"])) > 9
+  if negatives == "near":
+    assert far == 0
+  else:  # a quarter random, a quarter digit edits: most of those are far
+    assert 0.2 < far / len(pairs) < 0.5
+  assert rt.builtin_pairs(task, "train", 400, 0, negatives) == pairs  # seeded
   assert sft.near_miss("0", np.random.default_rng(0)) != "0"
+  with pytest.raises(ValueError, match="reward_model.negatives='far'"):
+    rt.builtin_pairs(task, "train", 4, 0, "far")
+
+
+def test_wrong_answers_of_each_kind_are_wrong_integers():
+  rng = np.random.default_rng(0)
+  for answer in ("0", "7", "10", "99", "100", "12345"):
+    for kind in ("near", "random", "digits"):
+      for _ in range(50):
+        wrong = rt.wrong_answer(answer, rng, kind)
+        assert wrong != answer and wrong.isdigit() and str(int(wrong)) == wrong
 
 
 def _tiny(workdir_steps=20):
@@ -220,3 +239,27 @@ def test_a_killed_reward_model_run_resumes_exactly(tmp_path):
   assert _rm_rows(workdir) == _rm_rows(reference)
   jax.tree.map(np.testing.assert_array_equal, _exported(workdir),
                _exported(reference))
+
+
+@pytest.mark.slow
+def test_bench_rlhf_quick_trains_both_reward_models_and_three_policies(
+    tmp_path):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  result = subprocess.run(
+      [sys.executable, "-m", "launch.bench_rlhf", "--quick",
+       f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  [record] = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+  with open(tmp_path / record) as f:
+    figures = json.load(f)["figures"]
+  [run] = figures["runs"]
+  for kind in ("near", "mixed", "verifier"):
+    assert run[kind]["steps"] == [0, 2, 4]
+    assert run[kind]["gain"] == pytest.approx(run[kind]["after"]
+                                              - run[kind]["before"])
+  for kind in ("near", "mixed"):
+    assert 0.0 <= run[f"rm_{kind}"]["heldout_accuracy"] <= 1.0
+    assert set(run[kind]["rewards"]) == {"proxy", "numeric_match"}
+  assert "verifier_gain" in figures["summary"]

@@ -75,11 +75,12 @@ def reward_fn(name: str):
 def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
                  tokenizer: Any = None,
                  group: distributed.ProcessGroup | None = None,
-                 ) -> list[rewards_lib.RewardSpec]:
+                 load_judge: Any = None) -> list[rewards_lib.RewardSpec]:
   """One ``RewardSpec`` per ``rewards.names`` entry, weighted by
   ``rewards.weights``; a reward model (``"model:<path>"``) is loaded onto
   ``mesh`` and scores in-process, reading the policy's tokens when it has
-  the policy's ``tokenizer``."""
+  the policy's ``tokenizer``; a judge (``"judge:<path>"``) is read by
+  ``load_judge`` (``policy.load_judge``)."""
   specs = []
   for name, weight in zip(config.rewards.names, config.rewards.weights):
     label, fn = reward_fn(name)
@@ -91,7 +92,12 @@ def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
                        "processes: a reward model or judge scores on one "
                        "process for now.")
     if judges.is_judge(name):
-      fn = judges.load(name, mesh=mesh, seed=config.seed,
+      if load_judge is None:
+        raise ValueError(f"rewards.names entry {name!r}: a judge needs a "
+                         "loader (make_evaluator(load_judge=policy."
+                         "load_judge)).")
+      fn = judges.load(name, model=load_judge(judges.check(name), mesh),
+                       mesh=mesh, seed=config.seed,
                        settings=config.rewards.judges)
       log.info("judge %s: %s params", label,
                f"{models.count_params(fn.params):,}")
@@ -117,11 +123,13 @@ def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
 def make_evaluator(config: Any, num_workers: int | None = None, *,
                    mesh: jax.sharding.Mesh | None = None, tokenizer: Any = None,
                    group: distributed.ProcessGroup | None = None,
-                   ) -> rewards_lib.RewardEvaluator:
+                   load_judge: Any = None) -> rewards_lib.RewardEvaluator:
   """The reward evaluator of ``rewards.*`` (``num_workers`` overrides;
-  ``mesh``, ``tokenizer`` and ``group`` are for reward models)."""
+  ``mesh``, ``tokenizer``, ``group`` and ``load_judge`` are for reward
+  models and judges: ``reward_specs``)."""
   return rewards_lib.RewardEvaluator(
-      reward_specs(config, mesh=mesh, tokenizer=tokenizer, group=group),
+      reward_specs(config, mesh=mesh, tokenizer=tokenizer, group=group,
+                   load_judge=load_judge),
       num_workers=(config.rewards.num_workers if num_workers is None
                    else num_workers),
       timeout_s=config.rewards.timeout_s,

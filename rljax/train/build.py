@@ -575,7 +575,7 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
              config.teacher.path, f"{models.count_params(teacher[1]):,}")
   # Worker processes last, once nothing else can fail.
   evaluator = make_evaluator(config, mesh=mesh, tokenizer=tokenizer,
-                             group=group)
+                             group=group, load_judge=policy_lib.load_judge)
   runner = env_runner(config)
   return Components(
       config=config, settings=loop_settings(config), mesh=mesh, task=task,

@@ -194,22 +194,22 @@ class JudgeReward:
             for texts in self.verdicts(prompts, completions)]
 
 
-def load(name: str, *, mesh: jax.sharding.Mesh | None, seed: int,
-         settings: Any) -> JudgeReward:
-  """The ``JudgeReward`` of a ``rewards.names`` entry ``"judge:<path>"``
-  with ``rewards.judges.*`` (``settings``)."""
+def load(name: str, *, model: tuple[models.ModelConfig, Any, Any],
+         mesh: jax.sharding.Mesh | None, seed: int, settings: Any
+         ) -> JudgeReward:
+  """The ``JudgeReward`` of a ``rewards.names`` entry ``"judge:<path>"``.
+
+  Args:
+    name: the entry.
+    model: the judge's ``(model_config, params, tokenizer)``
+      (``rljax.train.policy.load_judge`` reads a run or a Hugging Face
+      directory).
+    mesh: where its params are.
+    seed: the run's seed.
+    settings: ``rewards.judges.*``.
+  """
   path = check(name)
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    from rljax.train import policy as policy_lib  # pylint: disable=g-import-not-at-top
-    loaded = policy_lib.load_policy(path)
-    model_config, params, tokenizer = (loaded.model_config, loaded.params,
-                                       loaded.tokenizer)
-    if mesh is not None:
-      params = jax.device_put(params, models.param_shardings(model_config,
-                                                             mesh))
-  else:
-    model_config, params = models.load_hf_pretrained(path, mesh)
-    tokenizer = tok_lib.load_hf_tokenizer(path)
+  model_config, params, tokenizer = model
   tok_lib.check_tokenizer_vocab(tokenizer, model_config.vocab_size, path)
   return JudgeReward(
       model_config, params, tokenizer, template=settings.template,

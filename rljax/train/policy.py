@@ -268,3 +268,20 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
         f"student {vocab_size}: the teacher must share the student's "
         "tokenizer.")
   return model_config, params
+
+
+def load_judge(path: str, mesh: jax.sharding.Mesh | None
+               ) -> tuple[models.ModelConfig, Any, Any]:
+  """``(model_config, params, tokenizer)`` of a generative judge
+  (``rljax.train.judges``): an rljax run's newest checkpoint, or a Hugging
+  Face causal LM with its tokenizer files; params placed on ``mesh``."""
+  from rljax import tokenizers as tok_lib  # pylint: disable=g-import-not-at-top
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    loaded = load_policy(path)
+    params = loaded.params
+    if mesh is not None:
+      params = jax.device_put(params, models.param_shardings(
+          loaded.model_config, mesh))
+    return loaded.model_config, params, loaded.tokenizer
+  model_config, params = models.load_hf_pretrained(path, mesh)
+  return model_config, params, tok_lib.load_hf_tokenizer(path)

@@ -112,10 +112,55 @@ def read_pairs(path: str) -> list[dict[str, Any]]:
   return pairs
 
 
-def builtin_pairs(task: Any, split: str, num_pairs: int, seed: int
-                  ) -> list[dict[str, Any]]:
+NEGATIVES = ("mixed", "near")
+
+
+def wrong_answer(answer: str, rng: np.random.Generator, kind: str) -> str:
+  """A wrong non-negative integer for integer ``answer``.
+
+  ``"near"``: within 9 of it (``sft.near_miss``); ``"random"``: uniform with
+  one digit more or fewer at most; ``"digits"``: one digit changed, dropped,
+  or repeated, or the digits reversed.
+  """
+  value = int(answer)
+  for _ in range(100):
+    if kind == "near":
+      wrong = sft.near_miss(answer, rng)
+    elif kind == "random":
+      digits = max(1, len(answer.lstrip("-")) + int(rng.integers(-1, 2)))
+      wrong = str(int(rng.integers(0, 10 ** digits)))
+    else:
+      d = list(str(abs(value)))
+      i = int(rng.integers(len(d)))
+      edit = int(rng.integers(4))
+      if edit == 0:
+        d[i] = str(int(rng.integers(10)))
+      elif edit == 1 and len(d) > 1:
+        del d[i]
+      elif edit == 2:
+        d.insert(i, d[i])
+      else:
+        d.reverse()
+      wrong = str(int("".join(d)))
+    if wrong != answer and int(wrong) >= 0:
+      return wrong
+  return str(value + 1)
+
+
+def builtin_pairs(task: Any, split: str, num_pairs: int, seed: int,
+                  negatives: str = "mixed") -> list[dict[str, Any]]:
   """Pairs from a built-in task: its reference completion preferred over a
-  near miss (an integer within 9 of the answer, ``sft.near_miss``)."""
+  wrong integer (``wrong_answer``).
+
+  ``negatives="near"``: near misses only. ``"mixed"`` (default): half near
+  misses, a quarter random integers of about the answer's length, a quarter
+  digit edits. A reward model that has only seen near misses is not asked
+  about far-off answers, and a policy can find them: on the main job, RL on
+  such a model drove held-out accuracy down (README, "Rewards from models").
+  """
+  if negatives not in NEGATIVES:
+    raise ValueError(f"reward_model.negatives={negatives!r}: accepted "
+                     f"{NEGATIVES}.")
   rng = np.random.default_rng((seed, 7))
   pairs = []
   for e in task.sft_examples(split, num_pairs, seed):
@@ -124,8 +169,11 @@ def builtin_pairs(task: Any, split: str, num_pairs: int, seed: int
       raise ValueError(f"task {task.name!r}: completion {chosen!r} is not an "
                        "integer; built-in pairs need one (give "
                        "reward_model.pairs_path).")
+    kind = "near"
+    if negatives == "mixed":
+      kind = ("near", "near", "random", "digits")[int(rng.integers(4))]
     pairs.append({"prompt": e["prompt"], "chosen": chosen,
-                  "rejected": sft.near_miss(chosen, rng)})
+                  "rejected": wrong_answer(chosen, rng, kind)})
   return pairs
 
 
@@ -215,8 +263,9 @@ def load_pairs(config: Any, task: Any) -> tuple[list[dict[str, Any]],
     raise ValueError("reward_model.pairs_path is empty and task.path is a "
                      "JSONL task: built-in pairs need a built-in task "
                      "(task.name), or give reward_model.pairs_path.")
-  return (builtin_pairs(task, "train", r.num_pairs, config.seed),
-          builtin_pairs(task, "heldout", r.num_heldout, config.seed + 1))
+  return (builtin_pairs(task, "train", r.num_pairs, config.seed, r.negatives),
+          builtin_pairs(task, "heldout", r.num_heldout, config.seed + 1,
+                        r.negatives))
 
 
 def run(config: Any, workdir: str) -> dict[str, Any]:

@@ -91,7 +91,7 @@ _BASE: dict[str, Field] = {
     "sft.padding_free": F(True, None, "warm-up rows packed, real tokens only "
                           "(the same loss; False: padded rows)"),
     # --- reward_model: launch.train_reward_model (Bradley-Terry) ---
-    "reward_model.num_steps": F(600, "int>=1", "optimizer steps"),
+    "reward_model.num_steps": F(1000, "int>=1", "optimizer steps"),
     "reward_model.batch_size": F(32, "int>=1", "pairs per step"),
     "reward_model.learning_rate": F(3e-4, ">0", "peak learning rate (AdamW, "
                                     "cosine)"),
@@ -103,6 +103,10 @@ _BASE: dict[str, Field] = {
                                  "[/margin] ('': built from the task)"),
     "reward_model.heldout_path": F("", None, "held-out pairs JSONL ('': the "
                                    "head of pairs_path)"),
+    "reward_model.negatives": F("mixed", None, "built-in pairs' rejected "
+                                "answers: near misses, random integers and "
+                                "digit edits; or near misses only",
+                                choices=("mixed", "near")),
     "reward_model.num_pairs": F(8000, "int>=1", "built-in training pairs"),
     "reward_model.num_heldout": F(256, "int>=1", "held-out pairs"),
     "reward_model.max_length": F(16, "int>=1", "padded length of one side"),
