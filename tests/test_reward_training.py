@@ -9,6 +9,7 @@ refuses what it cannot do.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,15 @@ def test_wrong_answers_of_each_kind_are_wrong_integers():
         assert wrong != answer and wrong.isdigit() and str(int(wrong)) == wrong
 
 
+def test_pairs_from_samples_pair_distinct_right_and_wrong_answers():
+  pairs = rt.pairs_from_samples(
+      ["1+1=", "2+2=", "3+3="],
+      [["2", "3", "2", "5", "3"], ["4", "4"], ["7", "6", "8"]],
+      [[1.0, 0.0, 1.0, 0.0, 0.0], [1.0, 1.0], [0.0, 1.0, float("nan")]])
+  assert pairs == [{"prompt": "1+1=", "chosen": "2", "rejected": "3"},
+                   {"prompt": "3+3=", "chosen": "6", "rejected": "7"}]
+
+
 def _tiny(workdir_steps=20):
   config = tiny_config()
   config.reward_model.num_steps = workdir_steps
@@ -172,6 +182,36 @@ def test_a_run_from_scratch_skips_the_warm_up(tmp_path):
   assert not any("sft/sft_loss" in r for r in rows)
   assert [r["step"] for r in rows if "rm/loss" in r] == [10]
   assert summary["heldout_accuracy_before"] == 0.5  # a zero head: all ties
+
+
+@pytest.mark.slow
+def test_pairs_from_the_sft_model_s_samples_are_labelled_and_kept(tmp_path):
+  config = _tiny(10)
+  config.sft.num_steps = 40
+  config.reward_model.policy_prompts = 32
+  config.reward_model.policy_samples = 4
+  rt.run(config, str(tmp_path))
+  rows = metrics.read_jsonl(os.path.join(str(tmp_path), "metrics.jsonl"))
+  [count] = [r["rm/policy_pairs"] for r in rows if "rm/policy_pairs" in r]
+  path = os.path.join(str(tmp_path), "policy_pairs.jsonl")
+  pairs = rt.read_pairs(path) if os.path.getsize(path) else []
+  assert len(pairs) == count
+  def last_number(text):
+    numbers = re.findall(r"-?\d+", text)
+    return numbers[-1] if numbers else None
+
+  for p in pairs:
+    answer = str(eval(p["prompt"].rstrip("=")))  # pylint: disable=eval-used
+    assert last_number(p["chosen"]) == answer
+    assert last_number(p["rejected"]) != answer
+
+
+def test_policy_pairs_need_the_sft_model(tmp_path):
+  config = _tiny()
+  config.reward_model.policy_prompts = 8
+  config.reward_model.init = "scratch"
+  with pytest.raises(ValueError, match="reward_model.policy_prompts=8"):
+    rt.run(config, str(tmp_path))
 
 
 def _build():

@@ -177,6 +177,68 @@ def builtin_pairs(task: Any, split: str, num_pairs: int, seed: int,
   return pairs
 
 
+def pairs_from_samples(prompts: Sequence[str],
+                       completions: Sequence[Sequence[str]],
+                       rewards: Sequence[Sequence[float]],
+                       threshold: float = 1.0) -> list[dict[str, Any]]:
+  """Pairs of a policy's own samples labelled by a verifier: for each prompt,
+  its ``k``-th distinct correct completion (reward ``>= threshold``) over its
+  ``k``-th distinct wrong one, as many as the smaller side has (InstructGPT's
+  comparisons are of the SFT model's samples; here the labeller is the
+  verifier)."""
+  pairs = []
+  for prompt, texts, values in zip(prompts, completions, rewards):
+    right = list(dict.fromkeys(t for t, v in zip(texts, values)
+                               if v >= threshold))
+    wrong = list(dict.fromkeys(t for t, v in zip(texts, values)
+                               if not v >= threshold))
+    pairs += [{"prompt": prompt, "chosen": c, "rejected": w}
+              for c, w in zip(right, wrong)]
+  return pairs
+
+
+def policy_pairs(config: Any, task: Any, params: Any, model_config: Any,
+                 tokenizer: Any, mesh: jax.sharding.Mesh
+                 ) -> list[dict[str, Any]]:
+  """``pairs_from_samples`` of ``reward_model.policy_prompts`` training
+  prompts, ``reward_model.policy_samples`` samples each from ``params`` (the
+  SFT model) with the config's sampler, labelled by
+  ``reward_model.labeller``."""
+  from rljax import rewards as rewards_lib  # pylint: disable=g-import-not-at-top
+  from rljax import sampling  # pylint: disable=g-import-not-at-top
+  from rljax.train import build  # pylint: disable=g-import-not-at-top
+  r = config.reward_model
+  examples = task.examples("train", r.policy_prompts, config.seed + 2)
+  k = r.policy_samples
+  sc = build.sampler_config(config, tokenizer, k)
+  fn = sampling.make_sampler(model_config, sc, mesh,
+                             models.param_shardings(model_config, mesh))
+  label, labeller = build.reward_fn(r.labeller)
+  completions: list[list[str]] = []
+  scores: list[list[float]] = []
+  key = jax.random.key(config.seed + 3)
+  with rewards_lib.RewardEvaluator(
+      [rewards_lib.RewardSpec(label, labeller, in_process=True)],
+      num_workers=0) as evaluator:
+    for lo in range(0, len(examples), 64):
+      chunk = examples[lo:lo + 64]
+      ids = tok_lib.encode_prompts(tokenizer, [e["prompt"] for e in chunk])
+      tokens, mask = sampling.pad_prompts(ids, sc.prompt_buckets,
+                                          tokenizer.pad_id)
+      rollout = jax.device_get(fn(params, tokens, mask,
+                                  jax.random.fold_in(key, lo)))
+      texts = tok_lib.decode_completions(tokenizer, rollout.completion_tokens,
+                                         rollout.completion_mask, sc.eos_ids)
+      fields = data_lib.repeat_each(
+          {name: [e[name] for e in chunk] for name in chunk[0]}, k)
+      values = np.nan_to_num(evaluator.evaluate(
+          fields["prompt"], texts, fields).rewards_NxR[:, 0], nan=0.0)
+      completions += [texts[i * k:(i + 1) * k] for i in range(len(chunk))]
+      scores += [values[i * k:(i + 1) * k].tolist() for i in range(len(chunk))]
+  return pairs_from_samples([e["prompt"] for e in examples], completions,
+                            scores)
+
+
 def encode_pairs(tokenizer: Any, pairs: Sequence[dict[str, Any]], width: int,
                  chat_template: bool = False) -> Pairs:
   """Right-padded ids of each side (``model_rewards.encode``).
@@ -244,6 +306,18 @@ def pair_accuracy(params: Any, config: rm_lib.RewardModelConfig,
   return float(np.concatenate(wins).mean())
 
 
+def _write_pairs(path: str, pairs: Sequence[dict[str, Any]]) -> None:
+  """JSONL, atomically (a temporary file, then a rename)."""
+  with open(path + ".tmp", "w") as f:
+    for pair in pairs:
+      f.write(json.dumps(pair) + "\n")
+  os.replace(path + ".tmp", path)
+
+
+def _concat(a: Pairs, b: Pairs) -> Pairs:
+  return Pairs(*(np.concatenate([x, y]) for x, y in zip(a, b)))
+
+
 @functools.lru_cache(maxsize=None)
 def _scores_fn(config: rm_lib.RewardModelConfig):
   return jax.jit(lambda params, tokens, mask: rm_lib.scores(params, config,
@@ -268,6 +342,10 @@ def load_pairs(config: Any, task: Any) -> tuple[list[dict[str, Any]],
                         r.negatives))
 
 
+def task_is_jsonl(config: Any) -> bool:
+  return bool(config.task.path)
+
+
 def run(config: Any, workdir: str) -> dict[str, Any]:
   """Trains a reward model (``reward_model.*`` of an RL config) in ``workdir``.
 
@@ -285,6 +363,14 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   if r.init not in INITS:
     raise ValueError(f"reward_model.init={r.init!r}: accepted {INITS}.")
   build.validate(config)
+  if r.policy_prompts and (r.init != "sft" or not config.sft.num_steps
+                           or task_is_jsonl(config)):
+    raise ValueError(
+        f"reward_model.policy_prompts={r.policy_prompts}: pairs from the SFT "
+        "model's samples need reward_model.init='sft', sft.num_steps > 0 and "
+        "a built-in task; accepted: 0 otherwise.")
+  if r.policy_prompts:
+    build.reward_fn(r.labeller)
   if config.model.path:
     raise ValueError("model.path is set: launch.train_reward_model trains a "
                      "model.preset with the run's own tokenizer; accepted: "
@@ -312,6 +398,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                        max_to_keep=2, async_save=False)
   metrics_path = os.path.join(workdir, "metrics.jsonl")
+  pairs_file = os.path.join(workdir, "policy_pairs.jsonl")
   latest = manager.latest_step()
   # Rows past the newest checkpoint (a killed run's) are written again.
   rundir.trim_metrics(metrics_path, latest if latest is not None else -10**9)
@@ -333,11 +420,22 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
             task=task, tokenizer=tokenizer, model_config=decoder, mesh=mesh,
             param_shardings=models.param_shardings(decoder, mesh),
             writer=writer)
+        if r.policy_prompts:
+          sampled = policy_pairs(config, task, policy, decoder, tokenizer,
+                                 mesh)
+          log.info("reward model: %d pairs from the SFT model's samples "
+                   "(%d prompts)", len(sampled), r.policy_prompts)
+          writer.write(0, {"rm/policy_pairs": float(len(sampled))})
+          _write_pairs(pairs_file, sampled)
         params = rm_lib.init_params(rm_config, key, mesh, decoder=policy)
         opt_state = jax.jit(opt.init)(params)
       before = pair_accuracy(params, rm_config, heldout, r.batch_size, mesh)
       writer.write(0, {"rm/heldout_accuracy": before})
       log.info("reward model: held-out pair accuracy before %.3f", before)
+    if r.policy_prompts and os.path.getsize(pairs_file):
+      # Saved at the start: a resumed run trains on the same pairs.
+      train = _concat(train, encode_pairs(tokenizer, read_pairs(pairs_file),
+                                          r.max_length, chat))
     jitted = jax.jit(step_fn, donate_argnums=(0, 1))
     rows = sharding.batch_sharding(mesh, 2)
     rng = np.random.default_rng((config.seed, 11))

@@ -107,6 +107,12 @@ _BASE: dict[str, Field] = {
                                 "answers: near misses, random integers and "
                                 "digit edits; or near misses only",
                                 choices=("mixed", "near")),
+    "reward_model.policy_prompts": F(0, "int>=0", "also pairs of the SFT "
+                                     "model's own samples on this many "
+                                     "prompts, labelled by the labeller"),
+    "reward_model.policy_samples": F(8, "int>=1", "samples per such prompt"),
+    "reward_model.labeller": F("numeric_match", None, "the reward that labels "
+                               "them (>= 1: right)"),
     "reward_model.num_pairs": F(8000, "int>=1", "built-in training pairs"),
     "reward_model.num_heldout": F(256, "int>=1", "held-out pairs"),
     "reward_model.max_length": F(16, "int>=1", "padded length of one side"),
