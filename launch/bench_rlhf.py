@@ -49,9 +49,19 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "where the runs go (default: "
 _RECORD_DIR = flags.DEFINE_string("record_dir", "", "where the JSON record "
                                   "goes (default: the workdir)")
 
+_RMS = flags.DEFINE_list(
+    "rms", ["near", "mixed"], "the reward models: 'near' and 'mixed' "
+    "(reward_model.negatives), 'policy' (mixed, plus pairs of the SFT "
+    "model's samples on --policy_prompts prompts)")
+_POLICY_PROMPTS = flags.DEFINE_integer("policy_prompts", 2000,
+                                       "reward_model.policy_prompts of 'policy'")
+_VERIFIER = flags.DEFINE_bool("verifier", True, "also train on the verifier "
+                              "reward (the baseline)")
+
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
-_NEGATIVES = ("near", "mixed")  # reward_model.negatives
-_KINDS = _NEGATIVES + ("verifier",)  # the policies' rewards
+_RM_FLAGS = {"near": ["--config.reward_model.negatives=near"],
+             "mixed": ["--config.reward_model.negatives=mixed"],
+             "policy": ["--config.reward_model.negatives=mixed"]}
 _WINDOW = 50
 
 
@@ -110,22 +120,30 @@ def main(argv):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   config, extra = _config(quick), _quick_flags(quick)
+  rms = tuple(_RMS.value)
+  unknown = sorted(set(rms) - set(_RM_FLAGS))
+  if unknown:
+    raise app.UsageError(f"--rms: unknown {unknown}; accepted "
+                         f"{sorted(_RM_FLAGS)}.")
+  kinds = rms + (("verifier",) if _VERIFIER.value else ())
   runs = []
   for seed in seeds:
     common = [f"--config={config}", f"--config.seed={seed}", *extra]
     result = {"seed": seed}
-    for negatives in _NEGATIVES:
+    for negatives in rms:
       rm_dir = os.path.join(base, f"rm_{negatives}_seed{seed}")
-      print(f"seed {seed}: reward model on {negatives} negatives ...",
-            flush=True)
+      print(f"seed {seed}: reward model {negatives} ...", flush=True)
+      rm_flags = list(_RM_FLAGS[negatives])
+      if negatives == "policy":
+        rm_flags.append("--config.reward_model.policy_prompts="
+                        f"{8 if quick else _POLICY_PROMPTS.value}")
       seconds = _run("launch.train_reward_model",
-                     [*common, f"--workdir={rm_dir}",
-                      f"--config.reward_model.negatives={negatives}"], env)
+                     [*common, f"--workdir={rm_dir}", *rm_flags], env)
       with open(os.path.join(rm_dir, "summary.json")) as f:
         result[f"rm_{negatives}"] = dict(json.load(f), seconds=seconds)
       print(f"  pair accuracy {result[f'rm_{negatives}']['heldout_accuracy']:.3f}"
             f" ({seconds:.0f} s)", flush=True)
-    for kind in _KINDS:
+    for kind in kinds:
       flags_ = []
       if kind != "verifier":
         rm_dir = os.path.join(base, f"rm_{kind}_seed{seed}")
@@ -150,8 +168,8 @@ def main(argv):
             f"({seconds:.0f} s)", flush=True)
     runs.append(result)
   summary = {f"rm_{n}_pair_accuracy": _stats(
-      [r[f"rm_{n}"]["heldout_accuracy"] for r in runs]) for n in _NEGATIVES}
-  for kind in _KINDS:
+      [r[f"rm_{n}"]["heldout_accuracy"] for r in runs]) for n in rms}
+  for kind in kinds:
     for what in ("before", "after", "gain"):
       summary[f"{kind}_{what}"] = _stats([r[kind][what] for r in runs])
     if kind != "verifier":
@@ -160,11 +178,11 @@ def main(argv):
           summary[f"{kind}_{column}_{w}"] = _stats(
               [r[kind]["rewards"][column][w] for r in runs])
   s = summary
-  for n in _NEGATIVES:
-    print(f"reward model ({n} negatives) held-out pair accuracy: "
+  for n in rms:
+    print(f"reward model {n}: held-out pair accuracy "
           f"{s[f'rm_{n}_pair_accuracy']['mean']:.3f} +- "
           f"{s[f'rm_{n}_pair_accuracy']['std']:.3f}")
-  for kind in _KINDS:
+  for kind in kinds:
     line = (f"{kind:>8} reward: held-out {s[f'{kind}_before']['mean']:.3f} -> "
             f"{s[f'{kind}_after']['mean']:.3f} +- "
             f"{s[f'{kind}_after']['std']:.3f}, gain "
@@ -182,7 +200,8 @@ def main(argv):
   print("record:", benchlib.write_record(
       "bench_rlhf" + ("_quick" if quick else ""),
       {"summary": summary, "runs": runs, "seeds": seeds, "quick": quick},
-      out_dir, {"config": config, "flags": extra}))
+      out_dir, {"config": config, "flags": extra, "rms": rms,
+                "policy_prompts": _POLICY_PROMPTS.value}))
 
 
 if __name__ == "__main__":
