@@ -63,6 +63,10 @@ same rows of the issue-12 model, two workloads of 64 x (64 + 128) slots:
 ``fixed`` (every row full, EOS off) and ``long_tailed`` (prompts of 16..64
 tokens, geometric completions of mean ~32 truncated at 128). Figures are
 real (non-padding) tokens/s; the packed time includes the host's plan.
+Then, on the long-tailed workload, ``--microbatches`` microbatches of
+consecutive rows against microbatches split by tokens
+(``rl.microbatch_tokens``, the same count, tokens balanced): a microbatch
+holding the longest rows sets every microbatch's buffers when split by rows.
 
 Part 2 runs a few steps of a config (the main job by default) twice, with
 ``rl.old_logprobs="recompute"`` and ``="sampler"``, and prints where an RL
@@ -111,6 +115,9 @@ _TORCH_STEPS = flags.DEFINE_integer("torch_steps", 3,
 _PACKED = flags.DEFINE_bool("padding_free", True,
                              "time the packed step against the padded one "
                              "on fixed and long-tailed lengths")
+_MICRO = flags.DEFINE_integer(
+    "microbatches", 4, "--padding_free: microbatches of the rows-vs-tokens "
+    "split comparison (0 skips it)")
 _SWEEP = flags.DEFINE_bool("remat_sweep", False,
                            "time the logprobs with and without remat")
 _RECORD_DIR = flags.DEFINE_string(
@@ -391,6 +398,66 @@ def padding_free():
   return out
 
 
+def token_microbatches():
+  """Microbatches by rows against microbatches by tokens
+  (``rl.microbatch_tokens``, verl's dynamic batch size) on the long-tailed
+  workload, both padding-free: ``--microbatches`` microbatches of
+  consecutive rows, against a budget of 1.1x the real tokens over that
+  count (the same number of microbatches, tokens balanced). Prints real
+  tokens/s, the slots of a microbatch's buffers (its activation memory) and
+  the loss agreement."""
+  from rljax.train import packing  # pylint: disable=import-outside-toplevel
+  mc = dataclasses.replace(models.get_preset("small"), **TORCH_MODEL)
+  params = models.init_params(mc, jax.random.key(0))
+  optimizer = optax.chain(optax.clip_by_global_norm(MAX_GRAD_NORM),
+                          optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY))
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
+  batch = _lengths_workload("long_tailed", mc.vocab_size)
+  real = int(batch.input_mask_NxL.sum())
+  k = _MICRO.value
+  by_rows = train.RLStepConfig(completion_length=TORCH_COMPLETION,
+                               entropy_metric=False, num_microbatches=k)
+  by_tokens = dataclasses.replace(by_rows, num_microbatches=1,
+                                  microbatch_tokens=-(-real * 11 // (10 * k)))
+  state0 = train.TrainState(params, optimizer.init(params), optax.EmptyState(),
+                            coef_tx.init(jnp.zeros((1, 1))),
+                            jnp.zeros((), jnp.int32),
+                            jax.random.key_data(jax.random.key(0)))
+  out = {"real_tokens": real, "budget": by_tokens.microbatch_tokens}
+  losses = {}
+  print(f"\nmicrobatches by rows ({k}) vs by tokens (budget "
+        f"{by_tokens.microbatch_tokens} = 1.1 x {real} real / {k}), "
+        "long-tailed, padding-free:")
+  for name, cfg in (("rows", by_rows), ("tokens", by_tokens)):
+    step = packing.PaddingFree(
+        jax.jit(train.make_rl_step(mc, cfg, optimizer, coef_tx)), cfg)
+    losses[name] = float(jax.device_get(step(state0, batch)[1])["pg_loss"])
+    seconds = _timed(lambda step=step: jax.block_until_ready(
+        step(state0, batch)[1]), _TORCH_STEPS.value)
+    plan = step.plan(state0, batch)
+    slots = int(np.prod(plan.packing.segment_BpxLp.shape[-2:]))
+    tokens = np.asarray(batch.input_mask_NxL.sum(-1))[plan.order_UxKxM]
+    out[name] = {"s": seconds, "real_tokens_per_s": real / seconds,
+                 "microbatches": int(plan.order_UxKxM.shape[1]),
+                 "slots_per_microbatch": slots,
+                 "max_microbatch_tokens": int(tokens.sum(-1).max()),
+                 "fill": step.last_fill}
+    print(f"  by {name:<7} {out[name]['microbatches']} microbatches of "
+          f"{slots} slots (most real tokens in one: "
+          f"{out[name]['max_microbatch_tokens']}), buffers "
+          f"{100 * step.last_fill:.0f}% full: "
+          f"{out[name]['real_tokens_per_s']:8,.0f} real tokens/s")
+  out["ratio"] = out["rows"]["s"] / out["tokens"]["s"]
+  out["slots_ratio"] = (out["tokens"]["slots_per_microbatch"]
+                        / out["rows"]["slots_per_microbatch"])
+  out["loss_rel_diff"] = abs(losses["tokens"] - losses["rows"]) / max(
+      abs(losses["rows"]), 1e-12)
+  print(f"  tokens / rows: {out['ratio']:.2f}x tokens/s, "
+        f"{out['slots_ratio']:.2f}x slots per microbatch; loss rel "
+        f"{out['loss_rel_diff']:.1e}")
+  return out
+
+
 def remat_sweep(batch=16, length=128, width=256,
                 vocab_sizes=(512, 2048, 4096, 8192, 32768)):
   """Forward + backward of ``token_logprobs`` with and without remat."""
@@ -475,6 +542,8 @@ def main(argv):
   figures = {"rl_step": part1()}
   if _PACKED.value:
     figures["padding_free"] = padding_free()
+    if _MICRO.value:
+      figures["token_microbatches"] = token_microbatches()
   if _TORCH.value:
     figures["vs_torch"] = compare_torch()
   if _SWEEP.value:

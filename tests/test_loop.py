@@ -78,6 +78,8 @@ OTHER_AXES = {
     "sampler.speculative": (False, True),
     "rl.max_staleness": (0, 1),
     "rl.replay.fraction": (0.0, 0.25),
+    # Microbatches split by tokens: 96 of the ~160 tokens of a minibatch.
+    "rl.microbatch_tokens": (0, 96),
 }
 
 
@@ -150,6 +152,8 @@ def test_every_config_name_trains(case, tmp_path):
     assert not bad, bad
     assert r["nonfinite_skipped_total"] == 0
     assert r["grad_norm"] > 0
+    if case["rl.microbatch_tokens"]:  # the budget split the minibatches
+      assert r["packing/microbatches"] > 1, r["packing/microbatches"]
 
 
 def _without_clock(row):

@@ -235,6 +235,12 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
         f"rl.prompts_per_step x rl.group_size = {n} rows do not split into "
         f"rl.num_minibatches={rl.num_minibatches} x rl.num_microbatches="
         f"{rl.num_microbatches}: use counts whose product divides {n}.")
+  if rl.microbatch_tokens and not rl.padding_free:
+    raise ValueError(
+        f"rl.microbatch_tokens={rl.microbatch_tokens} needs "
+        "rl.padding_free=True: a padded microbatch costs its rows' full "
+        "length whatever their tokens; accepted: rl.microbatch_tokens=0 "
+        "with rl.padding_free=False.")
   if config.task.name not in data_lib.TASKS and not config.task.path:
     raise ValueError(f"task.name={config.task.name!r} is unknown; accepted: "
                      f"{tuple(data_lib.TASKS)} (or set task.path to a JSONL file).")

@@ -185,6 +185,7 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
                          **out.metrics}
     if isinstance(rl_step, packing_lib.PaddingFree):
       m["packing/fill"] = rl_step.last_fill  # real tokens / buffer slots
+      m["packing/microbatches"] = rl_step.last_microbatches  # per update
     trained_tokens = m["num_train_tokens"] * sc.num_epochs
     m.update({
         "time/step": time.time() - t_start,

@@ -25,14 +25,32 @@ Cost. The decoder's token-wise work (projections, MLP, norms) runs on
 costs (and, without rematerialisation, keeps) ``k`` times a padded row's per
 slot (block-diagonal, computed dense). So ``k = 2`` is chosen only when it
 saves slots: rows longer than ``L / 2`` (full-length rows) pack one to a
-buffer of ``L``, which is the padded step's shape and memory. The output projection and the losses run on the scored columns in
-the rows' layout, as padded. The microbatch split is by rows (as padded): a
-microbatch holding the batch's longest rows sets ``Bp`` for all.
+buffer of ``L``, which is the padded step's shape and memory. The output
+projection and the losses run on the scored columns in the rows' layout, as
+padded.
+
+The microbatch split. By default it is the padded step's: consecutive rows
+of the (shuffled) minibatch, so a microbatch holding the batch's longest rows
+sets ``Bp`` for all. ``rl.microbatch_tokens`` > 0 splits each minibatch by
+tokens instead (verl's dynamic batch size, ``use_dynamic_bsz``): into the
+fewest microbatches, at least ``rl.num_microbatches``, whose real tokens stay
+within the budget, the rows spread so every microbatch holds about the same
+number of tokens (``balanced_split``; verl's sequence-length balanced
+partitions). The minibatches and their normalisers do not change, so neither
+does the loss (up to float summation order); only what is computed per
+microbatch does: the coefficient chain's calls and ``rl.ess_pooling=
+microbatch``'s ESS see the regrouped rows. Short rows then train in fewer,
+fuller microbatches; long ones in more, so a microbatch's memory stays
+bounded by the budget (a microbatch may exceed it only when it cannot be
+split further: one row, or one per batch shard of the mesh). The count of
+microbatches is part of the program's shape: a run compiles one program per
+count it meets (a divisor of the minibatch's rows) and ``Bp`` bucket.
 """
 
 from __future__ import annotations
 
 import functools
+import heapq
 from typing import Any, Callable
 
 import jax
@@ -95,6 +113,64 @@ def pack_microbatch(input_mask: np.ndarray, row_multiple: int = 1
   return _pack([np.asarray(input_mask, bool)], row_multiple)[0]
 
 
+def balanced_split(lengths: np.ndarray, groups: int) -> np.ndarray:
+  """``[groups, n / groups]`` indices of ``lengths``: groups of equal row
+  count with about equal token sums (longest row first, each to the lightest
+  group that still has room; ties to the lower group). Each group's rows are
+  in ascending index order."""
+  sizes = np.asarray(lengths, np.int64)
+  n = len(sizes)
+  if groups < 1 or n % groups:
+    raise ValueError(f"balanced_split: {n} rows do not split into {groups} "
+                     "groups of equal size.")
+  room = n // groups
+  heap = [(0, g) for g in range(groups)]
+  members: list[list[int]] = [[] for _ in range(groups)]
+  as_list = sizes.tolist()
+  for i in np.argsort(-sizes, kind="stable").tolist():
+    total, g = heapq.heappop(heap)
+    members[g].append(i)
+    if len(members[g]) < room:  # a full group leaves the heap
+      heapq.heappush(heap, (total + as_list[i], g))
+  return np.sort(np.asarray(members, np.int64).reshape(groups, room), -1)
+
+
+def microbatch_counts(rows: int, minimum: int, row_multiple: int = 1
+                      ) -> list[int]:
+  """The microbatch counts a minibatch of ``rows`` rows may split into: the
+  divisors ``>= minimum`` whose microbatches are a multiple of
+  ``row_multiple`` rows (the mesh's batch shards), ascending."""
+  counts = [d for d in range(max(minimum, 1), rows + 1)
+            if rows % d == 0 and (rows // d) % row_multiple == 0]
+  return counts or [minimum]
+
+
+def split_by_tokens(order_UxKxM: np.ndarray, lengths: np.ndarray,
+                    budget: int, row_multiple: int = 1) -> np.ndarray:
+  """``rl.microbatch_tokens``: each update's minibatch (the rows of
+  ``order_UxKxM[u]``) regrouped into the fewest microbatches, at least ``K``,
+  whose real tokens (``lengths``) stay within ``budget``, tokens balanced
+  across them (``balanced_split``). One count serves every update of the
+  step (the most any needs), so the result is ``[U, K', M']``; when no count
+  keeps every microbatch within the budget, the largest is used."""
+  u, k, m = order_UxKxM.shape
+  minibatches = order_UxKxM.reshape(u, k * m)
+  counts = microbatch_counts(k * m, k, row_multiple)
+  sizes = np.asarray(lengths, np.int64)[minibatches]  # [U, R]
+  need = max(-(-int(sizes.sum(-1).max()) // budget), int(sizes.max() > 0))
+  chosen = counts[-1]
+  for count in counts:
+    if count < need:
+      continue
+    if all(sizes[i][g].sum(-1).max() <= budget
+           for i in range(u) for g in [balanced_split(sizes[i], count)]):
+      chosen = count
+      break
+  split = np.stack([minibatches[i][balanced_split(sizes[i], chosen)]
+                    for i in range(u)])
+  return split.astype(np.int32)
+
+
 def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
               row_multiple: int = 1) -> StepPlan:
   """The ``StepPlan`` of one step (NumPy).
@@ -104,7 +180,8 @@ def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
     input_mask_NxL: the batch's real tokens.
     key_data: the state's key (``TrainState.key``); read only when the step
       shuffles (more than one update).
-    row_multiple: ``Bp`` is a multiple of it (the mesh's batch shards).
+    row_multiple: ``Bp`` is a multiple of it (the mesh's batch shards);
+      with ``cfg.microbatch_tokens`` so are the microbatches' rows.
   """
   mask = np.asarray(input_mask_NxL, bool)
   n, length = mask.shape
@@ -113,6 +190,9 @@ def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
         f"plan_step: {n} rows do not split into rl.num_minibatches="
         f"{cfg.num_minibatches} x rl.num_microbatches={cfg.num_microbatches}.")
   order = host_order(cfg, key_data, n)
+  if cfg.microbatch_tokens:
+    order = split_by_tokens(order, mask.sum(-1), cfg.microbatch_tokens,
+                            row_multiple)
   u, k, m = order.shape
   packs = _pack([mask[order[i, j]] for i in range(u) for j in range(k)],
                 row_multiple)
@@ -145,12 +225,14 @@ class PaddingFree:
       from rljax import sharding  # pylint: disable=g-import-not-at-top
       self.row_multiple = sharding.batch_ways(mesh)
     self.last_fill = None
+    self.last_microbatches = None
 
   def plan(self, state: Any, batch: Any) -> StepPlan:
     mask = _host(batch.input_mask_NxL)
     key = _host(state.key) if self.cfg.num_updates > 1 else None
     plan = plan_step(self.cfg, mask, key, self.row_multiple)
     self.last_fill = fill_fraction(plan)
+    self.last_microbatches = int(plan.order_UxKxM.shape[1])
     return plan
 
   def __call__(self, state: Any, batch: Any, *args: Any) -> Any:
@@ -168,5 +250,6 @@ def _host(x: Any) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-__all__ = ["BUFFER_ROWS", "NUM_BUCKETS", "PaddingFree", "bucket",
-           "fill_fraction", "host_order", "pack_microbatch", "plan_step"]
+__all__ = ["BUFFER_ROWS", "NUM_BUCKETS", "PaddingFree", "balanced_split",
+           "bucket", "fill_fraction", "host_order", "microbatch_counts",
+           "pack_microbatch", "plan_step", "split_by_tokens"]

@@ -197,6 +197,10 @@ _BASE: dict[str, Field] = {
     "rl.padding_free": F(True, None, "the step's forward passes run on "
                          "packed rows, real tokens only (the same loss; "
                          "False: padded rows)"),
+    "rl.microbatch_tokens": F(0, "int>=0", "0: microbatches of consecutive "
+                              "rows; > 0: split each minibatch by tokens, "
+                              "the fewest microbatches within this budget "
+                              "(verl's dynamic batch size; padding-free)"),
     "rl.kl_coef": F(0.0, ">=0", "weight of the KL to the reference params"),
     "rl.entropy_coef": F(0.0, ">=0", "weight of the entropy bonus"),
     "rl.training_temperature": F(1.0, ">0", "logits are divided by it"),

@@ -144,6 +144,12 @@ class RLStepConfig:
     count_empty_sequences: the sequence normaliser counts every row of the
       minibatch (TRL's ``grpo`` / ``dr_grpo``), not only rows with a valid
       token (verl, rljax's default).
+    microbatch_tokens: 0 splits each minibatch into ``num_microbatches``
+      microbatches of consecutive rows; ``> 0`` splits it by tokens: the
+      fewest microbatches (at least ``num_microbatches``) that keep each
+      one's real tokens within this budget, tokens balanced across them
+      (verl's dynamic batch size). Read by the host's ``StepPlan``
+      (``train/packing.py``), so it needs a padding-free step.
   """
 
   num_epochs: int = 1
@@ -171,6 +177,7 @@ class RLStepConfig:
   dro_beta: float = 0.0
   max_log_ratio: float = 20.0
   count_empty_sequences: bool = False
+  microbatch_tokens: int = 0
 
   def __post_init__(self):
     for field, value, accepted in (
@@ -180,6 +187,10 @@ class RLStepConfig:
         ("rl.aggregation", self.aggregation, obj_lib.AGGREGATIONS)):
       if value not in accepted:
         raise ValueError(f"{field}={value!r}; accepted: {tuple(accepted)}.")
+    if self.microbatch_tokens < 0:
+      raise ValueError(f"rl.microbatch_tokens={self.microbatch_tokens}: 0 "
+                       "(split by rows) or a positive token budget is "
+                       "accepted.")
     if self.completion_length is not None and self.completion_length < 1:
       raise ValueError(f"completion_length={self.completion_length}: a "
                        "positive integer or None is accepted.")

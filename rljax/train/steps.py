@@ -215,9 +215,11 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
   adv = batch.advantages_NxL
   adv = (jnp.broadcast_to(adv[:, None], loss_mask.shape) if adv.ndim == 1
          else scored(adv)).astype(jnp.float32)
-  chunks = cfg.num_minibatches * cfg.num_microbatches
-
   plan = batch.plan
+  # The no-gradient passes run over the first epoch's microbatches (with
+  # rl.microbatch_tokens the plan's count, not the config's).
+  chunks = cfg.num_minibatches * (cfg.num_microbatches if plan is None
+                                  else plan.order_UxKxM.shape[1])
 
   def no_grad_logprobs(params, config=model_config):
     return _map_rows(
