@@ -1,8 +1,10 @@
 r"""Does prompt selection spend rollouts better? Baseline GRPO vs DAPO's
-dynamic sampling vs GRESO, several seeds, on the main job.
+dynamic sampling vs GRESO (and replay, VIGOR, Pilot-Commit), several seeds,
+on the main job.
 
   python -m launch.bench_data_efficiency --record_dir=benchmarks/results
   python -m launch.bench_data_efficiency --methods=replay,dapo+replay
+  python -m launch.bench_data_efficiency --methods=none,vigor,pilot_commit
   python -m launch.bench_data_efficiency --quick      # 1 seed, tiny config
 
 Each (method, seed) is the README's main job (``configs/arithmetic_grpo.py``:
@@ -41,7 +43,8 @@ from launch.data_efficiency import curve, plot, summarize
 _METHODS = flags.DEFINE_list(
     "methods", ["none", "dapo", "greso"], "rl.selection.name values ('none': "
     "baseline), each optionally joined with '+replay' ('replay' alone: the "
-    "baseline with rollout replay)")
+    "baseline with rollout replay), or rl.allocation.name values (vigor, "
+    "pilot_commit)")
 _REPLAY = flags.DEFINE_float("replay_fraction", 0.25, "rl.replay.fraction of "
                              "the methods with '+replay'")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds per method")
@@ -60,13 +63,24 @@ _RECORD_DIR = flags.DEFINE_string(
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
+SELECTIONS = ("none", "dapo", "greso")
+ALLOCATIONS = ("vigor", "pilot_commit")
+
+
 def method_flags(method: str, replay_fraction: float) -> list[str]:
-  """``dapo``, ``greso+replay``, ``replay``, ... as config flags."""
+  """``dapo``, ``greso+replay``, ``replay``, ``vigor``, ... as config
+  flags."""
   parts = method.split("+")
   names = [p for p in parts if p != "replay"]
-  if len(names) > 1 or any(n not in ("none", "dapo", "greso") for n in names):
+  if len(names) > 1 or any(n not in SELECTIONS + ALLOCATIONS for n in names):
     raise app.UsageError(f"--methods: {method!r} is not a selection name "
-                         "(none, dapo, greso), optionally with '+replay'.")
+                         f"{SELECTIONS}, optionally with '+replay', or an "
+                         f"allocation name {ALLOCATIONS}.")
+  if names and names[0] in ALLOCATIONS:
+    if "replay" in parts:
+      raise app.UsageError(f"--methods: {method!r}: rollout allocation "
+                           "runs without replay.")
+    return [f"--config.rl.allocation.name={names[0]}"]
   flags_ = [f"--config.rl.selection.name={names[0] if names else 'none'}"]
   if "replay" in parts:
     flags_.append(f"--config.rl.replay.fraction={replay_fraction}")

@@ -18,6 +18,7 @@ from rljax import advantages as adv
 from rljax import metrics
 from rljax import objectives as obj
 from rljax import optim, train
+from rljax.train import algorithm as alg_lib
 from rljax.train import schema, table
 from tests.test_train import tiny_config
 
@@ -83,6 +84,7 @@ OTHER_AXES = {
 }
 
 
+
 # Settings a value needs to mean anything in a 2-step run (e.g. a KL
 # estimator trains only with kl_coef > 0): the table entries' loop_fixups,
 # and these. Keys: (axis, value).
@@ -107,10 +109,23 @@ TABLE_FIXUPS[("rl.advantage", table.EXAMPLE_CHAIN)] = {
     "rl.singleton_groups": "zero"}
 
 
+def _allocation_fits(case):
+  """Rollout allocation samples the static batch in rounds of its own: no
+  selection, replay, SPEC-RL or slots, no pivot or greedy row."""
+  return (case.get("rl.selection.name", "none") == "none"
+          and not case.get("rl.replay.fraction")
+          and not case.get("sampler.speculative")
+          and case.get("rl.rollout", "static") == "static"
+          and not alg_lib.sampling_needs(case["rl.advantage"])[
+              "extra_samples"])
+
+
 def _fix(case):
   for fixups in (SETTING_FIXUPS, TABLE_FIXUPS):
     for key, value in list(case.items()):
       case.update(fixups.get((key, value), {}))
+  if not _allocation_fits(case):  # its values get cases of their own
+    case["rl.allocation.name"] = "none"
   return case
 
 

@@ -4,12 +4,15 @@ partial-rollout settings (``docs/rollouts.md``). Re-exported by ``build``."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 import jax
 
+from rljax import advantages as advantages_lib
 from rljax import sharding
+from rljax.data import allocation as allocation_lib
 from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
 from rljax.train import partial as partial_lib
@@ -36,6 +39,29 @@ def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
   _check_sampler_devices(n)
   return (sharding.mesh_from_config(config.mesh, devices=devices[:-n]),
           sharding.make_mesh(1, -1, 1, devices=devices[-n:]))
+
+
+def _validate_allocation(config: Any) -> None:
+  rl = config.rl
+  others = {"rl.rollout": (rl.rollout, "static"),
+            "env.name": (config.env.name, ""),
+            "rl.selection.name": (rl.selection.name, "none"),
+            "rl.replay.fraction": (rl.replay.fraction, 0.0),
+            "sampler.speculative": (config.sampler.speculative, False)}
+  for field, (value, accepted) in others.items():
+    if value != accepted:
+      raise ValueError(
+          f"rl.allocation.name={rl.allocation.name!r} with {field}={value!r}: "
+          "rollout allocation samples the static batch in rounds of its "
+          f"own; accepted: {field}={accepted!r}.")
+  extra = alg_lib.sampling_needs(rl.advantage)["extra_samples"]
+  if extra:
+    raise ValueError(
+        f"rl.allocation.name={rl.allocation.name!r} with rl.advantage="
+        f"{rl.advantage!r}, which samples {extra} extra row(s) per group "
+        "(a pivot or greedy row): groups of unequal size have none; "
+        "accepted: an advantage without extra samples.")
+  allocation(config)  # the schedule's own checks
 
 
 def partial_config(config: Any):
@@ -78,6 +104,8 @@ def _validate_rollout(config: Any) -> None:
         f"rl.replay.fraction={rl.replay.fraction!r} replays all "
         f"{rl.prompts_per_step} groups of rl.prompts_per_step: at least one "
         "must be sampled fresh.")
+  if rl.allocation.name != "none":
+    _validate_allocation(config)
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
     if config.sampler.speculative and rl.rollout == "static":
@@ -96,6 +124,26 @@ def _validate_rollout(config: Any) -> None:
                          "None.")
     return
   partial_config(config)  # checks slots against refill rows
+
+
+def allocation(config: Any) -> allocation_lib.Schedule | None:
+  """The rounds of ``rl.allocation`` (``rljax/data/allocation.py``); None
+  for ``"none"``."""
+  a, rl = config.rl.allocation, config.rl
+  return allocation_lib.make_schedule(
+      a.name, batch_size=rl.prompts_per_step, group_size=rl.group_size,
+      rounds=a.rounds, growth=a.growth, pilot_fraction=a.pilot_fraction,
+      commit_fraction=a.commit_fraction)
+
+
+def with_allocation(config: Any, alg: alg_lib.Algorithm) -> alg_lib.Algorithm:
+  """``alg`` with its advantage chain on groups of unequal size
+  (``advantages.by_group_ids``) when ``rl.allocation`` is on."""
+  schedule = allocation(config)
+  if schedule is None:
+    return alg
+  return dataclasses.replace(alg, advantage=advantages_lib.by_group_ids(
+      alg.advantage, schedule.prompts[0], schedule.max_group))
 
 
 def selection(config: Any) -> selection_lib.Selection | None:

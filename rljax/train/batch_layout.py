@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.advantages import advantage_metrics
+from rljax.advantages import grouping
 from rljax.train.algorithm import Algorithm, advantage_extra_args
 from rljax.train.steps import RLBatch
 
@@ -48,12 +49,18 @@ def _weighted_total(rewards_NxR, weights_R):
 
 
 def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
-                 trained_N=None, *, algorithm: Algorithm, group_size: int):
+                 trained_N=None, group_ids_N=None, *, algorithm: Algorithm,
+                 group_size: int, groups: tuple[int, int] | None = None):
   """Advantages, the pivot drop and the trainer's layout (jitted).
 
   ``trained_N``: False for rows kept in the batch with no loss (prompt
-  selection's zero-variance fillers); None: every row."""
+  selection's zero-variance fillers); None: every row.
+  ``group_ids_N`` with ``groups = (K, G_max)``: groups of unequal size
+  (rollout allocation): the chain (``advantages.by_group_ids``-wrapped)
+  gets each row's group, and the ``adv/*`` metrics are taken on the padded
+  ``[K, G_max]`` layout."""
   sampled = group_size + algorithm.extra_samples
+  by_ids = {} if group_ids_N is None else {"group_ids_N": group_ids_N}
   # The trained tokens: an environment's observations are inputs only.
   completion_mask = rollout.sampled_mask()
   if rollout.policy_logprobs is None:
@@ -63,7 +70,7 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
         rollout.policy_logprobs - rollout.sampler_logprobs, axis=-1)
   advantages_N, adv_state = algorithm.advantage.update(
       rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
-      reward_weights_R=weights_R,
+      reward_weights_R=weights_R, **by_ids,
       **advantage_extra_args(rollout.lengths, seq_log_ratio_N,
                              rollout.completion_tokens, completion_mask))
   total_N = _weighted_total(rewards_NxR, weights_R)
@@ -80,8 +87,19 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
   row_advantages_N = advantages_N if not per_token else jnp.sum(
       advantages_N * completion_mask, -1) / jnp.maximum(
           rollout.lengths, 1)
-  metrics = advantage_metrics(total_N, row_advantages_N, group_size=sampled,
-                              mask_N=valid_N)
+  if group_ids_N is None:
+    metrics = advantage_metrics(total_N, row_advantages_N,
+                                group_size=sampled, mask_N=valid_N)
+  else:  # the metrics' groups on the padded layout
+    slot, kept = grouping.group_slots(group_ids_N, *groups)
+    size = groups[0] * groups[1]
+
+    def padded(x, fill):
+      return jnp.full((size + 1,), fill, x.dtype).at[
+          jnp.where(kept, slot, size)].set(x)[:size]
+    metrics = advantage_metrics(
+        padded(total_N, 0.0), padded(row_advantages_N, 0.0),
+        group_size=groups[1], mask_N=padded(valid_N & kept, False))
   metrics["nonfinite_rows"] = jnp.sum(~finite_N).astype(jnp.float32)
   tokens, input_mask = rollout.sequences()
   zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)

@@ -46,7 +46,8 @@ from rljax.train._build_inputs import (  # noqa: F401  (re-exported)
     load_task, make_evaluator, make_tokenizer, preset_model_config, reward_fn,
     reward_specs, run_model_and_tokenizer, save_hf_files)
 from rljax.train._build_rollouts import (  # noqa: F401  (re-exported)
-    meshes, partial_config, replay_buffer, selection)
+    allocation, meshes, partial_config, replay_buffer, selection,
+    with_allocation)
 from rljax.train._validate import validate  # noqa: F401  (re-exported)
 from rljax.train.sft import SFTConfig
 from rljax.train import policy as policy_lib
@@ -514,12 +515,14 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   if not group.single:
     group.block(mesh)  # a clear error for a mesh that splits no rows by host
     rl = config.rl
-    if rl.selection.name != "none" or rl.replay.fraction:
+    if (rl.selection.name != "none" or rl.replay.fraction
+        or rl.allocation.name != "none"):
       raise ValueError(
           f"rl.selection.name={rl.selection.name!r}, rl.replay.fraction="
-          f"{rl.replay.fraction!r} with {group.count} processes: prompt "
-          "selection and replay run on one process for now; accepted: "
-          "rl.selection.name='none' and rl.replay.fraction=0.")
+          f"{rl.replay.fraction!r}, rl.allocation.name="
+          f"{rl.allocation.name!r} with {group.count} processes: prompt "
+          "selection, replay and allocation run on one process for now; "
+          "accepted: 'none', 0 and 'none'.")
     if rl.rollout != "static" or rl.max_staleness or rl.sampler_devices:
       raise ValueError(
           f"rl.rollout={rl.rollout!r}, rl.max_staleness={rl.max_staleness}, "
@@ -538,6 +541,7 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   alg.check_advantage_shapes(rl.prompts_per_step * (rl.group_size
                                                     + alg.extra_samples),
                              num_rewards, rl.group_size + alg.extra_samples)
+  alg = with_allocation(config, alg)  # groups of unequal size
   task, train_examples, heldout = load_task(config)
   check_data(config, train_examples, heldout, mesh)
   if config.env.name and not group.single:

@@ -41,6 +41,7 @@ from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import sharding as sharding_lib
 from rljax import tokenizers as tok_lib
+from rljax.train import allocated
 from rljax.train import rounds as rounds_lib
 from rljax.train.batch_layout import pivot_rows, postprocess
 from rljax.train.algorithm import Algorithm
@@ -124,6 +125,13 @@ class Collector:
       samples ``B - R`` fresh prompts (the first of the batch drawn) and
       trains the ``R`` replayed groups with them, each row with the policy
       version that drew it (``replay/*`` metrics, ``token_versions``).
+    allocation: rollout allocation (``rljax.data.allocation.Schedule``):
+      the ``B * G`` rows are sampled in rounds, more of them for the
+      prompts whose rewards vary most (``train/allocated.py``); groups
+      of unequal size reach the advantage chain with their group ids, so
+      ``algorithm.advantage`` must be ``advantages.by_group_ids``-wrapped
+      (``build`` does it). Needs ``allocation_sampler``, a sampler drawing
+      ``allocation.sampler_samples`` per prompt entry.
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -136,7 +144,8 @@ class Collector:
                sample_mesh: jax.sharding.Mesh | None = None,
                episodes: Any = None,
                selection: selection_lib.Selection | None = None,
-               replay: selection_lib.ReplayBuffer | None = None):
+               replay: selection_lib.ReplayBuffer | None = None,
+               allocation: Any = None, allocation_sampler: Any = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     self.episodes = episodes
     if episodes is not None and (slots is not None or speculation is not None
@@ -161,6 +170,16 @@ class Collector:
                        "(rl.replay) work on the static batch, on one "
                        "process, without an environment.")
     self.selection, self.replay = selection, replay
+    if allocation is not None and (
+        slots is not None or episodes is not None or speculation is not None
+        or not self.group.single or selection is not None
+        or replay is not None or algorithm.extra_samples
+        or allocation_sampler is None):
+      raise ValueError(
+          "rollout allocation (rl.allocation) samples the static batch in "
+          "rounds with allocation_sampler, on one process, without SPEC-RL, "
+          "an environment, prompt selection, replay or extra samples.")
+    self.allocation, self.allocation_sampler = allocation, allocation_sampler
     self.algorithm, self.group_size = algorithm, group_size
     self.samples_per_prompt = group_size + algorithm.extra_samples
     self.buckets, self.eos_ids = tuple(buckets), tuple(eos_ids)
@@ -177,8 +196,10 @@ class Collector:
   def _postprocess_fn(self, has_old_logprobs: bool):
     """The jitted postprocessing, outputs sharded as ``rl_step`` takes them."""
     if has_old_logprobs not in self._jitted:
-      fn = functools.partial(postprocess, algorithm=self.algorithm,
-                             group_size=self.group_size)
+      fn = functools.partial(
+          postprocess, algorithm=self.algorithm, group_size=self.group_size,
+          groups=None if self.allocation is None else (
+              self.allocation.prompts[0], self.allocation.max_group))
       if self.mesh is None:
         self._jitted[has_old_logprobs] = jax.jit(fn)
       else:
@@ -189,11 +210,11 @@ class Collector:
                             self.algorithm.critic), replicated, replicated))
     return self._jitted[has_old_logprobs]
 
-  def _sample(self, params, prompts, tokens, mask, key):
+  def _sample(self, params, prompts, tokens, mask, key, sampler=None):
     """The rollout, speculative when the store has drafts (SPEC-RL)."""
     spec = self.speculation
     if spec is None:
-      return self.sampler(params, tokens, mask, key), {}
+      return (sampler or self.sampler)(params, tokens, mask, key), {}
     g, group = self.samples_per_prompt, self.group
     draft = spec.store.lookup(prompts, g, spec.max_new_tokens)
     metrics = {"spec/drafted_rows": 0.0}
@@ -259,8 +280,11 @@ class Collector:
     if replayed is not None:  # the batch's first B - R prompts are sampled
       fresh = len(examples["prompt"]) - len(replayed[0])
       examples = {f: list(v)[:fresh] for f, v in examples.items()}
-    trained_B, metrics = None, {}
-    if self.selection is not None:
+    trained_B, metrics, group_ids_N = None, {}, None
+    if self.allocation is not None:
+      sampled, group_ids_N, metrics = allocated.sample(
+          self, params, examples, key, version, on_dispatch)
+    elif self.selection is not None:
       sampled, trained_B, metrics = self._sample_selected(
           params, examples, key, version, on_dispatch, more_examples)
     else:
@@ -275,12 +299,15 @@ class Collector:
           sampled, trained_B, replayed, version)
       metrics.update(replay_metrics)
     return self._finish(sampled, adv_state, trained_B=trained_B,
-                        extra_metrics=metrics)
+                        extra_metrics=metrics, group_ids_N=group_ids_N)
 
   def _round(self, params, examples, key, version, on_dispatch,
-             more_examples) -> Sampled:
-    """Samples, decodes and scores one batch of prompts."""
-    g, group, mesh = self.samples_per_prompt, self.group, self.mesh
+             more_examples, *, sampler=None, samples: int | None = None,
+             longest: int | None = None) -> Sampled:
+    """Samples, decodes and scores one batch of prompts (``samples`` per
+    prompt with ``sampler``, default the training rows'; ``longest``: pad
+    the prompts as if one had this many tokens)."""
+    g, group, mesh = samples or self.samples_per_prompt, self.group, self.mesh
     t_start = time.time()
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
     token_versions = None
@@ -303,10 +330,10 @@ class Collector:
     else:
       tokens, mask = sampling.pad_prompts(
           prompts, self.buckets, self.tokenizer.pad_id,
-          longest=group.max_int(max(len(p) for p in prompts)))
+          longest=longest or group.max_int(max(len(p) for p in prompts)))
       rollout, spec_metrics = self._sample(
           params, prompts, group.global_array(tokens, mesh),
-          group.global_array(mask, mesh), key)
+          group.global_array(mask, mesh), key, sampler)
       if self.sample_mesh is not None:  # to the trainer's devices
         rollout = jax.device_put(rollout, jax.tree.map(
             lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
@@ -348,11 +375,14 @@ class Collector:
 
   def _finish(self, sampled: Sampled, adv_state: Any, *,
               trained_B: np.ndarray | None = None,
-              extra_metrics: Mapping[str, float] | None = None) -> Collected:
+              extra_metrics: Mapping[str, float] | None = None,
+              group_ids_N: np.ndarray | None = None) -> Collected:
     """The advantage chain, the trainer's batch and the step's metrics.
 
     ``trained_B``: False for a group that stays in the batch with its loss
     mask cleared (prompt selection's zero-variance fillers).
+    ``group_ids_N``: each row's group, for groups of unequal size (rollout
+    allocation); None: groups of ``samples_per_prompt`` consecutive rows.
     """
     g = self.samples_per_prompt
     result, lengths = sampled.result, sampled.lengths
@@ -363,7 +393,7 @@ class Collector:
           else contextlib.nullcontext()):
       batch, adv_state, adv_metrics = fn(sampled.rollout, sampled.rewards_NxR,
                                          sampled.valid_N, self._weights_R,
-                                         adv_state, trained_N)
+                                         adv_state, trained_N, group_ids_N)
       adv_metrics = jax.device_get(adv_metrics)
     t_advantage = time.time()
     if adv_metrics["nonfinite_rows"]:
@@ -390,11 +420,9 @@ class Collector:
         "completion_length/max": float(lengths.max()),
         "truncation_rate": float(1.0 - sampled.finished.mean()),
         "num_generated_tokens": float(lengths.sum()),
-        # Tokens of the trained rows (with a pivot drop, completions pro rata).
-        "num_train_tokens": float(np.sum(prompt_tokens_N[::g]))
-                            * self.group_size
-                            + float(np.sum(completion_tokens_N))
-                            * self.group_size / g,
+        # Tokens of the trained rows (with a pivot drop, pro rata).
+        "num_train_tokens": float(np.sum(prompt_tokens_N) + np.sum(
+            completion_tokens_N)) * self.group_size / g,
         "time/sample": sampled.seconds_sample,
         "time/reward": sampled.seconds_reward,
         "time/advantage": t_advantage - t_reward, **sampled.spec_metrics,
@@ -511,10 +539,11 @@ class Collector:
                         version - np.asarray(versions)))})
     return merged, plan.trained, metrics
 
-  def _merge(self, rounds: Sequence[Sampled],
-             plan: selection_lib.Plan) -> Sampled:
+  def _merge(self, rounds: Sequence[Sampled], plan: selection_lib.Plan,
+             group_rows: int | None = None) -> Sampled:
     """``rounds.merge`` with this collector's group rows and pad id."""
-    return rounds_lib.merge(rounds, plan, group_rows=self.samples_per_prompt,
+    return rounds_lib.merge(rounds, plan,
+                            group_rows=group_rows or self.samples_per_prompt,
                             pad_id=self.tokenizer.pad_id,
                             failed_rewards=self.algorithm.failed_rewards)
 

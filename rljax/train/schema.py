@@ -154,6 +154,20 @@ _BASE: dict[str, Field] = {
                                         "exploration probabilities' floor"),
     "rl.selection.greso_max_draws": F(4, "int>=1", "GRESO: prompt batches "
                                       "drawn per round at most"),
+    # --- rl.allocation: how many samples each prompt gets (docs/selection.md)
+    "rl.allocation.name": F("none", None, "vigor: rounds, more samples to "
+                            "the prompts of highest reward variance; "
+                            "pilot_commit: a pilot round, the rest to the "
+                            "most varied prompts", choices=("none", "vigor",
+                                                            "pilot_commit")),
+    "rl.allocation.rounds": F(4, "int>=1", "VIGOR: sampling rounds per step "
+                              "(rl.group_size / rounds samples each first)"),
+    "rl.allocation.growth": F(2, "int>=1", "VIGOR: 1/growth of the prompts "
+                              "stay each round, with growth x the samples"),
+    "rl.allocation.pilot_fraction": F(0.25, "(0,1)", "Pilot-Commit: share "
+                                      "of the budget spent on the pilot"),
+    "rl.allocation.commit_fraction": F(0.25, "(0,1]", "Pilot-Commit: share "
+                                       "of the prompts the rest goes to"),
     "rl.replay.fraction": F(0.0, "[0,1)", "share of each step's groups "
                             "replayed from recent informative ones instead "
                             "of sampled (0: off)"),

@@ -157,6 +157,7 @@ def start(c: build_lib.Components, workdir: str) -> Session:
   init_key, _, eval_key, state_key = jax.random.split(jax.random.key(s.seed), 4)
   sampler_old = c.step_config.old_logprobs == "sampler"
   speculation = c.speculation(record_policy_logprobs=sampler_old)
+  schedule = build_lib.allocation(c.config)  # rl.allocation's rounds
   collector = Collector(
       sampler=c.sampler(s.group_size + alg.extra_samples,
                         record_policy_logprobs=sampler_old, training=True),
@@ -170,7 +171,10 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       sample_mesh=c.sample_mesh,
       episodes=c.episodes(s.group_size + alg.extra_samples,
                           record_policy_logprobs=sampler_old),
-      selection=c.selection(), replay=c.replay())
+      selection=c.selection(), replay=c.replay(),
+      allocation=schedule, allocation_sampler=None if schedule is None
+      else c.sampler(schedule.sampler_samples,
+                     record_policy_logprobs=sampler_old, training=True))
   if c.env is not None:  # held-out episodes instead of single turns
     samplers = {"eval": c.episodes(s.eval_num_samples),
                 "greedy": c.episodes(1, greedy=True) if s.eval_greedy

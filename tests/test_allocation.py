@@ -1,0 +1,262 @@
+"""Rollout allocation (``rljax/data/allocation.py``, ``train/allocated.py``):
+schedules and choices by hand, a step's rounds on scripted rewards, the
+advantages of groups of unequal size against NumPy, config errors, and a
+stopped and resumed VIGOR run."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import sampling
+from rljax.data import allocation as alloc
+from rljax.train import allocated, batch_layout, build
+from tests.test_train import tiny_config
+
+
+# --- schedules and choices ---------------------------------------------------
+
+
+def test_vigor_schedule_is_the_papers_for_g_8():
+  s = alloc.vigor(32, 8)  # T = 4, m0 = 2, alpha = 1/2, gamma = 2
+  assert s.prompts == (32, 16, 8, 4) and s.samples == (2, 4, 8, 16)
+  assert s.rows == 32 * 8  # GRPO's budget
+  assert s.max_group == 30  # 2 + 4 + 8 + 16: the paper's largest group
+  assert s.sampler_samples == 2
+  # Every round samples B * m0 rows: one sampler shape.
+  assert {p * m for p, m in zip(s.prompts, s.samples)} == {64}
+  s = alloc.vigor(9, 6, rounds=2, growth=3)
+  assert s.prompts == (9, 3) and s.samples == (3, 9) and s.rows == 54
+
+
+def test_pilot_commit_schedule():
+  s = alloc.pilot_commit(32, 8, pilot_fraction=0.25, commit_fraction=0.25)
+  # 2 pilot samples each (64 rows); the other 192 to 8 prompts, 24 each.
+  assert s.prompts == (32, 8) and s.samples == (2, 24)
+  assert s.rows == 256 and s.max_group == 26 and s.sampler_samples == 2
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: alloc.vigor(32, 6), r"rl.group_size=6 does not split into "
+     r"rl.allocation.rounds=4"),
+    (lambda: alloc.vigor(12, 8), r"rl.prompts_per_step=12 .* a multiple of 8"),
+    (lambda: alloc.vigor(8, 8, growth=1), r"rl.allocation.growth=1"),
+    (lambda: alloc.pilot_commit(8, 4, 0.1, 0.25),
+     r"rl.allocation.pilot_fraction=0.1 gives 0 pilot samples"),
+    (lambda: alloc.pilot_commit(8, 4, 0.5, 0.375),
+     r"rl.allocation.commit_fraction=0.375 commits to 3 of 8 prompts"),
+    (lambda: alloc.make_schedule("vigr", batch_size=8, group_size=4),
+     r"rl.allocation.name='vigr'; accepted"),
+])
+def test_bad_schedules_name_the_field(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+def test_variances_and_choices_by_hand():
+  totals = [[1.0, 0.0], [1.0, 1.0], [0.0, 1.0, 1.0, 0.0], [5.0], []]
+  np.testing.assert_allclose(alloc.variances(totals),
+                             [0.25, 0.0, 0.25, 0.0, 0.0])
+  v = alloc.variances(totals)
+  np.testing.assert_array_equal(alloc.choose(v, np.arange(5), 2), [0, 2])
+  # Ties go to the prompt drawn first.
+  np.testing.assert_array_equal(alloc.choose(v, np.arange(5), 3), [0, 1, 2])
+  np.testing.assert_array_equal(alloc.choose(v, np.array([1, 3, 4]), 2),
+                                [1, 3])
+  np.testing.assert_array_equal(alloc.entries(np.array([0, 2]), 4, 2),
+                                [0, 0, 2, 2])
+
+
+# --- one step's rounds on scripted rewards -------------------------------------
+
+
+class _ScriptedCollector:
+  """Stands in for ``Collector``: ``_round`` scores each row with
+  ``REWARDS[prompt][k]`` for the prompt's ``k``-th sample of the step."""
+
+  def __init__(self, schedule, rewards):
+    self.allocation, self.allocation_sampler = schedule, "sampler"
+    self.tokenizer = types.SimpleNamespace()
+    self.rewards, self.seen = rewards, []
+    self.drawn = {}
+
+  def _round(self, params, examples, key, version, on_dispatch, more, *,
+             sampler, samples, longest):
+    del params, key, version, on_dispatch, more
+    assert sampler == "sampler" and longest == 3
+    prompts = [p for p in examples["prompt"] for _ in range(samples)]
+    self.seen.append(sorted(set(examples["prompt"])))
+    totals = []
+    for p in prompts:
+      k = self.drawn.get(p, 0)
+      self.drawn[p] = k + 1
+      totals.append(self.rewards[p][k])
+    n = len(totals)
+    return types.SimpleNamespace(
+        valid_N=np.ones(n, bool), lengths=np.full(n, 2),
+        result=types.SimpleNamespace(total_N=np.asarray(totals, np.float32)))
+
+  def _merge(self, rounds, plan, group_rows):
+    assert group_rows == self.allocation.sampler_samples
+    assert [len(r) for r in plan.rounds] == [
+        len(r.lengths) // group_rows for r in rounds]
+    return "merged"
+
+
+def test_a_vigor_step_follows_the_variance_by_hand(monkeypatch):
+  """B = 4, G = 4, 2 rounds, growth 2: 2 samples each, then the 2 prompts
+  of highest variance get 4 more each."""
+  monkeypatch.setattr(allocated.tok_lib, "encode_prompts",
+                      lambda tok, prompts: [[1, 2, 3]] * len(prompts))
+  rewards = {"a": [1, 1, 0, 0, 0, 0],   # variance 0 after the pilot
+             "b": [1, 0, 1, 1, 1, 1],   # 0.25
+             "c": [0, 0, 9, 9, 9, 9],   # 0
+             "d": [0, 1, 0, 0, 0, 0]}   # 0.25
+  collector = _ScriptedCollector(alloc.vigor(4, 4, rounds=2, growth=2),
+                                 rewards)
+  examples = {"prompt": ["a", "b", "c", "d"]}
+  merged, ids, m = allocated.sample(collector, None, examples,
+                                    jax.random.key(0), 0, None)
+  assert merged == "merged"
+  assert collector.seen == [["a", "b", "c", "d"], ["b", "d"]]
+  # Round 1: 2 rows per prompt; round 2: b and d, 4 rows each.
+  np.testing.assert_array_equal(ids, [0, 0, 1, 1, 2, 2, 3, 3] + [1] * 4
+                                + [3] * 4)
+  assert m["alloc/rounds"] == 2 and m["alloc/max_group"] == 6
+  assert m["alloc/zero_variance_first"] == 0.5  # a and c
+  # After all rounds: a, c have zero variance (4 of 16 rows).
+  assert m["alloc/zero_variance_prompts"] == 0.5
+  assert m["alloc/zero_variance_rows"] == 4 / 16
+  assert m["num_generated_tokens"] == 16 * 2
+
+
+def test_the_batch_must_match_the_schedule(monkeypatch):
+  monkeypatch.setattr(allocated.tok_lib, "encode_prompts",
+                      lambda tok, prompts: [[1]] * len(prompts))
+  collector = _ScriptedCollector(alloc.vigor(4, 4, rounds=2), {})
+  with pytest.raises(ValueError, match="a batch of 3 prompts for a schedule "
+                     "of 4"):
+    allocated.sample(collector, None, {"prompt": ["a", "b", "c"]},
+                     jax.random.key(0), 0, None)
+
+
+# --- advantages of groups of unequal size --------------------------------------
+
+
+def test_unequal_groups_get_each_groups_own_grpo_advantages():
+  """Rows of 3 prompts in a scrambled order (sizes 2, 5, 1), through
+  ``postprocess`` with group ids: each row's advantage is its group's
+  ``(r - mean) / (std + 1e-6)`` (Bessel), the singleton's 0."""
+  ids = np.array([1, 0, 1, 2, 1, 0, 1, 1])
+  r = np.array([1.0, 0.0, 0.0, 3.0, 1.0, 1.0, 0.5, 2.0], np.float32)
+  n, p, t = len(ids), 2, 3
+  rng = np.random.RandomState(0)
+  rollout = sampling.Rollout(
+      jnp.asarray(rng.randint(1, 9, (n, p)), jnp.int32), jnp.ones((n, p), bool),
+      jnp.asarray(rng.randint(1, 9, (n, t)), jnp.int32), jnp.ones((n, t), bool),
+      jnp.full((n,), t, jnp.int32), jnp.ones((n,), bool), None,
+      jnp.zeros((n, t), jnp.float32))
+  alg = build.algorithm(tiny_config())  # GRPO
+  alg = build.with_allocation(_vigor_config(), alg)  # 8 groups of <= 15
+  want = np.zeros(n)
+  for g in range(3):
+    x = r[ids == g].astype(np.float64)
+    if len(x) > 1:
+      want[ids == g] = (x - x.mean()) / (x.std(ddof=1) + 1e-6)
+  rewards = jnp.asarray(r[:, None])
+  batch, _, metrics = batch_layout.postprocess(
+      rollout, rewards, jnp.ones(n, bool), jnp.ones(1, jnp.float32),
+      alg.advantage.init(rewards), None, jnp.asarray(ids, jnp.int32),
+      algorithm=alg, group_size=4, groups=(8, 15))
+  np.testing.assert_allclose(np.asarray(batch.advantages_NxL)[:, -1], want,
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(batch.advantages_NxL)[:, :p], 0)
+  # Groups 0 (0, 1) and 1 vary; the singleton 2 does not: 1 of 3.
+  np.testing.assert_allclose(metrics["frac_zero_variance_groups"], 1 / 3)
+  np.testing.assert_allclose(metrics["reward_mean"], r.mean(), rtol=1e-6)
+  # The same chain without ids refuses to guess.
+  with pytest.raises(ValueError, match="group_ids_N"):
+    alg.advantage.update(rewards, alg.advantage.init(rewards), group_size=4)
+
+
+# --- config ----------------------------------------------------------------
+
+
+def _vigor_config(**overrides):
+  c = tiny_config()  # B = 8, G = 4: rounds of 1, 2, 4, 8 samples
+  c.rl.allocation.name = "vigor"
+  for k, v in overrides.items():
+    section, field = k.rsplit(".", 1)
+    node = c
+    for part in section.split("."):
+      node = node[part]
+    node[field] = v
+  return c
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"rl.selection.name": "dapo"}, r"rl.allocation.name='vigor' with "
+     r"rl.selection.name='dapo'"),
+    ({"rl.replay.fraction": 0.25}, r"with rl.replay.fraction=0.25"),
+    ({"rl.rollout": "continuous"}, r"with rl.rollout='continuous'"),
+    ({"sampler.speculative": True}, r"with sampler.speculative=True"),
+    ({"rl.advantage": "mc_grpo"}, r"rl.advantage='mc_grpo', which samples 1 "
+     r"extra row"),
+    ({"rl.allocation.rounds": 3}, r"rl.group_size=4 does not split into "
+     r"rl.allocation.rounds=3"),
+    ({"rl.allocation.growth": 3}, r"rl.prompts_per_step=8 cannot keep 1/3"),
+])
+def test_config_errors_name_the_field(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    build.validate(_vigor_config(**overrides))
+
+
+def test_unknown_allocation_name_is_refused():
+  c = tiny_config()
+  c.rl.allocation.name = "vigour"
+  with pytest.raises(ValueError, match=r"rl.allocation.name='vigour'"):
+    build.validate(c)
+
+
+@pytest.mark.slow
+def test_a_vigor_run_stopped_after_step_1_resumes_exactly(tmp_path):
+  """Allocation keeps no state: a run stopped after step 1 and resumed
+  gives the uninterrupted run's metrics (every alloc/* figure included)."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import (  # pylint: disable=import-outside-toplevel
+      assert_stop_and_resume_matches, loop_config, rl_rows)
+  config = loop_config(**{"rl.allocation.name": "vigor", "rl.num_steps": 3})
+  train.run(config, str(tmp_path / "whole"))
+  rows = rl_rows(tmp_path / "whole")
+  assert all(r["alloc/rounds"] == 4 and r["alloc/max_group"] <= 15
+             for r in rows)
+  assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
+
+
+@pytest.mark.slow
+def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..")
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+
+  def bench(methods):
+    return subprocess.run(
+        [sys.executable, "-m", "launch.bench_data_efficiency", "--quick",
+         f"--methods={methods}", f"--workdir={tmp_path}"], cwd=root, env=env,
+        capture_output=True, text=True, timeout=900)
+
+  result = bench("vigor+replay")
+  assert result.returncode != 0
+  assert "rollout allocation runs without replay" in result.stderr
+  result = bench("vigor")
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  [record] = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
+  figures = json.loads((tmp_path / record).read_text())["figures"]
+  assert sorted(figures["summary"]) == ["vigor"]
+  assert figures["curves"]["vigor"][0]["steps"] == [0, 2, 4, 6]
