@@ -44,7 +44,7 @@ _METHODS = flags.DEFINE_list(
     "methods", ["none", "dapo", "greso"], "rl.selection.name values ('none': "
     "baseline), each optionally joined with '+replay' ('replay' alone: the "
     "baseline with rollout replay), or rl.allocation.name values (vigor, "
-    "pilot_commit)")
+    "pilot_commit, sgpo)")
 _REPLAY = flags.DEFINE_float("replay_fraction", 0.25, "rl.replay.fraction of "
                              "the methods with '+replay'")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds per method")
@@ -64,7 +64,7 @@ _ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 SELECTIONS = ("none", "dapo", "greso")
-ALLOCATIONS = ("vigor", "pilot_commit")
+ALLOCATIONS = ("vigor", "pilot_commit", "sgpo")
 
 
 def method_flags(method: str, replay_fraction: float) -> list[str]:

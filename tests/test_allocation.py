@@ -221,17 +221,23 @@ def test_unknown_allocation_name_is_refused():
 
 
 @pytest.mark.slow
-def test_a_vigor_run_stopped_after_step_1_resumes_exactly(tmp_path):
-  """Allocation keeps no state: a run stopped after step 1 and resumed
-  gives the uninterrupted run's metrics (every alloc/* figure included)."""
+@pytest.mark.parametrize("name", ["vigor", "sgpo"])
+def test_a_run_stopped_after_step_1_resumes_exactly(tmp_path, name):
+  """VIGOR keeps no state; sGPO's profile and curriculum position are
+  checkpointed: a run stopped after step 1 and resumed gives the
+  uninterrupted run's metrics (every alloc/* figure included), and the
+  resumed run does not profile again."""
   from rljax import train  # pylint: disable=import-outside-toplevel
   from tests.test_loop import (  # pylint: disable=import-outside-toplevel
       assert_stop_and_resume_matches, loop_config, rl_rows)
-  config = loop_config(**{"rl.allocation.name": "vigor", "rl.num_steps": 3})
+  config = loop_config(**{"rl.allocation.name": name, "rl.num_steps": 3})
   train.run(config, str(tmp_path / "whole"))
   rows = rl_rows(tmp_path / "whole")
-  assert all(r["alloc/rounds"] == 4 and r["alloc/max_group"] <= 15
-             for r in rows)
+  if name == "vigor":
+    assert all(r["alloc/rounds"] == 4 and r["alloc/max_group"] <= 15
+               for r in rows)
+  else:  # profiled once, at the first step
+    assert ["alloc/pool" in r for r in rows] == [True, False, False]
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
 
 
@@ -260,3 +266,121 @@ def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
   figures = json.loads((tmp_path / record).read_text())["figures"]
   assert sorted(figures["summary"]) == ["vigor"]
   assert figures["curves"]["vigor"][0]["steps"] == [0, 2, 4, 6]
+
+
+# --- sGPO ----------------------------------------------------------------------
+
+
+def test_sgpo_group_sizes_by_hand():
+  # w = 1 / max(p, 1/16) = 2, 4, 16 (sum 22); 24 w / 22 = 2.18, 4.36,
+  # 17.45 -> clipped 16; floors 2, 4, 16 (22); the 2 rows left go to the
+  # largest remainders: 0.36 (second), 0.18 (first).
+  np.testing.assert_array_equal(
+      alloc.group_sizes(np.array([0.5, 0.25, 0.0]), 24, 16), [3, 5, 16])
+  np.testing.assert_array_equal(alloc.group_sizes(np.full(4, 0.5), 32, 32),
+                                [8, 8, 8, 8])
+  # Trivial prompts still get the minimum of 2.
+  sizes = alloc.group_sizes(np.array([1.0, 1.0, 0.1]), 12, 8)
+  assert sizes.sum() == 12 and sizes.min() >= 2 and sizes[2] == 8
+  with pytest.raises(ValueError, match="a budget of 5 rows cannot give 3"):
+    alloc.group_sizes(np.ones(3), 5, 8)
+
+
+def test_sgpo_pool_and_curriculum_by_hand():
+  p = np.array([1.0, 0.5, 0.0, 0.25, 0.5, 0.0, 0.75])
+  sgpo = alloc.Sgpo(batch_size=2, group_size=4, unsolved_keep=0.0)
+  sgpo.set_profile(p)
+  order = sgpo.state.order.tolist()
+  # Trivial 0 and unsolved 2, 5 leave; easy to hard: 6, {1, 4}, 3.
+  assert order[0] == 6 and set(order[1:3]) == {1, 4} and order[3] == 3
+  idx, sizes = sgpo.next_prompts()
+  assert idx.tolist() == order[:2] and sizes.sum() == 8
+  # 0.75 and 0.5: w = 4/3, 2 -> 3.2, 4.8 -> 3, 5.
+  assert sizes.tolist() == [3, 5]
+  idx, _ = sgpo.next_prompts()
+  assert idx.tolist() == order[2:4]
+  idx, _ = sgpo.next_prompts()  # wraps around
+  assert idx.tolist() == order[:2]
+  everyone = alloc.Sgpo(batch_size=2, group_size=4, unsolved_keep=1.0)
+  everyone.set_profile(p)
+  assert set(everyone.state.order[-2:].tolist()) == {2, 5}
+  with pytest.raises(ValueError, match=r"only 1 of 3 training prompts"):
+    alloc.Sgpo(batch_size=2, group_size=4, unsolved_keep=0.0).set_profile(
+        np.array([1.0, 0.5, 0.0]))
+
+
+def test_sgpo_state_round_trips_and_refuses_bad_arrays():
+  sgpo = alloc.Sgpo(batch_size=2, group_size=4, seed=3)
+  sgpo.set_profile(np.array([0.5, 0.25, 0.75, 0.5]))
+  sgpo.next_prompts()
+  other = alloc.Sgpo(batch_size=2, group_size=4, seed=3)
+  other.load_arrays({k: v.copy() for k, v in sgpo.arrays().items()})
+  assert [a.tolist() for a in other.next_prompts()] == [
+      a.tolist() for a in sgpo.next_prompts()]
+  arrays = sgpo.arrays()
+  with pytest.raises(ValueError, match=r"lacks \['cursor'\]"):
+    other.load_arrays({k: v for k, v in arrays.items() if k != "cursor"})
+  with pytest.raises(ValueError, match="inconsistent"):
+    other.load_arrays(dict(arrays, order=np.array([0, 9])))
+
+
+class _ScriptedSgpoCollector(_ScriptedCollector):
+  """Row ``k`` of prompt ``x`` is right when ``k < CORRECT[x]`` (of 4)."""
+
+  _correct_column = 0
+
+  def _round(self, params, examples, key, version, on_dispatch, more, *,
+             sampler, samples, longest):
+    del params, key, version, on_dispatch, more
+    assert sampler == "sampler" and samples == 1 and longest == 7
+    self.seen.append(list(examples["prompt"]))
+    right = []
+    for x in examples["prompt"]:
+      k = self.drawn.get(x, 0)
+      self.drawn[x] = k + 1
+      right.append(float(k % 4 < self.rewards[x]))
+    n = len(right)
+    return types.SimpleNamespace(
+        lengths=np.full(n, 3), result=types.SimpleNamespace(
+            rewards_NxR=np.asarray(right)[:, None]))
+
+
+def test_an_sgpo_step_profiles_then_follows_the_curriculum():
+  """Pool a..f, right 4, 2, 0, 1, 3, 2 of 4 times; B = 2, G = 4: the
+  profiling pass samples 2 prompts x 4 per call (8 entries, the step's
+  shape), then the step trains e (0.75) and one of b, f (0.5)."""
+  correct = {"a": 4, "b": 2, "c": 0, "d": 1, "e": 3, "f": 2}
+  sgpo = alloc.Sgpo(batch_size=2, group_size=4, profile_samples=4,
+                    unsolved_keep=0.0)
+  sgpo.attach([{"prompt": x} for x in "abcdef"], longest=7)
+  collector = _ScriptedSgpoCollector(sgpo, correct)
+  batch, ids, m = allocated.sample(collector, None, {"prompt": ["z"] * 2},
+                                   jax.random.key(0), 0, None)
+  assert collector.seen[:3] == [list("aaaabbbb"), list("ccccdddd"),
+                                list("eeeeffff")]
+  np.testing.assert_allclose(sgpo.state.success,
+                             [1.0, 0.5, 0.0, 0.25, 0.75, 0.5])
+  assert m["alloc/profile_trivial"] == 1 / 6
+  assert m["alloc/profile_unsolved"] == 1 / 6 and m["alloc/pool"] == 4
+  # The step: e gets 3 rows and b or f 5 (w = 4/3, 2).
+  step = collector.seen[3]
+  assert step[:3] == ["e"] * 3 and step[3:] in (["b"] * 5, ["f"] * 5)
+  np.testing.assert_array_equal(ids, [0, 0, 0, 1, 1, 1, 1, 1])
+  assert m["alloc/max_group"] == 5 and m["alloc/min_group"] == 3
+  # 24 profiling rows and the step's 8, 3 tokens each.
+  assert m["num_generated_tokens"] == (24 + 8) * 3
+  assert batch.lengths.tolist() == [3] * 8
+  # The next step does not profile again.
+  _, _, m2 = allocated.sample(collector, None, {"prompt": ["z"] * 2},
+                              jax.random.key(1), 0, None)
+  assert "alloc/pool" not in m2 and len(collector.seen) == 5
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"rl.allocation.max_group": 3}, r"rl.allocation.max_group=3 with "
+     r"rl.group_size=4"),
+])
+def test_sgpo_config_errors_name_the_field(overrides, match):
+  with pytest.raises(ValueError, match=match):
+    build.validate(_vigor_config(**{"rl.allocation.name": "sgpo",
+                                    **overrides}))

@@ -126,14 +126,15 @@ def _validate_rollout(config: Any) -> None:
   partial_config(config)  # checks slots against refill rows
 
 
-def allocation(config: Any) -> allocation_lib.Schedule | None:
-  """The rounds of ``rl.allocation`` (``rljax/data/allocation.py``); None
-  for ``"none"``."""
+def allocation(config: Any) -> Any:
+  """The rounds of ``rl.allocation`` (``rljax/data/allocation.py``): a
+  ``Schedule``, for sGPO a fresh ``Sgpo``; None for ``"none"``."""
   a, rl = config.rl.allocation, config.rl
   return allocation_lib.make_schedule(
       a.name, batch_size=rl.prompts_per_step, group_size=rl.group_size,
       rounds=a.rounds, growth=a.growth, pilot_fraction=a.pilot_fraction,
-      commit_fraction=a.commit_fraction)
+      commit_fraction=a.commit_fraction, profile_samples=a.profile_samples,
+      max_group=a.max_group, unsolved_keep=a.unsolved_keep, seed=config.seed)
 
 
 def with_allocation(config: Any, alg: alg_lib.Algorithm) -> alg_lib.Algorithm:

@@ -27,8 +27,12 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
 
   Round ``t`` samples with ``fold_in(key, t)`` (the first with ``key``);
   every round's prompts are padded to the batch's longest, so the rounds of
-  a step share the sampler's shapes."""
+  a step share the sampler's shapes. sGPO (``allocation.Sgpo``) samples
+  one round of its own prompts (``examples`` is not read), after profiling
+  the pool at its first step."""
   schedule = collector.allocation
+  if isinstance(schedule, allocation_lib.Sgpo):
+    return _sample_sgpo(collector, params, key, version, on_dispatch)
   per_entry = schedule.sampler_samples
   batch_size = len(examples["prompt"])
   if batch_size != schedule.prompts[0]:
@@ -80,4 +84,70 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
   return merged, group_ids, metrics
 
 
-__all__ = ["sample"]
+def _columns(pool: Sequence[Mapping[str, Any]], idx: Sequence[int]
+             ) -> dict[str, list[Any]]:
+  return {f: [pool[i][f] for i in idx] for f in pool[0]}
+
+
+def _correct(collector: Any, sampled: rounds_lib.Sampled) -> np.ndarray:
+  column = collector._correct_column  # pylint: disable=protected-access
+  return np.nan_to_num(sampled.result.rewards_NxR[:, column], nan=0.0) >= 1.0
+
+
+def profile(collector: Any, params: Any, key: jax.Array, version: int
+            ) -> tuple[np.ndarray, float]:
+  """sGPO's profiling pass: ``profile_samples`` completions of every
+  prompt of the pool, in sampler calls of the step's shape (``B G``
+  entries, one sample each). Returns ``(success rate per prompt, sampled
+  tokens)``."""
+  sgpo = collector.allocation
+  pool, k = sgpo.pool, sgpo.profile_samples
+  per_call = max(sgpo.rows // k, 1)
+  correct = np.zeros(len(pool))
+  tokens = 0.0
+  for call, start in enumerate(range(0, len(pool), per_call)):
+    idx = np.arange(start, min(start + per_call, len(pool)))
+    entries = np.repeat(idx, k)
+    real = len(entries)
+    entries = np.resize(entries, sgpo.rows)  # the step's shape, repeats cut
+    sampled = collector._round(  # pylint: disable=protected-access
+        params, _columns(pool, entries), jax.random.fold_in(key, call),
+        version, None, None, sampler=collector.allocation_sampler, samples=1,
+        longest=sgpo.longest)
+    ok = _correct(collector, sampled)[:real]
+    np.add.at(correct, entries[:real], ok)
+    tokens += float(np.sum(sampled.lengths[:real]))
+  return correct / k, tokens
+
+
+def _sample_sgpo(collector, params, key, version, on_dispatch):
+  sgpo = collector.allocation
+  metrics: dict[str, float] = {}
+  generated = 0.0
+  if not sgpo.profiled:  # the first step of a fresh run
+    success, generated = profile(collector, params,
+                                 jax.random.fold_in(key, 0x50524f46), version)
+    sgpo.set_profile(success)
+    metrics.update({
+        "alloc/profile_trivial": float(np.mean(success >= 1.0)),
+        "alloc/profile_unsolved": float(np.mean(success <= 0.0)),
+        "alloc/pool": float(len(sgpo.state.order))})
+  idx, sizes = sgpo.next_prompts()
+  entries = np.repeat(np.arange(len(idx)), sizes)
+  sampled = collector._round(  # pylint: disable=protected-access
+      params, _columns(sgpo.pool, idx[entries]), key, version, on_dispatch,
+      None, sampler=collector.allocation_sampler, samples=1,
+      longest=sgpo.longest)
+  metrics.update({
+      "alloc/max_group": float(sizes.max()),
+      "alloc/min_group": float(sizes.min()),
+      "alloc/profiled_success": float(np.mean(sgpo.state.success[idx])),
+      "alloc/curriculum_position": float(sgpo.state.cursor[0]
+                                         / len(sgpo.state.order)),
+      # The profiling pass's tokens count at the step that ran it.
+      "num_generated_tokens": float(np.sum(sampled.lengths)) + generated,
+  })
+  return sampled, entries.astype(np.int32), metrics
+
+
+__all__ = ["profile", "sample"]

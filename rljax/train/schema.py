@@ -158,8 +158,10 @@ _BASE: dict[str, Field] = {
     "rl.allocation.name": F("none", None, "vigor: rounds, more samples to "
                             "the prompts of highest reward variance; "
                             "pilot_commit: a pilot round, the rest to the "
-                            "most varied prompts", choices=("none", "vigor",
-                                                            "pilot_commit")),
+                            "most varied prompts; sgpo: a profiled "
+                            "curriculum, group sizes ~ 1/success",
+                            choices=("none", "vigor", "pilot_commit",
+                                     "sgpo")),
     "rl.allocation.rounds": F(4, "int>=1", "VIGOR: sampling rounds per step "
                               "(rl.group_size / rounds samples each first)"),
     "rl.allocation.growth": F(2, "int>=1", "VIGOR: 1/growth of the prompts "
@@ -168,6 +170,12 @@ _BASE: dict[str, Field] = {
                                       "of the budget spent on the pilot"),
     "rl.allocation.commit_fraction": F(0.25, "(0,1]", "Pilot-Commit: share "
                                        "of the prompts the rest goes to"),
+    "rl.allocation.profile_samples": F(4, "int>=1", "sGPO: samples per "
+                                       "training prompt in the profiling "
+                                       "pass"),
+    "rl.allocation.max_group": F(32, "int>=1", "sGPO: the largest group"),
+    "rl.allocation.unsolved_keep": F(0.25, "[0,1]", "sGPO: share of the "
+                                     "never-solved prompts kept"),
     "rl.replay.fraction": F(0.0, "[0,1)", "share of each step's groups "
                             "replayed from recent informative ones instead "
                             "of sampled (0: off)"),

@@ -25,6 +25,8 @@ from rljax import checkpoint as ckpt_lib
 from rljax import data as data_lib
 from rljax import metrics as metrics_lib
 from rljax import models
+from rljax import tokenizers as tok_lib
+from rljax.data import allocation as allocation_lib
 from rljax.models import lora as lora_lib
 from rljax.train import build as build_lib
 from rljax.train import evaluation, rundir, sft
@@ -126,7 +128,11 @@ class Session:
         host_arrays={"drafts": spec.store.arrays() if spec else None,
                      "partial": carried, "selection": _greso_arrays(self),
                      "replay": (self.collector.replay.arrays()
-                                if self.collector.replay else None)})
+                                if self.collector.replay else None),
+                     "allocation": (self.collector.allocation.arrays()
+                                    if isinstance(self.collector.allocation,
+                                                  allocation_lib.Sgpo)
+                                    else None)})
     self.seconds["checkpoint"] += time.time() - t
 
 
@@ -158,6 +164,9 @@ def start(c: build_lib.Components, workdir: str) -> Session:
   sampler_old = c.step_config.old_logprobs == "sampler"
   speculation = c.speculation(record_policy_logprobs=sampler_old)
   schedule = build_lib.allocation(c.config)  # rl.allocation's rounds
+  if isinstance(schedule, allocation_lib.Sgpo):  # profiles the whole pool
+    schedule.attach(c.train_examples, max(len(p) for p in tok_lib.encode_prompts(
+        c.tokenizer, [e["prompt"] for e in c.train_examples])))
   collector = Collector(
       sampler=c.sampler(s.group_size + alg.extra_samples,
                         record_policy_logprobs=sampler_old, training=True),
@@ -245,7 +254,7 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   # damaged draft store falls back to the previous checkpoint like a
   # damaged state.
   resumed, tree, meta, extras = run.manager.restore_latest_valid_with(
-      target, ("drafts", "partial", "selection", "replay"))
+      target, ("drafts", "partial", "selection", "replay", "allocation"))
   del target
   run.iterator.set_state(meta["data_iterator"])
   if run.collector.speculation is not None:
@@ -257,6 +266,8 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
     greso.load_arrays(extras["selection"])
   if run.collector.replay is not None and extras["replay"] is not None:
     run.collector.replay.load_arrays(extras["replay"])
+  if extras["allocation"] is not None:  # sGPO's profile and curriculum
+    run.collector.allocation.load_arrays(extras["allocation"])
   carried = extras["partial"]
   if run.collector.slots is not None and carried is not None:
     run.collector.slots.load_arrays(carried)
