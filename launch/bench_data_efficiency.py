@@ -41,7 +41,7 @@ from launch import benchlib
 from launch.data_efficiency import curve, plot, summarize
 
 _METHODS = flags.DEFINE_list(
-    "methods", ["none", "dapo", "greso"], "rl.selection.name values ('none': "
+    "methods", ["none", "dapo", "greso"], "rl.selection.name values (dots too) ('none': "
     "baseline), each optionally joined with '+replay' ('replay' alone: the "
     "baseline with rollout replay), or rl.allocation.name values (vigor, "
     "pilot_commit, sgpo)")
@@ -63,7 +63,7 @@ _RECORD_DIR = flags.DEFINE_string(
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
-SELECTIONS = ("none", "dapo", "greso")
+SELECTIONS = ("none", "dapo", "greso", "dots")
 ALLOCATIONS = ("vigor", "pilot_commit", "sgpo")
 
 

@@ -94,6 +94,8 @@ SETTING_FIXUPS = {
     # Prompt selection refills the static batch.
     ("rl.selection.name", "dapo"): {"rl.rollout": "static"},
     ("rl.selection.name", "greso"): {"rl.rollout": "static"},
+    ("rl.selection.name", "dots"): {"rl.rollout": "static",
+                                    "rl.selection.dots_reference": 8},
     ("rl.replay.fraction", 0.25): {"rl.rollout": "static"},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).

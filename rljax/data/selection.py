@@ -47,7 +47,9 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
-NAMES = ("none", "dapo", "greso")
+from rljax.data.dots import Dots
+
+NAMES = ("none", "dapo", "greso", "dots")
 """The values ``rl.selection.name`` accepts."""
 
 EASY, HARD, INFORMATIVE = 1, 2, 0
@@ -280,18 +282,26 @@ class Selection(NamedTuple):
     name: one of ``NAMES`` (not "none": no ``Selection`` is built then).
     max_rounds: sampling rounds per step at most (the first included).
     greso: the pre-rollout filter, or None.
+    dots: DOTS's difficulty-targeted selection (``rljax/data/dots.py``),
+      or None; it picks each step's prompts itself (no refill rounds).
   """
 
   name: str
   max_rounds: int
   greso: Greso | None = None
+  dots: Dots | None = None
 
 
 def make_selection(name: str, *, seed: int, max_rounds: int = 3,
                    greso_target: float = 0.125, greso_step_size: float = 0.01,
-                   greso_min_explore: float = 0.05, greso_max_draws: int = 4
+                   greso_min_explore: float = 0.05, greso_max_draws: int = 4,
+                   batch_size: int = 1, pool_size: int | None = None,
+                   dots_every: int = 8, dots_reference: int = 64,
+                   dots_target: float = 0.5, dots_temperature: float = 0.1,
+                   dots_attention_temperature: float = 0.05
                    ) -> Selection | None:
-  """The ``Selection`` that ``rl.selection`` names; None for "none"."""
+  """The ``Selection`` that ``rl.selection`` names; None for "none".
+  ``dots`` needs ``batch_size`` and ``pool_size`` (the training prompts)."""
   if name not in NAMES:
     raise ValueError(f"rl.selection.name={name!r} is not one of {NAMES}.")
   if max_rounds < 1:
@@ -302,7 +312,16 @@ def make_selection(name: str, *, seed: int, max_rounds: int = 3,
   greso = None if name != "greso" else Greso(
       seed=seed, target=greso_target, step_size=greso_step_size,
       min_explore=greso_min_explore, max_draws=greso_max_draws)
-  return Selection(name, max_rounds, greso)
+  dots = None
+  if name == "dots":
+    if pool_size is None:
+      raise ValueError("make_selection('dots'): pass pool_size, the number "
+                       "of training prompts.")
+    dots = Dots(batch_size=batch_size, pool_size=pool_size, every=dots_every,
+                reference=dots_reference, target=dots_target,
+                temperature=dots_temperature,
+                attention_temperature=dots_attention_temperature, seed=seed)
+  return Selection(name, 1 if dots else max_rounds, greso, dots)
 
 
 

@@ -147,15 +147,21 @@ def with_allocation(config: Any, alg: alg_lib.Algorithm) -> alg_lib.Algorithm:
       alg.advantage, schedule.prompts[0], schedule.max_group))
 
 
-def selection(config: Any) -> selection_lib.Selection | None:
+def selection(config: Any, pool_size: int | None = None
+              ) -> selection_lib.Selection | None:
   """Prompt selection and dynamic sampling (``rl.selection``); None when
-  ``rl.selection.name='none'``. GRESO's draws follow ``seed``."""
+  ``rl.selection.name='none'``. GRESO's and DOTS's draws follow ``seed``;
+  DOTS needs ``pool_size``, the number of training prompts."""
   sel = config.rl.selection
   return selection_lib.make_selection(
       sel.name, seed=config.seed, max_rounds=sel.max_rounds,
       greso_target=sel.greso_target, greso_step_size=sel.greso_step_size,
       greso_min_explore=sel.greso_min_explore,
-      greso_max_draws=sel.greso_max_draws)
+      greso_max_draws=sel.greso_max_draws,
+      batch_size=config.rl.prompts_per_step, pool_size=pool_size,
+      dots_every=sel.dots_every, dots_reference=sel.dots_reference,
+      dots_target=sel.dots_target, dots_temperature=sel.dots_temperature,
+      dots_attention_temperature=sel.dots_attention_temperature)
 
 
 def replay_buffer(config: Any) -> selection_lib.ReplayBuffer | None:

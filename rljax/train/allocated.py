@@ -14,8 +14,10 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import numpy as np
 
+from rljax import sampling
 from rljax import tokenizers as tok_lib
 from rljax.data import allocation as allocation_lib
+from rljax.data import dots as dots_lib
 from rljax.data import selection as selection_lib
 from rljax.train import rounds as rounds_lib
 
@@ -150,4 +152,66 @@ def _sample_sgpo(collector, params, key, version, on_dispatch):
   return sampled, entries.astype(np.int32), metrics
 
 
-__all__ = ["profile", "sample"]
+def _embed_pool(dots: Any, params: Any, idx: np.ndarray, collector: Any,
+                rows: int) -> np.ndarray:
+  """``[len(idx), D]`` prompt embeddings, in calls of ``rows`` prompts
+  padded to the pool's longest (one program)."""
+  out = []
+  for start in range(0, len(idx), rows):
+    part = idx[start:start + rows]
+    prompts = tok_lib.encode_prompts(
+        collector.tokenizer, [dots.pool[i]["prompt"] for i in part])
+    tokens, mask = sampling.pad_prompts(
+        prompts + [prompts[-1]] * (rows - len(part)), collector.buckets,
+        collector.tokenizer.pad_id, longest=dots.longest)
+    out.append(dots.embed(params, tokens, mask)[:len(part)])
+  return np.concatenate(out, 0)
+
+
+def dots_examples(collector: Any, params: Any, key: jax.Array, version: int
+                  ) -> tuple[dict[str, list[Any]], dict[str, float],
+                             float | None]:
+  """DOTS (``rljax/data/dots.py``): the step's prompts from the queue,
+  after a selection round when the queue is used up (the reference set
+  rolled out ``G`` times per prompt, the pool embedded, the next rounds'
+  prompts drawn). Returns ``(examples, dots/* metrics, reference rollouts'
+  tokens)``; the tokens are 0 on steps without a round."""
+  dots = collector.selection.dots
+  metrics: dict[str, float] = {}
+  tokens = 0.0
+  if dots.needs_round():
+    b = dots.batch_size
+    reference = dots.reference_prompts()
+    success = np.zeros(len(reference))
+    for call, start in enumerate(range(0, len(reference), b)):
+      part = reference[start:start + b]
+      sampled = collector._round(  # pylint: disable=protected-access
+          params, _columns(dots.pool, part),
+          jax.random.fold_in(jax.random.fold_in(key, 0x444f5453), call),
+          version, None, None)
+      g = collector.samples_per_prompt
+      success[start:start + len(part)] = _correct(
+          collector, sampled).reshape(-1, g).mean(1)
+      tokens += float(np.sum(sampled.lengths))
+    rows = collector.samples_per_prompt * b
+    pool = np.arange(dots.pool_size)
+    embedded = _embed_pool(dots, params, pool, collector, rows)
+    ref_embedded = embedded[reference]
+    predicted = dots_lib.predict_success(embedded, ref_embedded, success,
+                                         dots.attention_temperature)
+    queue = dots.select(predicted)
+    metrics.update({
+        "dots/reference_success": float(success.mean()),
+        "dots/reference_informative": float(np.mean((success > 0)
+                                                    & (success < 1))),
+        "dots/prediction_error": dots_lib.leave_one_out_error(
+            ref_embedded, success, dots.attention_temperature),
+        "dots/selected_predicted_success": float(predicted[queue].mean()),
+        "dots/pool_predicted_success": float(predicted.mean()),
+    })
+  idx = dots.next_prompts()
+  metrics["dots/round"] = float(dots.state.round[0])
+  return _columns(dots.pool, idx), metrics, tokens
+
+
+__all__ = ["dots_examples", "profile", "sample"]

@@ -473,7 +473,7 @@ class Components:
 
   def selection(self) -> Any:
     """``_build_rollouts.selection`` of the config (``rl.selection``)."""
-    return selection(self.config)
+    return selection(self.config, len(self.train_examples))
 
   def replay(self) -> Any:
     """``_build_rollouts.replay_buffer`` of the config (``rl.replay``)."""

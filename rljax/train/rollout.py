@@ -276,6 +276,10 @@ class Collector:
         draw more prompts than they train, APRIL's over-provisioning; prompt
         selection refills with it).
     """
+    dots_metrics, dots_tokens = {}, None
+    if self.selection is not None and self.selection.dots is not None:
+      examples, dots_metrics, dots_tokens = allocated.dots_examples(
+          self, params, key, version)
     replayed = None if self.replay is None else self.replay.take(version)
     if replayed is not None:  # the batch's first B - R prompts are sampled
       fresh = len(examples["prompt"]) - len(replayed[0])
@@ -284,12 +288,16 @@ class Collector:
     if self.allocation is not None:
       sampled, group_ids_N, metrics = allocated.sample(
           self, params, examples, key, version, on_dispatch)
-    elif self.selection is not None:
+    elif self.selection is not None and self.selection.dots is None:
       sampled, trained_B, metrics = self._sample_selected(
           params, examples, key, version, on_dispatch, more_examples)
     else:
       sampled = self._round(params, examples, key, version, on_dispatch,
                             more_examples)
+    if dots_tokens is not None:  # the reference rollouts' tokens count
+      metrics.update(dots_metrics)
+      metrics["num_generated_tokens"] = dots_tokens + float(
+          np.sum(sampled.lengths))
     if self.replay is not None:
       # Generated this step: the fresh rows' tokens (every round's).
       metrics.setdefault("num_generated_tokens",

@@ -141,8 +141,9 @@ _BASE: dict[str, Field] = {
     # --- rl.selection: which prompts are sampled and trained (docs/selection.md)
     "rl.selection.name": F("none", None, "dapo: drop zero-variance groups "
                            "and refill; greso: also skip prompts predicted "
-                           "uninformative before sampling",
-                           choices=("none", "dapo", "greso")),
+                           "uninformative before sampling; dots: prompts of "
+                           "predicted success near dots_target",
+                           choices=("none", "dapo", "greso", "dots")),
     "rl.selection.max_rounds": F(3, "int>=1", "sampling rounds per step at "
                                  "most, the first included (1: no refill)"),
     "rl.selection.greso_target": F(0.125, "(0,1)", "GRESO: each kind's "
@@ -154,6 +155,17 @@ _BASE: dict[str, Field] = {
                                         "exploration probabilities' floor"),
     "rl.selection.greso_max_draws": F(4, "int>=1", "GRESO: prompt batches "
                                       "drawn per round at most"),
+    "rl.selection.dots_every": F(8, "int>=1", "DOTS: steps per selection "
+                                 "round"),
+    "rl.selection.dots_reference": F(64, "int>=1", "DOTS: reference prompts "
+                                     "rolled out per round (a multiple of "
+                                     "rl.prompts_per_step)"),
+    "rl.selection.dots_target": F(0.5, "(0,1)", "DOTS: the success rate "
+                                  "aimed at"),
+    "rl.selection.dots_temperature": F(0.1, ">0", "DOTS: of the selection "
+                                       "softmax over -|p_hat - target|"),
+    "rl.selection.dots_attention_temperature": F(
+        0.05, ">0", "DOTS: of the attention over the reference set"),
     # --- rl.allocation: how many samples each prompt gets (docs/selection.md)
     "rl.allocation.name": F("none", None, "vigor: rounds, more samples to "
                             "the prompts of highest reward variance; "

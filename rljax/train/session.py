@@ -20,6 +20,8 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from rljax import checkpoint as ckpt_lib
 from rljax import data as data_lib
@@ -137,9 +139,10 @@ class Session:
 
 
 def _greso(run: Session) -> Any:
-  """The run's GRESO filter (its history is checkpointed), or None."""
+  """The run's GRESO filter or DOTS queue (the checkpoint's ``selection``
+  item), or None."""
   selection = run.collector.selection
-  return None if selection is None else selection.greso
+  return None if selection is None else (selection.greso or selection.dots)
 
 
 def _greso_arrays(run: Session) -> dict[str, Any] | None:
@@ -164,9 +167,15 @@ def start(c: build_lib.Components, workdir: str) -> Session:
   sampler_old = c.step_config.old_logprobs == "sampler"
   speculation = c.speculation(record_policy_logprobs=sampler_old)
   schedule = build_lib.allocation(c.config)  # rl.allocation's rounds
-  if isinstance(schedule, allocation_lib.Sgpo):  # profiles the whole pool
-    schedule.attach(c.train_examples, max(len(p) for p in tok_lib.encode_prompts(
-        c.tokenizer, [e["prompt"] for e in c.train_examples])))
+  selection = c.selection()
+  if isinstance(schedule, allocation_lib.Sgpo) or (
+      selection is not None and selection.dots is not None):
+    longest = max(len(p) for p in tok_lib.encode_prompts(
+        c.tokenizer, [e["prompt"] for e in c.train_examples]))
+    if selection is not None and selection.dots is not None:
+      selection.dots.attach(c.train_examples, longest, dots_embedder(c))
+    else:  # sGPO profiles the whole pool
+      schedule.attach(c.train_examples, longest)
   collector = Collector(
       sampler=c.sampler(s.group_size + alg.extra_samples,
                         record_policy_logprobs=sampler_old, training=True),
@@ -180,7 +189,7 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       sample_mesh=c.sample_mesh,
       episodes=c.episodes(s.group_size + alg.extra_samples,
                           record_policy_logprobs=sampler_old),
-      selection=c.selection(), replay=c.replay(),
+      selection=selection, replay=c.replay(),
       allocation=schedule, allocation_sampler=None if schedule is None
       else c.sampler(schedule.sampler_samples,
                      record_policy_logprobs=sampler_old, training=True))
@@ -202,6 +211,27 @@ def start(c: build_lib.Components, workdir: str) -> Session:
           c.train_examples, s.prompts_per_step, s.seed,
           block=c.group.block(c.mesh)),
       eval_key=eval_key, state_key=state_key, init_key=init_key)
+
+
+def dots_embedder(c: build_lib.Components) -> Any:
+  """DOTS's ``embed(params, tokens_BxP, mask_BxP) -> [B, D]``: the policy's
+  final hidden states averaged over each prompt's tokens (jitted)."""
+  config = c.model_config
+
+  def embed(params, tokens, mask):
+    hidden, _ = models.Decoder(config).apply(
+        {"params": params}, tokens, models.positions_from_mask(mask),
+        input_mask_BxT=mask)
+    weights = mask.astype(jnp.float32)[..., None]
+    return (jnp.sum(hidden.astype(jnp.float32) * weights, 1)
+            / jnp.maximum(jnp.sum(weights, 1), 1.0))
+
+  jitted = jax.jit(embed)
+
+  def run(params, tokens, mask):
+    with jax.set_mesh(c.mesh):
+      return np.asarray(jax.device_get(jitted(params, tokens, mask)))
+  return run
 
 
 def initial_state(run: Session) -> tuple[TrainState, Any]:
