@@ -258,7 +258,7 @@ def test_one_program_per_bucket_whatever_the_lengths(params):
   jitted = jax.jit(train.make_rl_step(MC, cfg, optax.sgd(0.1),
                                       algorithm_lib.coefficient_chain({})))
   step = train_packing.PaddingFree(jitted, cfg)
-  shapes = []
+  shapes, programs = [], []
   for completions in ((8, 1, 0, 2, 3, 1, 8, 5), (1, 2, 0, 1, 3, 2, 1, 1),
                       (8, 8, 8, 8, 8, 8, 8, 8), (2, 1, 1, 3, 1, 1, 2, 2)):
     mask = np.zeros((N, L), bool)
@@ -269,8 +269,14 @@ def test_one_program_per_bucket_whatever_the_lengths(params):
     state = _state_shapes(params, cfg)
     state, _ = step(state, b)
     shapes.append(step.plan(state, b).packing.segment_BpxLp.shape)
+    programs.append(jitted._cache_size())  # pylint: disable=protected-access
   assert len(set(shapes)) >= 2, shapes  # the lengths did change the bucket
-  assert jitted._cache_size() == len(set(shapes))  # pylint: disable=protected-access
+  # After the first step, a step compiles one program exactly when its
+  # bucket is new.
+  new = [shape not in shapes[:i] for i, shape in enumerate(shapes)]
+  assert np.diff(programs).tolist() == [int(x) for x in new[1:]], (
+      shapes, programs)
+  assert programs[0] >= 1
 
 
 def test_the_packed_sft_step_equals_the_padded_one(params):
