@@ -135,6 +135,16 @@ def _has_exited(pid: int) -> bool:
     return True
 
 
+def _exits_soon(pid: int, seconds: float = 1.0) -> bool:
+  """``_has_exited``, polled for up to ``seconds``."""
+  deadline = time.monotonic() + seconds
+  while not _has_exited(pid):
+    if time.monotonic() >= deadline:
+      return False
+    time.sleep(0.005)
+  return True
+
+
 def _address_space_bytes() -> int:
   """This process's virtual size (Linux ``/proc``; 0 where unknown)."""
   try:
@@ -410,7 +420,9 @@ class KillingPool:
     try:
       data = worker.conn.recv_bytes(_MAX_MESSAGE_BYTES)
     except (EOFError, OSError) as exc:
-      what = ("the worker died" if _has_exited(worker.process.pid) else
+      # A dying worker closes its pipe a moment before its exit status
+      # exists: wait for it briefly, so a death reads as one.
+      what = ("the worker died" if _exits_soon(worker.process.pid) else
               f"its answer could not be read ({type(exc).__name__}: {exc})")
       self._fail(worker, first_id, outcomes, what)
       return
