@@ -6,6 +6,12 @@ on the main job.
   python -m launch.bench_data_efficiency --methods=replay,dapo+replay
   python -m launch.bench_data_efficiency --methods=none,vigor,pilot_commit
   python -m launch.bench_data_efficiency --quick      # 1 seed, tiny config
+  python -m launch.bench_data_efficiency --override=task.kwargs.max_digits=3
+
+``--override`` (repeatable) sets a config field of every run: with
+``task.kwargs.max_digits=3`` the warmed-up policy has easy, medium and
+unsolved prompts (3-digit sums with carries), so methods that skip or
+re-weight prompts have room to differ.
 
 Each (method, seed) is the README's main job (``configs/arithmetic_grpo.py``:
 SFT warm-up, then 400 GRPO steps on 1-2 digit arithmetic, where the warmed-up
@@ -52,6 +58,9 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 50, "held-out evaluation "
                                    "every this many RL steps")
 _TARGET = flags.DEFINE_float("target", 0.88, "the accuracy the tokens-to-"
                              "target table reads")
+_OVERRIDES = flags.DEFINE_multi_string(
+    "override", [], "FIELD=VALUE: --config.FIELD=VALUE for every run, e.g. "
+    "task.kwargs.max_digits=3 (repeatable)")
 _QUICK = flags.DEFINE_bool("quick", False, "1 seed of the tiny config, 6 "
                            "steps (the tests' smoke run)")
 _WORKDIR = flags.DEFINE_string("workdir", "", "where the runs go (default: "
@@ -95,12 +104,27 @@ def _args(method: str, seed: int, workdir: str, quick: bool,
           f"--config.eval.every={eval_every}"]
   if quick:
     args += ["--config.rl.num_steps=6", "--config.sft.num_steps=20"]
-  return args
+  return args + [f"--config.{o}" for o in _OVERRIDES.value]
+
+
+def check_overrides(overrides: list[str]) -> None:
+  """``FIELD=VALUE`` each, the field not already set by the bench."""
+  for o in overrides:
+    field, eq, _ = o.partition("=")
+    if not eq or not field or field.startswith("-"):
+      raise app.UsageError(f"--override={o!r}: FIELD=VALUE is accepted, "
+                           "e.g. task.kwargs.max_digits=3 (no '--config.').")
+    if field in ("seed", "eval.every") or field.startswith(
+        ("rl.selection.name", "rl.allocation.name", "rl.replay.fraction")):
+      raise app.UsageError(f"--override={o!r}: {field} is set by the bench "
+                           "(--seeds, --eval_every, --methods, "
+                           "--replay_fraction).")
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  check_overrides(_OVERRIDES.value)
   quick = _QUICK.value
   seeds = [0] if quick else [int(s) for s in _SEEDS.value]
   eval_every = 2 if quick else _EVAL_EVERY.value
@@ -152,6 +176,7 @@ def main(argv):
       "bench_data_efficiency" + ("_quick" if quick else ""), figures,
       out_dir, {"methods": _METHODS.value, "eval_every": eval_every,
                 "replay_fraction": _REPLAY.value,
+                "overrides": _OVERRIDES.value,
                 "args": _args("none", 0, "<workdir>", quick, eval_every)}))
 
 
