@@ -81,6 +81,7 @@ OTHER_AXES = {
     "rl.replay.fraction": (0.0, 0.25),
     # Microbatches split by tokens: 96 of the ~160 tokens of a minibatch.
     "rl.microbatch_tokens": (0, 96),
+    "model.overrides.remat": ("none", "full", "dots"),
 }
 
 

@@ -313,6 +313,49 @@ _REMAT_POLICIES = {
 }
 
 
+def recompute_in_backward(block: Block, x_BxTxD, sin_cos, mask_BxTxS, index):
+  """``block``'s output (a forward without a cache), recomputed in the
+  backward pass from its input: ``remat="full"``.
+
+  ``jax.checkpoint`` (``nn.remat``) marks its recomputation with an
+  optimisation barrier, which XLA:CPU removes before common-subexpression
+  elimination: the recomputed block then merges back into the forward pass
+  and every block's activations stay alive, as without remat
+  (``launch/bench_remat.py`` measures it). Here the backward pass
+  recomputes the block from its input plus ``0 x`` one element of the
+  incoming cotangent per row: the same values, which no compiler can merge
+  with the forward pass or schedule before the cotangent exists, so the
+  blocks' activations live one block at a time on every backend.
+  """
+
+  def forward(mdl, x, sin_cos, mask, index):
+    return mdl(x, sin_cos, mask, None, index, None, None)[0]
+
+  def forward_and_residuals(mdl, x, sin_cos, mask, index):
+    return (forward(mdl, x, sin_cos, mask, index),
+            (mdl.variables, x, sin_cos, mask, index))
+
+  def backward(residuals, g_BxTxD):
+    variables, x, sin_cos, mask, index = residuals
+    # Depends on the cotangent, equals x (a non-finite cotangent makes the
+    # gradient non-finite either way).
+    x = x + jnp.zeros_like(x[:, :1, :1]) * g_BxTxD[:, :1, :1].astype(x.dtype)
+
+    def pure(params, x, sin_cos):
+      return Block(block.config, block.local).apply(
+          {**variables, "params": params}, x, sin_cos, mask, None, index,
+          None, None)[0]
+
+    _, vjp = jax.vjp(pure, variables["params"], x, sin_cos)
+    d_params, d_x, d_sin_cos = vjp(g_BxTxD)
+    return ({"params": d_params}, d_x, d_sin_cos,
+            np.zeros(mask.shape, jax.dtypes.float0),
+            np.zeros(jnp.shape(index), jax.dtypes.float0))
+
+  return nn.custom_vjp(forward, forward_and_residuals, backward)(
+      block, x_BxTxD, sin_cos, mask_BxTxS, index)
+
+
 def _window_mask(q_slot_T, k_slot_S, window):
   return (q_slot_T[:, None] - k_slot_S[None, :]) < window
 
@@ -401,17 +444,23 @@ class Decoder(nn.Module):
                      if c.rope_local_theta else sin_cos_global)
 
     block_cls = Block
-    if c.remat != "none":
+    if c.remat == "dots" or (c.remat == "full" and cache is not None):
       block_cls = nn.remat(Block, policy=_REMAT_POLICIES[c.remat])
     new_layers = []
     for i in range(c.num_layers):
       local = c.is_local_layer(i)
-      x, kv = block_cls(c, local, name=f"layers_{i}")(
-          x, sin_cos_local if local else sin_cos_global,
-          local_mask if local else global_mask,
-          None if cache is None else cache.layers[i], index,
-          None if prefix is None else prefix.layers[i],
-          prefix_local if local else prefix_global)
+      block = block_cls(c, local, name=f"layers_{i}")
+      if c.remat == "full" and cache is None:
+        x, kv = recompute_in_backward(
+            block, x, sin_cos_local if local else sin_cos_global,
+            local_mask if local else global_mask, index), None
+      else:
+        x, kv = block(
+            x, sin_cos_local if local else sin_cos_global,
+            local_mask if local else global_mask,
+            None if cache is None else cache.layers[i], index,
+            None if prefix is None else prefix.layers[i],
+            prefix_local if local else prefix_global)
       new_layers.append(kv)
     x = RMSNorm(c.norm_eps, c.norm_offset, c.jnp_param_dtype,
                 name="final_norm")(x)
