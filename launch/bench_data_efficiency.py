@@ -168,7 +168,7 @@ def main(argv):
   os.makedirs(out_dir, exist_ok=True)
   commit = benchlib.git("rev-parse", "HEAD")[:12] or "unknown"
   png = os.path.join(out_dir, f"bench_data_efficiency-{commit}.png")
-  plot(summary, png, target)
+  plot(summary, png, target, tuple(_OVERRIDES.value))
   print("plot:", png)
   figures = {"summary": summary, "curves": curves, "target": target,
              "quick": quick, "seeds": seeds}

@@ -78,8 +78,10 @@ def summarize(curves: dict[str, list[dict]], target: float) -> dict:
   return out
 
 
-def plot(summary: dict, path: str, target: float) -> None:
-  """Accuracy vs sampled tokens and vs RL seconds, mean +- std bands."""
+def plot(summary: dict, path: str, target: float,
+         overrides: tuple[str, ...] = ()) -> None:
+  """Accuracy vs sampled tokens and vs RL seconds, mean +- std bands; the
+  title names the config ``overrides`` of every run."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -100,7 +102,8 @@ def plot(summary: dict, path: str, target: float) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend()
-  fig.suptitle("Prompt selection on the main job: mean +- std over seeds")
+  job = "the main job" + (f" with {', '.join(overrides)}" if overrides else "")
+  fig.suptitle(f"Prompt selection on {job}: mean +- std over seeds")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
