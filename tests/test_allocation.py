@@ -251,21 +251,33 @@ def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
 
-  def bench(methods):
+  def bench(methods, *extra):
     return subprocess.run(
         [sys.executable, "-m", "launch.bench_data_efficiency", "--quick",
-         f"--methods={methods}", f"--workdir={tmp_path}"], cwd=root, env=env,
-        capture_output=True, text=True, timeout=900)
+         f"--methods={methods}", f"--workdir={tmp_path}", *extra], cwd=root,
+        env=env, capture_output=True, text=True, timeout=900)
 
   result = bench("vigor+replay")
   assert result.returncode != 0
   assert "rollout allocation runs without replay" in result.stderr
-  result = bench("vigor")
+  # --override: a field the bench sets, or a flag instead of FIELD=VALUE.
+  result = bench("vigor", "--override=seed=3")
+  assert result.returncode != 0
+  assert "--override='seed=3': seed is set by the bench" in result.stderr
+  result = bench("vigor", "--override=--config.task.num_train=64")
+  assert result.returncode != 0
+  assert "FIELD=VALUE is accepted" in result.stderr
+  assert not os.listdir(tmp_path)  # refused before any run
+  result = bench("vigor", "--override=task.kwargs.max_digits=3")
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   [record] = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
-  figures = json.loads((tmp_path / record).read_text())["figures"]
+  record = json.loads((tmp_path / record).read_text())
+  figures = record["figures"]
   assert sorted(figures["summary"]) == ["vigor"]
   assert figures["curves"]["vigor"][0]["steps"] == [0, 2, 4, 6]
+  assert record["config"]["overrides"] == ["task.kwargs.max_digits=3"]
+  run_config = json.loads((tmp_path / "vigor_seed0" / "config.json").read_text())
+  assert run_config["task"]["kwargs"]["max_digits"] == 3
 
 
 # --- sGPO ----------------------------------------------------------------------

@@ -335,7 +335,7 @@ def recompute_in_backward(block: Block, x_BxTxD, sin_cos, mask_BxTxS, index):
   optimisation barrier, which XLA:CPU removes before common-subexpression
   elimination: the recomputed block then merges back into the forward pass
   and every block's activations stay alive, as without remat
-  (``launch/bench_remat.py`` measures it). Here the backward pass
+  (``tests/test_remat.py``, ``launch/bench_memory.py``). Here the backward pass
   recomputes the block from its input plus ``0 x`` one element of the
   incoming cotangent per row: the same values, which no compiler can merge
   with the forward pass or schedule before the cotangent exists, so the
