@@ -9,6 +9,7 @@ import pytest
 
 from rljax import models
 from rljax.models import lora
+from tests.test_lora import _with_random_b
 
 TINY = models.get_preset("tiny")
 GEMMA_LIKE = TINY.replace(
@@ -56,19 +57,6 @@ def _grads(config, params, packed):
   return jax.jit(jax.grad(loss, has_aux=True))(trained)
 
 
-def _random_b(params, seed=0):
-  """Non-zero adapters' B, so the base's gradient path goes through them."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  key = jax.random.key(seed)
-  out = []
-  for i, (path, x) in enumerate(leaves):
-    name = str(path[-1])
-    if "lora_b" in name:
-      x = 0.3 * jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
-    out.append(x)
-  return jax.tree.unflatten(treedef, out)
-
-
 @pytest.mark.parametrize("name, config, packed", [
     ("llama", TINY, False),
     ("gemma_like_sliding_window", GEMMA_LIKE, False),
@@ -79,7 +67,7 @@ def _random_b(params, seed=0):
 def test_full_remat_has_the_gradients_and_outputs_of_no_remat(
     name, config, packed):
   del name
-  params = _random_b(models.init_params(config, jax.random.key(1)))
+  params = _with_random_b(models.init_params(config, jax.random.key(1)))
   g0, out0 = _grads(config, params, packed)
   g1, out1 = _grads(config.replace(remat="full"), params, packed)
   np.testing.assert_array_equal(np.asarray(out1), np.asarray(out0))

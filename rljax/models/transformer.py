@@ -317,14 +317,10 @@ def _one_element_each(d_params, adapters_only: bool) -> jax.Array:
   """The sum of the first element of each trained weight's gradient (the
   adapters' alone with LoRA: the frozen base's gradient is never
   computed)."""
-  total = jnp.zeros((), jnp.float32)
-  for path, g in jax.tree_util.tree_flatten_with_path(d_params)[0]:
-    name = str(getattr(path[-1], "key", path[-1]))
-    if g.dtype == jax.dtypes.float0 or (
-        adapters_only and not lora_lib.is_adapter_key(name)):
-      continue
-    total = total + g.reshape(-1)[0].astype(jnp.float32)
-  return total
+  trained = lora_lib.adapters_of(d_params) if adapters_only else d_params
+  return sum((g.reshape(-1)[0].astype(jnp.float32)
+              for g in jax.tree.leaves(trained)
+              if g.dtype != jax.dtypes.float0), jnp.zeros((), jnp.float32))
 
 
 def recompute_in_backward(block: Block, x_BxTxD, sin_cos, mask_BxTxS, index):
@@ -466,14 +462,17 @@ class Decoder(nn.Module):
     sin_cos_local = (rope_sin_cos(positions_BxT, rope_inv_freq(c, local=True))
                      if c.rope_local_theta else sin_cos_global)
 
+    # remat="full" without a cache (a forward to differentiate) recomputes
+    # in the backward pass; otherwise nn.remat (jax.checkpoint) as before.
+    recompute = c.remat == "full" and cache is None
     block_cls = Block
-    if c.remat == "dots" or (c.remat == "full" and cache is not None):
+    if c.remat != "none" and not recompute:
       block_cls = nn.remat(Block, policy=_REMAT_POLICIES[c.remat])
     new_layers = []
     for i in range(c.num_layers):
       local = c.is_local_layer(i)
       block = block_cls(c, local, name=f"layers_{i}")
-      if c.remat == "full" and cache is None:
+      if recompute:
         x, kv = recompute_in_backward(
             block, x, sin_cos_local if local else sin_cos_global,
             local_mask if local else global_mask, index), None
