@@ -147,6 +147,9 @@ _LOSS = flags.DEFINE_enum("loss_type", "dapo", ["dapo", "grpo"],
                           "TRL's loss_type (rljax's matching aggregation)")
 _LR = flags.DEFINE_float("learning_rate", 1e-5, "AdamW learning rate")
 _THREADS = flags.DEFINE_integer("threads", 2, "torch threads")
+_SHRINK = flags.DEFINE_integer(
+    "shrink_batch_to", None, "rljax's sampler.shrink_batch_to (None: every "
+    "row decodes until the last one ends, the default of both sides)")
 _RECORD_DIR = flags.DEFINE_string(
     "record_dir", "benchmarks/results",
     "where the JSON record of the figures goes ('' for none)")
@@ -290,6 +293,7 @@ def rljax_config(checkpoint: str, task: str, num_steps: int):
   c.sampler.temperature = 1.0
   c.sampler.prompt_buckets = (_PROMPT_MAX.value,)
   c.sampler.cache_dtype = "float32"
+  c.sampler.shrink_batch_to = _SHRINK.value
   c.sft.num_steps = 0
   c.rl.num_steps = num_steps
   c.rl.prompts_per_step = _PROMPTS.value
@@ -565,7 +569,7 @@ def main(argv):
          "loss_type": _LOSS.value, "learning_rate": _LR.value,
          "steps": _STEPS.value, "warmup": _WARMUP.value,
          "rounds": _ROUNDS.value, "compare_trl": _COMPARE.value,
-         "threads": _THREADS.value}))
+         "threads": _THREADS.value, "shrink_batch_to": _SHRINK.value}))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ OTHER_AXES = {
     # Microbatches split by tokens: 96 of the ~160 tokens of a minibatch.
     "rl.microbatch_tokens": (0, 96),
     "model.overrides.remat": ("none", "full", "dots"),
+    # The decode batch halves as rows end, down to 2 rows.
+    "sampler.shrink_batch_to": (None, 2),
 }
 
 
@@ -98,6 +100,7 @@ SETTING_FIXUPS = {
     ("rl.selection.name", "dots"): {"rl.rollout": "static",
                                     "rl.selection.dots_reference": 8},
     ("rl.replay.fraction", 0.25): {"rl.rollout": "static"},
+    ("sampler.shrink_batch_to", 2): {"rl.rollout": "static"},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)

@@ -6,7 +6,7 @@ from rljax.sampling.methods import (SamplingMethod, apply_temperature,
                                     sample_tokens, top_k, top_p)
 from rljax.sampling.sampler import (Rollout, SamplerConfig, make_sampler,
                                     pad_prompts, pick_bucket, sample,
-                                    segment_ends)
+                                    segment_ends, shrink_levels)
 from rljax.sampling.speculative import Draft, make_speculative_sampler
 from rljax.sampling.drafts import DraftStore, Speculation
 
@@ -15,5 +15,6 @@ __all__ = [
     "inverse_cdf_sample",
     "min_p", "sample_tokens", "top_k", "top_p", "Rollout", "SamplerConfig",
     "make_sampler", "pad_prompts", "pick_bucket", "sample", "segment_ends",
+    "shrink_levels",
     "Draft", "DraftStore", "Speculation", "make_speculative_sampler",
 ]

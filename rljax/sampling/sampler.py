@@ -71,6 +71,13 @@ class SamplerConfig:
       has only the slots its steps can fill, so decode cost follows the live
       length. None: one segment of ``max_new_tokens`` slots. Segmenting
       changes no token and no logprob (``tests/test_sampler_segments.py``).
+    shrink_batch_to: the smallest decode batch, or None (the default: every
+      row decodes until the last one ends). As rows end, the live ones are
+      gathered into a batch half the size whenever they fit in it
+      (``shrink_levels``), down to this many rows, so a long-tailed batch
+      stops paying for its finished rows: a decode step's cost grows with
+      its rows (``launch/bench_sampler.py``). The same tokens, to float
+      rounding: a smaller batch may round its matmuls differently.
   """
 
   num_samples: int = 1
@@ -85,8 +92,15 @@ class SamplerConfig:
   share_prefix: bool = True
   record_policy_logprobs: bool = False
   segment_slots: int | None = 64
+  shrink_batch_to: int | None = None
 
   def __post_init__(self):
+    if self.shrink_batch_to is not None and (
+        isinstance(self.shrink_batch_to, bool)
+        or not isinstance(self.shrink_batch_to, int)
+        or self.shrink_batch_to < 1):
+      raise ValueError(f"sampler.shrink_batch_to={self.shrink_batch_to!r}: a "
+                       "positive integer or None is required.")
     if self.segment_slots is not None and (
         not isinstance(self.segment_slots, int) or self.segment_slots < 1):
       raise ValueError(f"sampler.segment_slots={self.segment_slots!r}: a "
@@ -225,6 +239,26 @@ def segment_ends(num_steps: int, first: int | None) -> tuple[int, ...]:
   return tuple(ends) + (num_steps,)
 
 
+def shrink_levels(num_rows: int, smallest: int | None,
+                  multiple: int = 1) -> tuple[int, ...]:
+  """Decode batch sizes as rows end: ``num_rows``, then halvings (rounded up
+  to a multiple of ``multiple``, the mesh's batch ways) while they are at
+  least ``smallest`` rows and smaller than the last.
+
+  ``shrink_levels(64, 8) == (64, 32, 16, 8)``; ``shrink_levels(64, None) ==
+  (64,)``; ``shrink_levels(48, 8, multiple=8) == (48, 24, 16, 8)``.
+  """
+  levels = [num_rows]
+  if smallest is None:
+    return tuple(levels)
+  while True:
+    half = -(-levels[-1] // 2)
+    half = -(-half // multiple) * multiple
+    if half < smallest or half >= levels[-1]:
+      return tuple(levels)
+    levels.append(half)
+
+
 def row_keys(key: jax.Array, num_rows: int) -> jax.Array:
   """``[num_rows]`` keys, row ``r``'s ``fold_in(key, r)``.
 
@@ -315,8 +349,40 @@ def _grow(cache: KVCache, num_slots: int) -> KVCache:
                         mask=jnp.pad(cache.mask, ((0, 0), (0, extra))))
 
 
+def _gather_cache(cache: KVCache, rows_n, group_size: int) -> KVCache:
+  """The cache of rows ``rows_n``, with no prefix: a prefix (one row per
+  group of ``group_size``) is copied in front of each row's own slots, so
+  rows of different groups can share a batch. Empty slots go first, so that
+  the slots are whole ``DECODE_BLOCK``s and the slot distance between any
+  two real tokens (a sliding window's) is unchanged."""
+  take = lambda x: jnp.take(x, rows_n, axis=0)
+  layers = tuple(LayerKV(take(l.k), take(l.v)) for l in cache.layers)
+  mask, index = take(cache.mask), cache.index
+  if cache.prefix is not None:
+    groups = rows_n // group_size
+    pre = cache.prefix
+    sp, s = pre.mask.shape[1], mask.shape[1]
+    pad = _round_up(sp + s) - (sp + s)
+    pad4 = ((0, 0), (0, 0), (pad, 0), (0, 0))
+    layers = tuple(
+        LayerKV(jnp.concatenate([jnp.pad(jnp.take(p.k, groups, axis=0), pad4),
+                                 l.k], axis=2),
+                jnp.concatenate([jnp.pad(jnp.take(p.v, groups, axis=0), pad4),
+                                 l.v], axis=2))
+        for p, l in zip(pre.layers, layers))
+    mask = jnp.concatenate([jnp.pad(jnp.take(pre.mask, groups, axis=0),
+                                    ((0, 0), (pad, 0))), mask], axis=1)
+    index = index + pad + sp
+  return KVCache(layers, mask, index)
+
+
+_ROW_FIELDS = ("tokens", "mask", "policy_logp", "sampler_logp", "column",
+               "done", "finished", "next_position")
+
+
 def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
-            sc: SamplerConfig, base_slots: int) -> _LoopState:
+            sc: SamplerConfig, base_slots: int,
+            row_multiple: int = 1) -> _LoopState:
   """Runs decode steps until every row is done or ``max_new_tokens`` steps.
 
   Each row writes its next token at its own ``column`` (so rows may start
@@ -325,14 +391,21 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
   ``base_slots + step``. The steps run in segments (``segment_ends``); in a
   segment the decode cache has ``base_slots + segment end`` slots, so the
   attention of step ``i`` costs ``O(base + 2 i)``, not ``O(base + T)``.
+
+  With ``sc.shrink_batch_to``, once the live rows fit in the next of
+  ``shrink_levels`` they are gathered into it (a full-size cache, the prefix
+  copied in: ``_gather_cache``) and decoding goes on there; each row's
+  buffers are written back to its own row when its batch shrinks again and
+  at the end. The returned state holds every row's per-row fields; its
+  ``logits`` and ``cache`` are those of the last decode batch.
   """
   t = sc.max_new_tokens
   eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
   cols_T = jnp.arange(t, dtype=jnp.int32)
+  n_rows = state.column.shape[0]
+  levels = shrink_levels(n_rows, sc.shrink_batch_to, row_multiple)
 
-  keys_N = row_keys(key, state.column.shape[0])
-
-  def body(state: _LoopState) -> _LoopState:
+  def body(state: _LoopState, keys_N) -> _LoopState:
     i = state.step
     token, sampler_logp = sc.method.get_next_tokens(
         state.logits, token_keys(keys_N, state.column))
@@ -369,12 +442,46 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
         finished=state.finished | ended,
         next_position=state.next_position + 1)
 
+  def run(state, keys_N, end, fits):
+    """Steps while ``step < end`` and more than ``fits`` rows are live."""
+    return jax.lax.while_loop(
+        lambda s: (s.step < end) & (jnp.sum(~s.done) > fits),
+        lambda s: body(s, keys_N), state)
+
+  keys_N = row_keys(key, n_rows)
+  fits = levels[1] if len(levels) > 1 else 0
   for end in segment_ends(t, sc.segment_slots):
     state = state._replace(cache=_grow(
         state.cache, _cache_slots(base_slots + end, base_slots + t)))
-    state = jax.lax.while_loop(
-        lambda s, end=end: (s.step < end) & ~jnp.all(s.done), body, state)
-  return state
+    state = run(state, keys_N, end, fits)
+  if len(levels) == 1:
+    return state
+
+  full, rows_n = state, None
+  for k, n in enumerate(levels[1:], start=1):
+    pick_n = jnp.argsort(state.done, stable=True)[:n]  # the live rows first
+    if rows_n is not None:  # this batch's rows back to their own rows
+      full = _write_rows(full, rows_n, state)
+    rows_n = pick_n if rows_n is None else rows_n[pick_n]
+    state = state._replace(
+        logits=jnp.take(state.logits, pick_n, axis=0),
+        cache=_gather_cache(state.cache, pick_n, sc.num_samples),
+        **{f: (None if getattr(state, f) is None
+               else jnp.take(getattr(state, f), pick_n, axis=0))
+           for f in _ROW_FIELDS})
+    fits = levels[k + 1] if k + 1 < len(levels) else 0
+    state = run(state, jnp.take(keys_N, rows_n, axis=0), t, fits)
+  full = _write_rows(full, rows_n, state)
+  return full._replace(step=state.step, logits=state.logits,
+                       cache=state.cache)
+
+
+def _write_rows(full: _LoopState, rows_n, state: _LoopState) -> _LoopState:
+  """``full`` with rows ``rows_n`` of its per-row fields set to ``state``'s."""
+  return full._replace(**{
+      f: (None if getattr(full, f) is None
+          else getattr(full, f).at[rows_n].set(getattr(state, f)))
+      for f in _ROW_FIELDS})
 
 
 def _prefill(params, prompt_tokens_BxP, prompt_mask_BxP, *, model,
@@ -445,7 +552,8 @@ def _to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final: _LoopState,
 
 
 def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
-                 model_config: ModelConfig, config: SamplerConfig) -> Rollout:
+                 model_config: ModelConfig, config: SamplerConfig,
+                 row_multiple: int = 1) -> Rollout:
   mc, sc = model_config, config
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
   model, w_DxV, cache_dtype, prompt_len_N = _setup(params, prompt_mask_BxP,
@@ -457,11 +565,12 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                           mc.final_logit_softcap)[:, 0]
   state = _empty_state(logits, cache, prompt_len_N, sc)
   final = _decode(params, state, key, model=model, w_DxV=w_DxV, mc=mc, sc=sc,
-                  base_slots=cache.mask.shape[1])
+                  base_slots=cache.mask.shape[1], row_multiple=row_multiple)
   return _to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final, sc)
 
 
-sample = jax.jit(_sample_impl, static_argnames=("model_config", "config"))
+sample = jax.jit(_sample_impl, static_argnames=("model_config", "config",
+                                                "row_multiple"))
 sample.__doc__ = """Samples ``G`` completions per prompt (jit-compiled).
 
 Args:
@@ -527,8 +636,9 @@ def make_sampler(model_config: ModelConfig, config: SamplerConfig,
   if mesh is None:
     return jax.jit(fn)
   s = mesh_shardings(mesh, rules, config)
-  jitted = jax.jit(fn, in_shardings=(param_shardings, s.batch2, s.batch2,
-                                     s.replicated),
+  jitted = jax.jit(functools.partial(fn, row_multiple=s.ways),
+                   in_shardings=(param_shardings, s.batch2, s.batch2,
+                                 s.replicated),
                    out_shardings=s.rollout)
 
   def call(params, prompt_tokens_BxP, prompt_mask_BxP, key):

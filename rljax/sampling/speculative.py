@@ -82,7 +82,8 @@ class Draft(NamedTuple):
 
 def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
                       key, *, model_config: ModelConfig, config: SamplerConfig,
-                      log_lenience: float) -> tuple[Rollout, jax.Array]:
+                      log_lenience: float, row_multiple: int = 1
+                      ) -> tuple[Rollout, jax.Array]:
   mc, sc = model_config, config
   t = sc.max_new_tokens
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
@@ -150,7 +151,8 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
       column=accepted_N, done=ended | (accepted_N >= t), finished=ended,
       next_position=prompt_len_N + accepted_N)
   final = _decode(params, state, key_decode, model=model, w_DxV=w_DxV, mc=mc,
-                  sc=sc, base_slots=cache.mask.shape[1])
+                  sc=sc, base_slots=cache.mask.shape[1],
+                  row_multiple=row_multiple)
   return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final, sc),
           accepted_N)
 
@@ -184,8 +186,9 @@ def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
     return jax.jit(fn)
   s = mesh_shardings(mesh, rules, config)
   b2 = s.batch2
-  jitted = jax.jit(fn, in_shardings=(param_shardings, b2, b2,
-                                     Draft(b2, b2, b2), s.replicated),
+  jitted = jax.jit(functools.partial(fn, row_multiple=s.ways),
+                   in_shardings=(param_shardings, b2, b2, Draft(b2, b2, b2),
+                                 s.replicated),
                    out_shardings=(s.rollout, s.batch1))
   g = config.num_samples
 

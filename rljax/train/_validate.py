@@ -134,7 +134,8 @@ def _validate_env(config: Any) -> None:
   others = {"rl.rollout": (rl.rollout, "static"),
             "rl.max_staleness": (rl.max_staleness, 0),
             "rl.sampler_devices": (rl.sampler_devices, 0),
-            "sampler.speculative": (bool(config.sampler.speculative), False)}
+            "sampler.speculative": (bool(config.sampler.speculative), False),
+            "sampler.shrink_batch_to": (config.sampler.shrink_batch_to, None)}
   for field, (value, accepted) in others.items():
     if value != accepted:
       raise ValueError(
@@ -229,6 +230,11 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
     raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "
                      "the truncation interval is empty.")
   _validate_algorithm(config)
+  if config.sampler.shrink_batch_to is not None and rl.rollout != "static":
+    raise ValueError(
+        f"sampler.shrink_batch_to={config.sampler.shrink_batch_to!r} with "
+        f"rl.rollout={rl.rollout!r}: slots refill as rows end, so there is no "
+        "batch to shrink; accepted: None, or rl.rollout='static'.")
   n = rl.prompts_per_step * rl.group_size
   if n % (rl.num_minibatches * rl.num_microbatches):
     raise ValueError(

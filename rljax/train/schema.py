@@ -75,6 +75,10 @@ _BASE: dict[str, Field] = {
     "sampler.share_prefix": F(True, None, "prefill a group's prompt once"),
     "sampler.segment_slots": F(64, "int>=1", "decode steps of the first "
                                "length segment (each next one doubles)"),
+    "sampler.shrink_batch_to": F(None, "int>=1?", "as rows end, decode the "
+                                 "live ones in halved batches down to this "
+                                 "many rows (None: every row to the end)",
+                                 int),
     "sampler.speculative": F(False, None, "SPEC-RL: a prompt's previous "
                              "rollout is the draft, verified in one pass"),
     "sampler.spec_log_lenience": F(0.5, ">=0", "SPEC-RL: accept a draft "
