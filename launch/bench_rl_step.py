@@ -283,7 +283,8 @@ def write_prompts(path: str, n: int, vocab: list[str], seed: int = 0) -> list[st
 # rljax.
 
 
-def rljax_config(checkpoint: str, task: str, num_steps: int):
+def rljax_config(checkpoint: str, task: str, num_steps: int,
+                 shrink_batch_to: int | None = None):
   from configs import common  # pylint: disable=import-outside-toplevel
   c = common.base()
   c.task.path = c.task.heldout_path = task
@@ -293,7 +294,7 @@ def rljax_config(checkpoint: str, task: str, num_steps: int):
   c.sampler.temperature = 1.0
   c.sampler.prompt_buckets = (_PROMPT_MAX.value,)
   c.sampler.cache_dtype = "float32"
-  c.sampler.shrink_batch_to = _SHRINK.value
+  c.sampler.shrink_batch_to = shrink_batch_to
   c.sft.num_steps = 0
   c.rl.num_steps = num_steps
   c.rl.prompts_per_step = _PROMPTS.value
@@ -325,11 +326,13 @@ def rljax_config(checkpoint: str, task: str, num_steps: int):
   return c
 
 
-def run_rljax(checkpoint: str, task: str) -> dict:
+def run_rljax(checkpoint: str, task: str,
+              shrink_batch_to: int | None = None) -> dict:
   """One ``train.run``; the timed steps' figures from ``metrics.jsonl``."""
   warm, steps = _WARMUP.value, _STEPS.value
   with tempfile.TemporaryDirectory() as workdir:
-    train.run(rljax_config(checkpoint, task, warm + steps), workdir)
+    train.run(rljax_config(checkpoint, task, warm + steps, shrink_batch_to),
+              workdir)
     rows = [r for r in metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
             if r["step"] > warm]
   out = {"step_s": [r["time/step"] for r in rows]}
@@ -485,11 +488,14 @@ def workload(kind: str) -> dict:
     task = os.path.join(d, "prompts.jsonl")
     prompts = write_prompts(task, _PROMPTS.value,
                             vocabulary(MODEL["vocab_size"]))
-    out = {"eos": shaping, "rljax": [], "trl": []}
+    out = {"eos": shaping, "rljax": [], "rljax_shrink": [], "trl": []}
     if _COMPARE.value:
       out["max_abs_logp_diff"] = logits_agreement(checkpoint)
     for _ in range(_ROUNDS.value):
       out["rljax"].append(_with_others(run_rljax, checkpoint, task))
+      if _SHRINK.value:
+        out["rljax_shrink"].append(_with_others(run_rljax, checkpoint, task,
+                                                _SHRINK.value))
       if _COMPARE.value:
         out["trl"].append(_with_others(run_trl, checkpoint, prompts))
   return out
@@ -508,6 +514,8 @@ def report(kind: str, out: dict) -> dict:
   figures = {"eos": out["eos"],
              "max_abs_logp_diff": out.get("max_abs_logp_diff")}
   sides = [("rljax", ("sample", "reward", "advantage", "train"))]
+  if out["rljax_shrink"]:
+    sides.append(("rljax_shrink", ("sample", "reward", "advantage", "train")))
   if out["trl"]:
     sides.append(("trl", ("sample", "score", "train")))
   for side, parts in sides:
@@ -518,7 +526,7 @@ def report(kind: str, out: dict) -> dict:
     split = {p: statistics.mean(merged[f"{p}_s"]) for p in parts}
     length = statistics.mean(merged["completion_length"])
     truncated = statistics.mean(merged["truncated"])
-    print(f"  {side:<5} step {step['mean']:7.3f} s mean, {step['median']:7.3f}"
+    print(f"  {side:<12} step {step['mean']:7.3f} s mean, {step['median']:7.3f}"
           f" s median over {len(merged['step_s'])} steps; "
           + ", ".join(f"{p} {v:.3f}" for p, v in split.items())
           + f"; completion length {length:.1f}, truncated "
@@ -541,6 +549,14 @@ def report(kind: str, out: dict) -> dict:
           figures["trl"]["step_s"][stat] / figures["rljax"]["step_s"][stat])
     print(f"  TRL / rljax whole step: {figures['ratio_trl_over_rljax_mean']:.2f}x"
           f" (medians: {figures['ratio_trl_over_rljax_median']:.2f}x)")
+    if out["rljax_shrink"]:
+      for stat in ("mean", "median"):
+        figures[f"ratio_trl_over_rljax_shrink_{stat}"] = (
+            figures["trl"]["step_s"][stat]
+            / figures["rljax_shrink"]["step_s"][stat])
+      print(f"  TRL / rljax with sampler.shrink_batch_to={_SHRINK.value}: "
+            f"{figures['ratio_trl_over_rljax_shrink_mean']:.2f}x (medians: "
+            f"{figures['ratio_trl_over_rljax_shrink_median']:.2f}x)")
   return figures
 
 
