@@ -81,7 +81,11 @@ sampler's logprobs save the trainer's no-gradient forward pass.
 
 import copy
 import dataclasses
+import json
 import os
+import resource
+import subprocess
+import sys
 import statistics
 import tempfile
 import time
@@ -96,6 +100,8 @@ from ml_collections import config_flags
 
 from launch.benchlib import matmul_flops_per_s, write_record
 from rljax import metrics, models, train
+
+HUGE_PAGES = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
@@ -120,6 +126,14 @@ _MICRO = flags.DEFINE_integer(
     "split comparison (0 skips it)")
 _SWEEP = flags.DEFINE_bool("remat_sweep", False,
                            "time the logprobs with and without remat")
+_HUGE = flags.DEFINE_bool(
+    "huge_pages_ab", False, "time the padding-free part (fixed and "
+    "long-tailed rows) in child processes, glibc's malloc without and with "
+    f"transparent huge pages ({HUGE_PAGES}), alternating, "
+    "with the page faults per step")
+_CHILD_OUT = flags.DEFINE_string(
+    "child_out", "", "internal (--huge_pages_ab): write the padding-free "
+    "figures as JSON here and exit")
 _RECORD_DIR = flags.DEFINE_string(
     "record_dir", "benchmarks/results",
     "where the JSON record of the figures goes ('' for none)")
@@ -205,13 +219,19 @@ def _workload(vocab_size):
   return tokens, loss_mask, rng.randn(n).astype(np.float32)
 
 
-def _timed(fn, steps):
+def _timed(fn, steps, faults_out=None):
+  """The fastest of ``steps`` calls after a warm-up; with ``faults_out`` (a
+  dict) also the minor page faults per call (``faults_per_step``)."""
   fn()  # compile / warm-up
   times = []
+  faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   for _ in range(steps):
     start = time.perf_counter()
     fn()
     times.append(time.perf_counter() - start)
+  if faults_out is not None:
+    faults_out["faults_per_step"] = (
+        resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
   return min(times)
 
 
@@ -375,9 +395,11 @@ def padding_free():
     metrics_of = {}
     for name, step in (("padded", padded), ("packed", packed)):
       metrics_of[name] = jax.device_get(step(state0, batch)[1])
+      faults = {}
       seconds = _timed(lambda step=step: jax.block_until_ready(
-          step(state0, batch)[1]), _TORCH_STEPS.value)
+          step(state0, batch)[1]), _TORCH_STEPS.value, faults)
       row[f"{name}_s"] = seconds
+      row[f"{name}_page_faults_per_step"] = faults["faults_per_step"]
       row[f"{name}_real_tokens_per_s"] = real / seconds
     row["ratio"] = row["padded_s"] / row["packed_s"]
     row["fill"] = packed.last_fill
@@ -537,13 +559,61 @@ def part2():
   return {"time_split_s": split, "padding_free_split_s": by_packing}
 
 
+def huge_pages_ab(rounds: int = 2) -> dict:
+  """``padding_free()`` in child processes without and with glibc's malloc
+  on transparent huge pages (``HUGE_PAGES``: a variable glibc reads when a
+  process starts, hence the children), alternating ``rounds`` times; each
+  side's fastest step per workload and row layout, and the ratio."""
+  sides = {"default": {}, "huge_pages": {}}
+  for _ in range(rounds):
+    for side, figures in sides.items():
+      env = dict(os.environ)
+      env.pop("GLIBC_TUNABLES", None)
+      if side == "huge_pages":
+        env["GLIBC_TUNABLES"] = HUGE_PAGES.split("=", 1)[1]
+      with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "figures.json")
+        subprocess.run([sys.executable, "-m", "launch.bench_train_step",
+                        f"--child_out={out}",
+                        f"--torch_steps={_TORCH_STEPS.value}"],
+                       env=env, check=True, cwd=os.path.join(
+                           os.path.dirname(__file__), ".."))
+        with open(out) as f:
+          child = json.load(f)
+      for kind, row in child.items():
+        for layout in ("padded", "packed"):
+          best = figures.setdefault(f"{kind}/{layout}", {
+              "s": float("inf"), "page_faults_per_step": None})
+          if row[f"{layout}_s"] < best["s"]:
+            best.update(s=row[f"{layout}_s"], page_faults_per_step=row[
+                f"{layout}_page_faults_per_step"])
+  print(f"\nglibc malloc, default vs {HUGE_PAGES} (child processes, "
+        f"{rounds} rounds alternating; seconds per step, minor page faults "
+        "per step):")
+  ratios = {}
+  for key in sides["default"]:
+    a, b = sides["default"][key], sides["huge_pages"][key]
+    ratios[key] = a["s"] / b["s"]
+    print(f"  {key:<20} {a['s']:.3f} s ({a['page_faults_per_step']:,.0f} "
+          f"faults) vs {b['s']:.3f} s ({b['page_faults_per_step']:,.0f}): "
+          f"{ratios[key]:.2f}x")
+  return {**sides, "ratio_default_over_huge_pages": ratios,
+          "setting": HUGE_PAGES}
+
+
 def main(argv):
   del argv
+  if _CHILD_OUT.value:
+    with open(_CHILD_OUT.value, "w") as f:
+      json.dump(padding_free(), f)
+    return
   figures = {"rl_step": part1()}
   if _PACKED.value:
     figures["padding_free"] = padding_free()
     if _MICRO.value:
       figures["token_microbatches"] = token_microbatches()
+  if _HUGE.value:
+    figures["huge_pages"] = huge_pages_ab()
   if _TORCH.value:
     figures["vs_torch"] = compare_torch()
   if _SWEEP.value:
