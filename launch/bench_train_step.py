@@ -567,7 +567,7 @@ def huge_pages_ab(rounds: int = 2) -> dict:
   sides = {"default": {}, "huge_pages": {}}
   for _ in range(rounds):
     for side, figures in sides.items():
-      env = dict(os.environ)
+      env = dict(os.environ, RLJAX_HUGE_PAGES="0")  # as set here, no re-exec
       env.pop("GLIBC_TUNABLES", None)
       if side == "huge_pages":
         env["GLIBC_TUNABLES"] = HUGE_PAGES.split("=", 1)[1]

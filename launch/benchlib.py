@@ -78,7 +78,8 @@ def provenance() -> dict:
                   "python": platform.python_version(),
                   "cpu_count": os.cpu_count(), "jax": jax.__version__,
                   "devices": f"{len(devices)} x {devices[0].device_kind}",
-                  "cpu": cpu()},
+                  "cpu": cpu(),
+                  "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")},
   }
 
 

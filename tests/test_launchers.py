@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import launch
 from rljax import models, tokenizers, train
 from tests.hf_extra import requires_hf
 
@@ -57,6 +58,38 @@ def test_train_writes_its_record_named_after_the_config_and_seed(workdir):
     record = json.load(f)
   assert set(record["figures"]["before"]) == set(record["figures"]["after"])
   assert record["config"]["seed"] == 0
+  # The launcher re-executed itself on huge pages where the host has them.
+  tunables = record["machine"]["glibc_tunables"]
+  env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+  if launch.huge_pages_env(env) is None:
+    assert "hugetlb" not in tunables, tunables
+  else:
+    assert launch.HUGE_PAGES_TUNABLE in tunables.split(":"), tunables
+
+
+def test_huge_pages_env_adds_the_tunable_once_and_keeps_the_others():
+  if launch.huge_pages_env({}) is None:
+    pytest.skip("no glibc or transparent huge pages off on this host")
+  assert launch.huge_pages_env({"A": "1"}) == {
+      "A": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+  assert launch.huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})[
+      "GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+  # Already there (as set or re-executed), or turned off: nothing to change.
+  assert launch.huge_pages_env(
+      {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
+  assert launch.huge_pages_env({"RLJAX_HUGE_PAGES": "0"}) is None
+
+
+def test_an_in_process_import_never_re_executes():
+  """Importing ``launch`` (tests, notebooks) leaves the process alone: only
+  ``python -m launch.<name>`` re-executes."""
+  code = ("import os, sys; pid = os.getpid(); import launch; "
+          "print(pid == os.getpid(), os.environ.get('GLIBC_TUNABLES', ''))")
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("GLIBC_TUNABLES", "RLJAX_HUGE_PAGES")}
+  out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=60, check=True)
+  assert out.stdout.split() == ["True"], out.stdout
 
 
 @pytest.mark.slow
