@@ -90,20 +90,32 @@ records the cores other processes kept busy meanwhile (``/proc/stat``
 less this process's CPU time): only figures with ~0 there compare the
 libraries.
 
-Measured (2-core CPU; XLA:CPU against PyTorch 2.13, transformers 5.24 and
-TRL 1.16, 2 threads each; other processes 0.01..0.17 cores; the defaults:
-2 rounds x 3 timed steps per side, 64 rows x 128 new tokens, ``dapo``):
+With ``--shrink_batch_to=m`` each round runs rljax a second time with
+``sampler.shrink_batch_to=m`` (the decode batch halves as rows end, down to
+``m`` rows; ``docs/rollouts.md``), printed as ``rljax_shrink`` with its own
+ratio.
 
-* fixed: rljax 7.75 s per step (sample 2.98, train 4.72), TRL 9.23 s
-  (sample 4.30, train 4.91): 1.19x, short of the 1.5x target. The update
-  on full-length rows is as fast on both sides (the matmul kernels,
-  ``launch/bench_train_step.py``); the sampler is 1.4x faster (23 against
-  34 ms per decode step of 64 rows).
-* long_tailed: rljax 4.30 s (sample 2.23, train 2.03; mean completion
-  29.7 tokens, 0.5% truncated), TRL 8.07 s (sample 3.89, train 4.17; 33.1
-  tokens, 2.1% truncated): 1.87x, short of the 3x target. The padding-free
-  update is 2x faster than TRL's padded one; both samplers decode until
-  the longest row ends (~128 steps whenever a row is truncated).
+Measured (a quiet 2-core AMD EPYC, family 26; XLA:CPU against PyTorch
+2.13, transformers 5.25 and TRL 1.16, 2 threads each; other processes
+0.01..0.04 cores; the defaults: 2 rounds x 3 timed steps per side, 64 rows
+x 128 new tokens, ``dapo``; ``--shrink_batch_to=8``), at aaa9b5e
+(``benchmarks/results/bench_rl_step-aaa9b5efcd41.json``), both processes on
+glibc's huge pages (``launch/__init__.py``):
+
+* fixed: rljax 2.24 s per step (sample 0.68, train 1.53), TRL 6.00 s
+  (sample 2.13, train 3.85): 2.68x (2.80x with the shrinking batch, which
+  has nothing to shrink here: every row runs to 128 tokens).
+* long_tailed: rljax 1.09 s (sample 0.51, train 0.55; mean completion
+  29.3 tokens, 0.5% truncated), TRL 5.43 s (sample 1.87, train 3.56; 33.1
+  tokens, 2.1% truncated): 5.00x; with the shrinking batch the sample
+  takes 0.28 s and the step 1.07 s mean, 0.90 s median (5.06x, 6.00x of
+  the medians). TRL's sampler decodes every row until the longest ends.
+* The same host without huge pages (at 6936855,
+  ``bench_rl_step-69368557da53.json``): 1.95x fixed (rljax 2.73 s, TRL
+  5.32 s) and 3.99x long-tailed (1.39 s against 5.54 s; 4.96x with the
+  shrinking batch). On an earlier host (at dee766a, its CPU not recorded,
+  ``bench_rl_step-dee766a0fceb.json``): 1.19x and 1.87x, rljax sampling
+  the fixed workload in 2.98 s (0.68 s here) and TRL in 4.30 s.
 
   python -m launch.bench_rl_step --compare_trl
   python -m launch.bench_rl_step --compare_trl --prompts=2 --group_size=2 \

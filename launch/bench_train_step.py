@@ -56,6 +56,20 @@ PyTorch measured the same way):
   ``--xla_cpu_use_xnnpack=true`` 4,620; ``--xla_cpu_experimental_ynn_fusion_type=``
   (no YNNPACK fusions) 4,907. None is faster, so no launcher sets one; the
   remaining gap to PyTorch is the matmul kernels' speed.
+* Page faults (a 2-core AMD EPYC of family 26, 2026-12-04). The step's
+  matmul fusions ran at ~150-200 GFLOP/s where the same shapes alone reach
+  ~460 (``[12288, 256] x [256, 1024]``): each execution allocates its large
+  buffers afresh, glibc maps them as new 4 KiB pages, and the first touch
+  of each page faults (573k minor faults, 2.2 GiB, per padding-free step;
+  ``getrusage``). With glibc's malloc on transparent huge pages
+  (``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``) 1.4k remain and the step is
+  1.36-1.47x faster (``--huge_pages_ab``, child processes, since glibc
+  reads the variable at start); ``launch/__init__.py`` re-executes every
+  launcher with it. Raising ``M_MMAP_THRESHOLD`` or ``M_TRIM_THRESHOLD``
+  through ``mallopt`` in the running process removed none of the faults.
+  Attention laid out head-major with an additive mask and the softmax
+  normalised on the outputs was 5% faster per layer, and a hand-written
+  SwiGLU backward no faster: neither changes the step, so neither is in.
 
 Padding-free (``--padding_free``, on by default): the packed step
 (``rl.padding_free``, ``train/packing.py``) against the padded step on the
@@ -77,6 +91,7 @@ sampler's logprobs save the trainer's no-gradient forward pass.
   python -m launch.bench_train_step --config=configs/arithmetic_grpo.py --split_steps=8
   python -m launch.bench_train_step --compare_torch --remat_sweep --notime_split
   python -m launch.bench_train_step --padding_free --notime_split
+  python -m launch.bench_train_step --huge_pages_ab --nopadding_free --notime_split
 """
 
 import copy
