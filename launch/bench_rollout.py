@@ -7,6 +7,9 @@ token in ``--eos_every`` ends a row, so completion lengths are geometric
 ``--steps`` batches of ``B`` prompts x ``G`` samples it runs
 
   * static: ``sampling.make_sampler``, every row until the longest ends;
+  * shrinking (``--shrink_batch_to``, 8 by default; 0 skips it): the static
+    sampler with ``sampler.shrink_batch_to``, the decode batch halving as
+    rows end (its row-steps: the smallest level that holds the live rows);
   * continuous: ``rl.rollout="continuous"`` (``M`` slots refilled as rows
     end), every row to its end;
   * partial: ``rl.rollout="partial"`` (APRIL): stop once ``B`` groups have
@@ -52,6 +55,9 @@ _T = flags.DEFINE_integer("max_new_tokens", 128, "generation budget")
 _EOS = flags.DEFINE_integer("eos_every", 32, "one token in this many ends a row")
 _SLOTS = flags.DEFINE_integer("slots", 32, "continuous / partial slots (M)")
 _REFILL = flags.DEFINE_integer("refill_rows", 8, "rows per refill (R)")
+_SHRINK = flags.DEFINE_integer(
+    "shrink_batch_to", 8, "part 1: also the static sampler with "
+    "sampler.shrink_batch_to (0: not)")
 _STEPS = flags.DEFINE_integer("steps", 8, "batches per variant (timed: all "
                               "but the first two, which compile)")
 _SPEC_NOISE = flags.DEFINE_float("spec_noise", 0.02, "part 1b: the policy "
@@ -83,22 +89,33 @@ def _sampler_part(params, config) -> dict:
   static = sampling.make_sampler(MODEL, config)
   figures = {}
 
-  # Static: every row until the longest has ended.
-  gen = steps = 0
-  seconds = 0.0
-  source = _batches(b)
-  for i in range(_STEPS.value):
-    lists, _ = next(source)
-    tokens, mask = sampling.pad_prompts(lists, config.prompt_buckets)
-    t = time.perf_counter()
-    out = jax.device_get(static(params, tokens, mask, jax.random.key(i)))
-    if i >= 2:  # both programs compiled (partial: with carried rows)
-      seconds += time.perf_counter() - t
-      gen += int(out.lengths.sum())
-      steps += int(out.lengths.max()) * b * g
-  figures["static"] = {"slot_utilization": gen / steps,
-                       "generated_tokens_per_s": gen / seconds,
-                       "trained_tokens_per_s": gen / seconds}
+  # Static: every row until the longest has ended; "shrinking": the static
+  # sampler with sampler.shrink_batch_to (the batch halves as rows end).
+  variants = [("static", static)]
+  if _SHRINK.value:
+    variants.append(("shrinking", sampling.make_sampler(
+        MODEL, config.replace(shrink_batch_to=_SHRINK.value))))
+  for name, sampler in variants:
+    levels = sampling.shrink_levels(
+        b * g, _SHRINK.value if name == "shrinking" else None)
+    gen = steps = 0
+    seconds = 0.0
+    source = _batches(b)
+    for i in range(_STEPS.value):
+      lists, _ = next(source)
+      tokens, mask = sampling.pad_prompts(lists, config.prompt_buckets)
+      t = time.perf_counter()
+      out = jax.device_get(sampler(params, tokens, mask, jax.random.key(i)))
+      if i >= 2:  # both programs compiled (partial: with carried rows)
+        seconds += time.perf_counter() - t
+        gen += int(out.lengths.sum())
+        # Rows decoded per step: the smallest level that holds the live rows.
+        for step in range(int(out.lengths.max())):
+          live = int(np.sum(out.lengths > step))
+          steps += min(n for n in levels if n >= live)
+    figures[name] = {"slot_utilization": gen / steps,
+                     "generated_tokens_per_s": gen / seconds,
+                     "trained_tokens_per_s": gen / seconds}
 
   for mode in ("continuous", "partial"):
     partial = partial_lib.PartialConfig(
@@ -264,6 +281,7 @@ def main(argv):
         {"args": {"prompts": _B.value, "group_size": _G.value,
                   "max_new_tokens": _T.value, "eos_every": _EOS.value,
                   "slots": _SLOTS.value, "refill_rows": _REFILL.value,
+                  "shrink_batch_to": _SHRINK.value,
                   "steps": _STEPS.value, "loop_steps": _LOOP_STEPS.value}}))
 
 
