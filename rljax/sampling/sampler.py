@@ -76,7 +76,7 @@ class SamplerConfig:
       gathered into a batch half the size whenever they fit in it
       (``shrink_levels``), down to this many rows, so a long-tailed batch
       stops paying for its finished rows: a decode step's cost grows with
-      its rows (``launch/bench_sampler.py``). The same tokens, to float
+      its rows (``launch/bench_rollout.py``). The same tokens, to float
       rounding: a smaller batch may round its matmuls differently.
   """
 
