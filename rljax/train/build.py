@@ -80,8 +80,7 @@ def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
       eos_ids=eos_ids(tokenizer), pad_id=tokenizer.pad_id,
       cache_dtype=s.cache_dtype, prompt_buckets=tuple(s.prompt_buckets),
       share_prefix=s.share_prefix, segment_slots=s.segment_slots,
-      shrink_batch_to=s.shrink_batch_to,
-      record_policy_logprobs=record_policy_logprobs)
+      shrink_batch_to=s.shrink_batch_to, record_policy_logprobs=record_policy_logprobs)
 
 
 def algorithm(config: Any) -> alg_lib.Algorithm:
