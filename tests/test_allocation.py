@@ -14,6 +14,7 @@ from rljax import sampling
 from rljax.data import allocation as alloc
 from rljax.train import allocated, batch_layout, build
 from tests.test_train import tiny_config
+from tests import subprocess_env
 
 
 # --- schedules and choices ---------------------------------------------------
@@ -248,8 +249,7 @@ def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   root = os.path.join(os.path.dirname(__file__), "..")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = subprocess_env.one_device_env()  # one CPU device
 
   def bench(methods, *extra):
     return subprocess.run(

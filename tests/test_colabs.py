@@ -19,6 +19,7 @@ import jupyter_client
 import nbclient
 import nbformat
 import pytest
+from tests import subprocess_env
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "colabs", "*.ipynb")))
@@ -27,17 +28,6 @@ TIME_LIMIT_S = 300  # per notebook; each takes about a minute on a 2-core CPU
 # The quickstart trains until accuracy rises: ~3 minutes on a 2-core CPU.
 TIME_LIMITS_S = {"quickstart.ipynb": 900, "rlhf_with_a_reward_model.ipynb": 900}
 COLAB_GUARD = 'IN_COLAB = "google.colab" in sys.modules'
-
-
-def _kernel_env() -> dict[str, str]:
-  env = dict(os.environ)
-  flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                 env.get("XLA_FLAGS", "")).strip()
-  if flags:
-    env["XLA_FLAGS"] = flags
-  else:
-    env.pop("XLA_FLAGS", None)
-  return env
 
 
 def _read(path):
@@ -89,4 +79,4 @@ def test_notebook_runs(path, tmp_path):
       nb, kernel_name=KERNEL,
       timeout=TIME_LIMITS_S.get(os.path.basename(path), TIME_LIMIT_S),
       resources={"metadata": {"path": str(tmp_path)}})
-  client.execute(env=_kernel_env())
+  client.execute(env=subprocess_env.one_device_env())

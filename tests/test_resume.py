@@ -18,6 +18,7 @@ from rljax import checkpoint, metrics, models, optim, train
 from tests.test_steps import _fresh_state as _state
 from tests.test_steps import _random_batch as _batch
 from tests.test_train import tiny_config
+from tests import subprocess_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 NUM_STEPS = 6
@@ -27,8 +28,7 @@ FLAGS = ["--config=configs/arithmetic_grpo.py:tiny",
 
 
 def _launch(workdir, *extra):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device, like a user's run
+  env = subprocess_env.one_device_env()  # one CPU device
   return subprocess.Popen(
       [sys.executable, "-m", "launch.train", f"--workdir={workdir}", *FLAGS,
        *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,

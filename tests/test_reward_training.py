@@ -26,6 +26,7 @@ from rljax.train import model_rewards, reward_training as rt
 from rljax.train import sft
 from tests.test_resume import ROOT, _wait_for_step
 from tests.test_train import tiny_config
+from tests import subprocess_env
 
 
 def _np_loss(c, r, m, k):
@@ -245,8 +246,7 @@ _RM_FLAGS = ("--config=configs/arithmetic_grpo.py:tiny",
 
 
 def _launch(workdir):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = subprocess_env.one_device_env()  # one CPU device
   return subprocess.Popen(
       [sys.executable, "-m", "launch.train_reward_model",
        f"--workdir={workdir}", *_RM_FLAGS], cwd=ROOT, env=env,
@@ -284,8 +284,7 @@ def test_a_killed_reward_model_run_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_bench_rlhf_quick_trains_both_reward_models_and_three_policies(
     tmp_path):
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = subprocess_env.one_device_env()  # one CPU device
   result = subprocess.run(
       [sys.executable, "-m", "launch.bench_rlhf", "--quick",
        f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,

@@ -14,6 +14,7 @@ import pytest
 from rljax import checkpoint, metrics, train
 from rljax.train import build, schedules
 from tests.test_loop import assert_stop_and_resume_matches, loop_config, rl_rows
+from tests import subprocess_env
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -146,8 +147,7 @@ def test_staleness_metrics_by_hand():
 @pytest.mark.slow
 def test_sigterm_during_async_partial_run_exits_cleanly_and_resumes(tmp_path):
   workdir = str(tmp_path)
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = subprocess_env.one_device_env()  # one CPU device
   args = [sys.executable, "-m", "launch.train",
           "--config=configs/arithmetic_grpo.py:tiny", f"--workdir={workdir}",
           "--config.rl.num_steps=6", "--config.checkpoint.every=100",

@@ -17,6 +17,7 @@ import pytest
 from rljax.data import selection as sel
 from rljax.train import batch_layout
 from tests import test_resume
+from tests import subprocess_env
 
 E, H, I = sel.EASY, sel.HARD, sel.INFORMATIVE
 
@@ -245,8 +246,7 @@ def test_bench_quick_runs_every_method_and_writes_the_plot(tmp_path):
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   root = os.path.join(os.path.dirname(__file__), "..")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  env = subprocess_env.one_device_env()  # one CPU device
   result = subprocess.run(
       [sys.executable, "-m", "launch.bench_data_efficiency", "--quick",
        f"--workdir={tmp_path}"], cwd=root, env=env, capture_output=True,
