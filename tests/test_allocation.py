@@ -249,7 +249,7 @@ def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   root = os.path.join(os.path.dirname(__file__), "..")
-  env = subprocess_env.one_device_env()  # one CPU device
+  env = subprocess_env.one_device_env()
 
   def bench(methods, *extra):
     return subprocess.run(

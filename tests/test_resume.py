@@ -28,7 +28,7 @@ FLAGS = ["--config=configs/arithmetic_grpo.py:tiny",
 
 
 def _launch(workdir, *extra):
-  env = subprocess_env.one_device_env()  # one CPU device
+  env = subprocess_env.one_device_env()
   return subprocess.Popen(
       [sys.executable, "-m", "launch.train", f"--workdir={workdir}", *FLAGS,
        *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -246,7 +246,7 @@ _RM_FLAGS = ("--config=configs/arithmetic_grpo.py:tiny",
 
 
 def _launch(workdir):
-  env = subprocess_env.one_device_env()  # one CPU device
+  env = subprocess_env.one_device_env()
   return subprocess.Popen(
       [sys.executable, "-m", "launch.train_reward_model",
        f"--workdir={workdir}", *_RM_FLAGS], cwd=ROOT, env=env,
@@ -284,7 +284,7 @@ def test_a_killed_reward_model_run_resumes_exactly(tmp_path):
 @pytest.mark.slow
 def test_bench_rlhf_quick_trains_both_reward_models_and_three_policies(
     tmp_path):
-  env = subprocess_env.one_device_env()  # one CPU device
+  env = subprocess_env.one_device_env()
   result = subprocess.run(
       [sys.executable, "-m", "launch.bench_rlhf", "--quick",
        f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,

@@ -147,7 +147,7 @@ def test_staleness_metrics_by_hand():
 @pytest.mark.slow
 def test_sigterm_during_async_partial_run_exits_cleanly_and_resumes(tmp_path):
   workdir = str(tmp_path)
-  env = subprocess_env.one_device_env()  # one CPU device
+  env = subprocess_env.one_device_env()
   args = [sys.executable, "-m", "launch.train",
           "--config=configs/arithmetic_grpo.py:tiny", f"--workdir={workdir}",
           "--config.rl.num_steps=6", "--config.checkpoint.every=100",

@@ -246,7 +246,7 @@ def test_bench_quick_runs_every_method_and_writes_the_plot(tmp_path):
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   root = os.path.join(os.path.dirname(__file__), "..")
-  env = subprocess_env.one_device_env()  # one CPU device
+  env = subprocess_env.one_device_env()
   result = subprocess.run(
       [sys.executable, "-m", "launch.bench_data_efficiency", "--quick",
        f"--workdir={tmp_path}"], cwd=root, env=env, capture_output=True,
