@@ -220,6 +220,58 @@ def _numpy_attention(q, k, v, mask, scale, softcap):
   return np.einsum("bnts,bsnh->btnh", p / p.sum(-1, keepdims=True), v)
 
 
+def _dense_attention(q, k, v, mask, scale, softcap):
+  """Masked softmax attention over all ``T x S`` (``jnp``, differentiated by
+  JAX): the reference for ``attend``'s blocks and hand-written backward."""
+  g = q.shape[2] // k.shape[2]
+  k, v = (jnp.repeat(x, g, axis=2) for x in (k, v))
+  s = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
+  p = jax.nn.softmax(jnp.where(mask[:, None], s, -1e30), axis=-1)
+  return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+@pytest.mark.parametrize("t,softcap", [(70, None), (70, 4.0), (9, None)])
+def test_attend_and_its_gradients_equal_dense_attention(t, softcap):
+  """``attend(causal=True)`` (3 query blocks at T=70, one at T=9; GQA) on
+  left-padded rows and two packed segments: the outputs against float64
+  NumPy attention, the hand-written gradients of q, k and v against JAX's
+  gradients of dense masked attention. Padding queries (every key masked)
+  get a zero cotangent: nothing reads them."""
+  b, n, kh, h = 3, 4, 2, 8
+  rng = np.random.RandomState(t)
+  q = rng.randn(b, t, n, h).astype(np.float32)
+  k, v = (rng.randn(b, t, kh, h).astype(np.float32) for _ in range(2))
+  real = np.ones((b, t), bool)
+  real[1, :t // 3] = False  # left padding
+  segment = np.where(np.arange(t) < t // 2, 1, 2)  # row 2: two packed rows
+  mask = np.tril(np.ones((t, t), bool))[None] & real[:, None, :]
+  mask[2] &= segment[:, None] == segment[None, :]
+  weight = rng.randn(b, t, n, h).astype(np.float32) * real[:, :, None, None]
+
+  def loss(f, q, k, v):
+    return jnp.sum(f(q, k, v, jnp.asarray(mask), 0.3, softcap) * weight)
+
+  blocked = lambda *a: models.transformer.attend(*a[:4], scale=a[4],
+                                                 softcap=a[5], causal=True)
+  got = blocked(q, k, v, jnp.asarray(mask), 0.3, softcap)
+  want = _numpy_attention(q.astype(np.float64),
+                          np.repeat(k, n // kh, 2).astype(np.float64),
+                          np.repeat(v, n // kh, 2).astype(np.float64), mask,
+                          0.3, softcap)
+  real4 = real[:, :, None, None]
+  np.testing.assert_allclose(np.where(real4, got, 0), np.where(real4, want, 0),
+                             atol=2e-6)
+  grads = jax.grad(functools.partial(loss, blocked), (0, 1, 2))(q, k, v)
+  dense = jax.grad(functools.partial(loss, _dense_attention),
+                   (0, 1, 2))(q, k, v)
+  for name, a, d in zip("qkv", grads, dense):
+    scale = np.max(np.abs(np.asarray(d)))
+    np.testing.assert_allclose(np.asarray(a) / scale, np.asarray(d) / scale,
+                               atol=2e-6, err_msg=name)
+
+
 @pytest.mark.parametrize("t", [1, 5])  # the no-dot path, and the dot path
 @pytest.mark.parametrize("with_prefix", [False, True])
 @pytest.mark.slow

@@ -4,6 +4,7 @@ prefill, decode and draft verification), split off ``transformer.py``."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,7 +17,7 @@ def _softcap(x, cap):
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-CAUSAL_QUERY_BLOCK = 48  # query rows per block of a causal ``attend``
+CAUSAL_QUERY_BLOCK = 32  # query rows per block of a causal ``attend``
 CAUSAL_MAX_BLOCKS = 8  # at most this many blocks (unrolled in the program)
 
 
@@ -36,34 +37,131 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
       about ``CAUSAL_QUERY_BLOCK`` rows, each against the keys up to its last
       row: the blocks wholly above the diagonal, all masked, are skipped
       (as PyTorch's causal ``scaled_dot_product_attention`` skips them;
-      ``launch/bench_train_step.py`` measures it). A query whose every key is masked (padding) then averages
-      the values of its block's keys instead of all keys; nothing reads it.
+      ``launch/bench_train_step.py`` measures it). A query whose every key
+      is masked (padding) then averages the values of its block's keys
+      instead of all keys; nothing reads it.
+
+  The work runs as batched matmuls over ``(B, K)`` whose rows are the
+  ``(t, g)`` query pairs (one transpose of ``q``, ``k``, ``v`` and the
+  output each), the softmax normalised on the ``[.., H]`` outputs rather
+  than the ``[.., S]`` probabilities, and a hand-written backward
+  (``jax.custom_vjp``): ``dS = P * (dP - rowsum(dO * O))``, FlashAttention's
+  identity, with ``P`` saved unnormalised from the forward. Differentiated
+  by JAX instead, each block's slices, transposes and softmax gradient cost
+  more than its matmuls (``launch/bench_train_step.py``).
 
   Returns:
     ``[B, T, N, H]`` attention outputs in the dtype of ``v``.
+
+  References: Dao et al., "FlashAttention: Fast and Memory-Efficient Exact
+  Attention with IO-Awareness" (the backward's ``rowsum(dO * O)``),
+  https://arxiv.org/abs/2205.14135.
   """
-  t = q_BxTxNxH.shape[1]
+  t, s = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
   num_blocks = min(CAUSAL_MAX_BLOCKS, -(-t // CAUSAL_QUERY_BLOCK))
-  if causal and num_blocks > 1:
-    if k_BxSxKxH.shape[1] != t:
-      raise ValueError(f"attend(causal=True): keys have {k_BxSxKxH.shape[1]} "
-                       f"slots, queries {t}; causal needs S = T.")
+  if not causal or num_blocks == 1:
+    blocks = ((0, t, s),)
+  else:
+    if s != t:
+      raise ValueError(f"attend(causal=True): keys have {s} slots, queries "
+                       f"{t}; causal needs S = T.")
     size = -(-t // num_blocks)
-    return jnp.concatenate([
-        attend(q_BxTxNxH[:, lo:lo + size], k_BxSxKxH[:, :lo + size],
-               v_BxSxKxH[:, :lo + size], mask_BxTxS[:, lo:lo + size, :lo + size],
-               scale=scale, softcap=softcap)
-        for lo in range(0, t, size)], axis=1)
-  b, t, n, h = q_BxTxNxH.shape
-  kh = k_BxSxKxH.shape[2]
-  q = q_BxTxNxH.reshape(b, t, kh, n // kh, h)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH.astype(q.dtype),
-                      preferred_element_type=jnp.float32) * scale
-  logits = _softcap(logits, softcap)
-  logits = jnp.where(mask_BxTxS[:, None, None], logits, _NEG_INF)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxH.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
-  return out.reshape(b, t, n, h)
+    blocks = tuple((lo, min(lo + size, t), min(lo + size, t))
+                   for lo in range(0, t, size))
+  return _attend_blocks(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, scale,
+                        softcap, blocks)
+
+
+def _rows(x_BxTxKxGxH):
+  """``[B, T, K, G, H]`` <-> ``[B, K, T, G, H]`` (the matmuls' layout)."""
+  return jnp.transpose(x_BxTxKxGxH, (0, 2, 1, 3, 4))
+
+
+def _block_rows(x_BxKxTxGxH, lo, hi):
+  b, kh, _, g, h = x_BxKxTxGxH.shape
+  return x_BxKxTxGxH[:, :, lo:hi].reshape(b, kh, (hi - lo) * g, h)
+
+
+def _block_mask(mask_BxTxS, lo, hi, end, g):
+  """``[B, 1, (hi - lo) * G, end]``: the mask of a block's query rows."""
+  b = mask_BxTxS.shape[0]
+  return jnp.broadcast_to(mask_BxTxS[:, None, lo:hi, None, :end],
+                          (b, 1, hi - lo, g, end)).reshape(b, 1, -1, end)
+
+
+def _attend_parts(q, k, v, mask, scale, softcap, blocks):
+  """The outputs and, per block ``(lo, hi, end)`` (query rows ``lo:hi``
+  against keys ``:end``), what the backward reads."""
+  b, t, n, h = q.shape
+  kh = k.shape[2]
+  g = n // kh
+  qr = _rows(q.reshape(b, t, kh, g, h))
+  kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+  outs, saved = [], []
+  for lo, hi, end in blocks:
+    logits = jnp.einsum("bkrh,bksh->bkrs", _block_rows(qr, lo, hi),
+                        kt[:, :, :end].astype(q.dtype),
+                        preferred_element_type=jnp.float32) * scale
+    tanh = None
+    if softcap is not None:
+      tanh = jnp.tanh(logits / softcap)
+      logits = softcap * tanh
+    logits = jnp.where(_block_mask(mask, lo, hi, end, g), logits, _NEG_INF)
+    e = jnp.exp(logits - jnp.max(logits, -1, keepdims=True))
+    total = jnp.sum(e, -1, keepdims=True)
+    out = jnp.einsum("bkrs,bksh->bkrh", e.astype(v.dtype), vt[:, :, :end],
+                     preferred_element_type=jnp.float32) / total
+    outs.append(out)
+    saved.append((e, total, tanh, out))
+  out = jnp.concatenate(outs, axis=2).reshape(b, kh, t, g, h)
+  return _rows(out).reshape(b, t, n, h).astype(v.dtype), saved
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _attend_blocks(q, k, v, mask, scale, softcap, blocks):
+  return _attend_parts(q, k, v, mask, scale, softcap, blocks)[0]
+
+
+def _attend_blocks_fwd(q, k, v, mask, scale, softcap, blocks):
+  out, saved = _attend_parts(q, k, v, mask, scale, softcap, blocks)
+  return out, (q, k, v, mask, saved)
+
+
+def _attend_blocks_bwd(scale, softcap, blocks, residuals, d_out):
+  q, k, v, mask, saved = residuals
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  qr = _rows(q.reshape(b, t, kh, g, h))
+  dor = _rows(d_out.reshape(b, t, kh, g, h)).astype(v.dtype)
+  kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
+  dqs, dks, dvs = [], [], []
+  for (lo, hi, end), (e, total, tanh, out) in zip(blocks, saved):
+    probs = e / total
+    q_rows, do_rows = _block_rows(qr, lo, hi), _block_rows(dor, lo, hi)
+    pad = ((0, 0), (0, 0), (0, s - end), (0, 0))
+    dvs.append(jnp.pad(jnp.einsum(
+        "bkrs,bkrh->bksh", probs.astype(v.dtype), do_rows,
+        preferred_element_type=jnp.float32), pad))
+    dp = jnp.einsum("bkrh,bksh->bkrs", do_rows, vt[:, :, :end],
+                    preferred_element_type=jnp.float32)
+    delta = jnp.sum(do_rows.astype(jnp.float32) * out, -1, keepdims=True)
+    ds = probs * (dp - delta)
+    if tanh is not None:
+      ds = ds * (1 - tanh * tanh)
+    ds = jnp.where(_block_mask(mask, lo, hi, end, g), ds * scale, 0.0)
+    ds = ds.astype(q.dtype)
+    dqs.append(jnp.einsum("bkrs,bksh->bkrh", ds, kt[:, :, :end].astype(q.dtype),
+                          preferred_element_type=jnp.float32))
+    dks.append(jnp.pad(jnp.einsum("bkrs,bkrh->bksh", ds, q_rows,
+                                  preferred_element_type=jnp.float32), pad))
+  dq = _rows(jnp.concatenate(dqs, axis=2).reshape(b, kh, t, g, h))
+  dk, dv = (jnp.transpose(sum(x), (0, 2, 1, 3)) for x in (dks, dvs))
+  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype),
+          dv.astype(v.dtype), None)
+
+
+_attend_blocks.defvjp(_attend_blocks_fwd, _attend_blocks_bwd)
 
 
 def _halving_sum(x):
