@@ -70,6 +70,27 @@ PyTorch measured the same way):
   Attention laid out head-major with an additive mask and the softmax
   normalised on the outputs was 5% faster per layer, and a hand-written
   SwiGLU backward no faster: neither changes the step, so neither is in.
+* Attention's glue (2026-12-04, same host; ``jax.profiler`` time split
+  between the kernels running at each instant). JAX's derivative of the
+  blocked attention spent more on slices, transposes of logit-sized
+  tensors, the pads of each block's key gradient and the softmax
+  gradient than on the attention matmuls: ~135 ms of a ~345 ms step for
+  7% of its FLOPs. ``attend`` now lays the queries out as the rows of a
+  ``(B, K)``-batched matmul (one transpose per tensor), normalises the
+  softmax on the outputs and has a hand-written backward
+  (``jax.custom_vjp``, FlashAttention's ``rowsum(dO * O)``); with query
+  blocks of 32 the step fell to ~300-325 ms (A/B in one process).
+* What is left (same split): the dense matmuls at ~440 GFLOP/s, the rate
+  they reach alone, except the weight gradients (``x^T dy``, contracting
+  the 4,096 token rows), which XLA:CPU runs through Eigen's transposed-lhs
+  dot at ~210-290 GFLOP/s instead of a YNNPACK fusion. Given a
+  transposed copy of ``x`` (``optimization_barrier``) YNNPACK runs them at
+  ~400, but the copies cost what that saves: the step is unchanged. Fusing
+  q/k/v or gate/up into one matmul, and the flags
+  ``--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce``,
+  ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` and
+  ``--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED`` gave
+  no measurable change either.
 
 Padding-free (``--padding_free``, on by default): the packed step
 (``rl.padding_free``, ``train/packing.py``) against the padded step on the
@@ -126,7 +147,8 @@ _CONFIG = config_flags.DEFINE_config_file(
 _PRESET = flags.DEFINE_string("preset", "small", "model preset")
 _BATCH = flags.DEFINE_integer("batch", 16, "rows per step")
 _LENGTH = flags.DEFINE_integer("length", 256, "tokens per row")
-_STEPS = flags.DEFINE_integer("steps", 5, "timed steps")
+_STEPS = flags.DEFINE_integer(
+    "steps", 20, "timed steps of part 1 (the fastest counts: the first few after the compile are slower)")
 _SPLIT = flags.DEFINE_bool("time_split", True, "run part 2 (main-job time split)")
 _SPLIT_STEPS = flags.DEFINE_integer("split_steps", 8, "RL steps for part 2")
 _TORCH = flags.DEFINE_bool("compare_torch", False,
