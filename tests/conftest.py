@@ -18,8 +18,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 
-jax.config.update("jax_compilation_cache_dir",
-                  tempfile.mkdtemp(prefix="rljax-test-jax-cache-"))
+# One cache for the session: pytest-xdist's workers inherit the variable
+# from the controller, and launchers that tests start with
+# ``tests/subprocess_env.one_device_env()`` read it too (a killed run's
+# resumed process then loads the programs its first process compiled).
+CACHE_DIR = os.environ.setdefault(
+    "RLJAX_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="rljax-test-jax-cache-"))
+jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 

@@ -6,8 +6,10 @@ launch.bench_rlhf --quick`` 68 s instead of 81 s on 2 cores) and sets one
 simulated device in place of the session's 8, so the launcher sees one CPU
 device as a user's run does. Tests of what a user sees as typed (console
 output, the README's commands, the finished tiny run) start launchers with
-no XLA flags at all.
+no XLA flags at all, and without the session's compilation cache.
 """
+
+import os
 
 from launch import local_cluster
 
@@ -15,5 +17,12 @@ from launch import local_cluster
 def one_device_env() -> dict[str, str]:
   """``os.environ`` with one simulated CPU device, every other XLA flag kept
   (``launch.local_cluster.child_env``, the environment of a local cluster's
-  process)."""
-  return local_cluster.child_env(1, platform="")
+  process), and the session's persistent compilation cache
+  (``tests/conftest.py``)."""
+  env = local_cluster.child_env(1, platform="")
+  cache = os.environ.get("RLJAX_TEST_JAX_CACHE")
+  if cache:
+    env.update(JAX_COMPILATION_CACHE_DIR=cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  return env

@@ -17,7 +17,7 @@ def _softcap(x, cap):
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-CAUSAL_QUERY_BLOCK = 32  # query rows per block of a causal ``attend``
+CAUSAL_QUERY_BLOCK = 48  # query rows per block of a causal ``attend``
 CAUSAL_MAX_BLOCKS = 8  # at most this many blocks (unrolled in the program)
 
 
@@ -41,10 +41,11 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
       is masked (padding) then averages the values of its block's keys
       instead of all keys; nothing reads it.
 
-  The work runs as batched matmuls over ``(B, K)`` whose rows are the
-  ``(t, g)`` query pairs (one transpose of ``q``, ``k``, ``v`` and the
-  output each), the softmax normalised on the ``[.., H]`` outputs rather
-  than the ``[.., S]`` probabilities, and a hand-written backward
+  With two blocks or more the work runs as batched matmuls over ``(B, K)``
+  whose rows are the ``(t, g)`` query pairs (one transpose of ``q``, ``k``,
+  ``v`` and the output each), the softmax normalised on the ``[.., H]``
+  outputs rather than the ``[.., S]`` probabilities, and a hand-written
+  backward
   (``jax.custom_vjp``): ``dS = P * (dP - rowsum(dO * O))``, FlashAttention's
   identity, with ``P`` saved unnormalised from the forward. Differentiated
   by JAX instead, each block's slices, transposes and softmax gradient cost
@@ -60,16 +61,32 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
   t, s = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
   num_blocks = min(CAUSAL_MAX_BLOCKS, -(-t // CAUSAL_QUERY_BLOCK))
   if not causal or num_blocks == 1:
-    blocks = ((0, t, s),)
-  else:
-    if s != t:
-      raise ValueError(f"attend(causal=True): keys have {s} slots, queries "
-                       f"{t}; causal needs S = T.")
-    size = -(-t // num_blocks)
-    blocks = tuple((lo, min(lo + size, t), min(lo + size, t))
-                   for lo in range(0, t, size))
+    return _attend_dense(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, scale,
+                         softcap)
+  if s != t:
+    raise ValueError(f"attend(causal=True): keys have {s} slots, queries "
+                     f"{t}; causal needs S = T.")
+  size = -(-t // num_blocks)
+  blocks = tuple((lo, min(lo + size, t), min(lo + size, t))
+                 for lo in range(0, t, size))
   return _attend_blocks(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, scale,
                         softcap, blocks)
+
+
+def _attend_dense(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, scale, softcap):
+  """One block: every query against every key, differentiated by JAX (on
+  short rows, e.g. the main job's, faster than the blocks' layout changes:
+  ``launch/bench_train_step.py``)."""
+  b, t, n, h = q_BxTxNxH.shape
+  kh = k_BxSxKxH.shape[2]
+  q = q_BxTxNxH.reshape(b, t, kh, n // kh, h)
+  logits = jnp.einsum("btkgh,bskh->bkgts", q, k_BxSxKxH.astype(q.dtype),
+                      preferred_element_type=jnp.float32) * scale
+  logits = _softcap(logits, softcap)
+  logits = jnp.where(mask_BxTxS[:, None, None], logits, _NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_BxSxKxH.dtype)
+  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BxSxKxH)
+  return out.reshape(b, t, n, h)
 
 
 def _rows(x_BxTxKxGxH):
