@@ -78,8 +78,10 @@ PyTorch measured the same way):
   7% of its FLOPs. ``attend`` now lays the queries out as the rows of a
   ``(B, K)``-batched matmul (one transpose per tensor), normalises the
   softmax on the outputs and has a hand-written backward
-  (``jax.custom_vjp``, FlashAttention's ``rowsum(dO * O)``); with query
-  blocks of 32 the step fell to ~300-325 ms (A/B in one process).
+  (``jax.custom_vjp``, FlashAttention's ``rowsum(dO * O)``): the step
+  fell to ~300-325 ms (A/B in one process; blocks of 32 or 64 query rows
+  instead of 48 within the noise). A single block (rows up to 48: the main
+  job's) keeps JAX's derivative of dense attention, ~6% faster there.
 * What is left (same split): the dense matmuls at ~440 GFLOP/s, the rate
   they reach alone, except the weight gradients (``x^T dy``, contracting
   the 4,096 token rows), which XLA:CPU runs through Eigen's transposed-lhs
