@@ -296,6 +296,27 @@ def test_attend_blocks_keep_bfloat16_and_its_gradients_follow_float32():
                                np.asarray(g32) / scale, atol=3e-2)
 
 
+def test_the_attention_benchmarks_baseline_is_attend_differentiated_by_jax():
+  """``launch/bench_attention.py`` times ``attend`` against the same blocks
+  differentiated by JAX: the two give the same outputs and gradients."""
+  from launch import bench_attention  # pylint: disable=import-outside-toplevel
+  b, t, n, kh, h = 2, 120, 4, 2, 8
+  rng = np.random.RandomState(2)
+  q, k, v = (rng.randn(b, t, m, h).astype(np.float32) for m in (n, kh, kh))
+  mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))
+  weight = rng.randn(b, t, n, h).astype(np.float32)
+
+  def loss(f, q, k, v):
+    return jnp.sum(f(q, k, v, mask, scale=0.3, causal=True) * weight)
+
+  for a, d in zip(
+      jax.grad(functools.partial(loss, models.transformer.attend),
+               (0, 1, 2))(q, k, v),
+      jax.grad(functools.partial(loss, bench_attention.autodiff_blocks),
+               (0, 1, 2))(q, k, v)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(d), atol=1e-5)
+
+
 @pytest.mark.parametrize("t", [1, 5])  # the no-dot path, and the dot path
 @pytest.mark.parametrize("with_prefix", [False, True])
 @pytest.mark.slow
