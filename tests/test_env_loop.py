@@ -79,7 +79,7 @@ def test_rounds_and_turn_caps_train_from_the_config(tmp_path):
 def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
   config = env_config("guess_number", **{
       "env.name": "tests.env_fixtures:FlakyGuess", "env.num_workers": 2,
-      "env.timeout_s": 1.0, "eval.every": 100})
+      "env.timeout_s": 0.5, "eval.every": 100})
   summary = train.run(config, str(tmp_path))
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]

@@ -3,6 +3,8 @@ import io
 import json
 import logging
 import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -35,6 +37,66 @@ def test_tensorboard_file_reads_with_tensorboards_accumulator(tmp_path):
   acc.Reload()
   assert [(e.step, e.value) for e in acc.Scalars("reward/total/mean")] == [
       (1, 0.25), (2, 0.5)]
+
+
+def test_crc32c_matches_the_standard_check_value():
+  # The CRC-32C catalogue's check value (the CRC of b"123456789") and
+  # RFC 3720's all-zero and all-ones 32-byte vectors.
+  assert metrics.crc32c(b"123456789") == 0xE3069283
+  assert metrics.crc32c(bytes(32)) == 0x8A9136AA
+  assert metrics.crc32c(b"\xff" * 32) == 0x62A8AB43
+
+
+def test_tensorboard_keeps_extreme_values_unicode_tags_and_large_steps(tmp_path):
+  w = metrics.TensorBoardWriter(tmp_path)
+  w.write(2**40, {"nan": float("nan"), "inf": -np.inf, "big": 1e40,
+                  "tiny": 1e-50, "précision/µ": 0.5, "vector": np.ones(2)})
+  w.write(7, {})  # nothing to write: no event
+  w.close()
+  records = {tag: (step, value) for step, tag, value
+             in metrics.read_tensorboard_scalars(_event_file(tmp_path))}
+  assert set(records) == {"nan", "inf", "big", "tiny", "précision/µ"}
+  assert all(step == 2**40 for step, _ in records.values())
+  assert np.isnan(records["nan"][1])
+  assert records["inf"][1] == -np.inf and records["big"][1] == np.inf
+  assert records["tiny"][1] == 0.0 and records["précision/µ"][1] == 0.5
+
+
+def test_a_run_killed_mid_write_keeps_its_complete_steps(tmp_path):
+  w = metrics.TensorBoardWriter(tmp_path)
+  for step in (1, 2, 3):
+    w.write(step, {"loss": step / 2})
+  path = _event_file(tmp_path)  # flushed after each write, before close
+  size = os.path.getsize(path)
+  with open(path, "r+b") as f:  # the last record loses its last 5 bytes
+    f.truncate(size - 5)
+  assert metrics.read_tensorboard_scalars(path) == [(1, "loss", 0.5),
+                                                    (2, "loss", 1.0)]
+
+
+def test_two_writers_in_one_directory_write_two_files(tmp_path):
+  a, b = metrics.TensorBoardWriter(tmp_path), metrics.TensorBoardWriter(tmp_path)
+  a.write(1, {"x": 1.0})
+  b.write(1, {"x": 2.0})
+  a.close()
+  b.close()
+  paths = glob.glob(os.path.join(tmp_path, "events.out.tfevents.*"))
+  assert len(paths) == 2
+  assert sorted(metrics.read_tensorboard_scalars(p)[0][2] for p in paths) == [
+      1.0, 2.0]
+
+
+def test_writing_event_files_imports_neither_torch_nor_tensorboardx(tmp_path):
+  code = ("import sys; from rljax import metrics; "
+          f"w = metrics.MetricWriter({str(tmp_path)!r}); "
+          "w.write(1, {'reward': 0.5}); w.close(); "
+          "print(sorted(m for m in ('torch', 'tensorboardX', 'tensorflow') "
+          "if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, check=True, timeout=120)
+  assert out.stdout.strip() == "[]", out
+  assert metrics.read_tensorboard_scalars(
+      _event_file(tmp_path / "tensorboard")) == [(1, "reward", 0.5)]
 
 
 class _Pipe(io.StringIO):
