@@ -27,8 +27,11 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 # from the controller, and launchers that tests start with
 # ``tests/subprocess_env.one_device_env()`` read it too (a killed run's
 # resumed process then loads the programs its first process compiled).
-CACHE_DIR = os.environ.setdefault(
-    "RLJAX_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="rljax-test-jax-cache-"))
+_OWNS_CACHE = "RLJAX_TEST_JAX_CACHE" not in os.environ
+if _OWNS_CACHE:
+  os.environ["RLJAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(
+      prefix="rljax-test-jax-cache-")
+CACHE_DIR = os.environ["RLJAX_TEST_JAX_CACHE"]
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -73,3 +76,12 @@ def finished_tiny_run(tmp_path_factory):
       text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout
   return workdir, proc.stdout
+
+
+def pytest_sessionfinish(session):
+  """The process that made the session's compilation cache (the xdist
+  controller, or the one process) removes it: a session leaves no cache
+  behind in the temporary directory."""
+  if _OWNS_CACHE and not hasattr(session.config, "workerinput"):
+    import shutil  # pylint: disable=g-import-not-at-top
+    shutil.rmtree(CACHE_DIR, ignore_errors=True)
