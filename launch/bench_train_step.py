@@ -93,6 +93,20 @@ PyTorch measured the same way):
   ``--xla_cpu_enable_concurrency_optimized_scheduler=false`` and
   ``--xla_cpu_scheduler_type=CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED`` gave
   no measurable change either.
+* Tried on 2026-12-04 (same host, small preset, 16 x 256; in-process A/B
+  unless noted), none faster: weight gradients through a transposed copy
+  of the smaller operand (``x`` or ``dy``, ``jax.custom_vjp``): 380 vs
+  354 ms; input gradients through a transposed copy of the weight: the
+  same; glibc keeping freed memory (``arena_max=1``, ``mmap_max=0``, a
+  large ``trim_threshold``: 0 page faults per step instead of ~800 huge
+  ones; two processes each) 372-383 vs 345-352 ms, since the gain of huge pages is the TLB,
+  not the faults; XLA:CPU's older fusion emitters
+  (``--xla_cpu_use_fusion_emitters=false``, which halves test compiles;
+  one process each) 384 vs 355 ms, its elementwise kernels slower. Alone, each dense
+  matmul shape of the step reaches 460-480 GFLOP/s; in the step the
+  thunk executor runs independent ones (gate and up) side by side, one
+  thread each, so per-kernel times in a trace double while the wall time
+  does not.
 
 Padding-free (``--padding_free``, on by default): the packed step
 (``rl.padding_free``, ``train/packing.py``) against the padded step on the
