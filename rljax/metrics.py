@@ -65,7 +65,7 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 # An event file is a TFRecord file (each record: its length as uint64, a
 # masked CRC-32C of the length, the bytes, a masked CRC-32C of the bytes) of
-# ``Event`` protocol buffers (tensorflow/core/util/event.proto): ``wall_time``
+# ``Event`` protocol buffers (TensorFlow's ``event.proto``): ``wall_time``
 # (field 1, double), ``step`` (2, int64), ``file_version`` (3, string, the
 # first record) and ``summary`` (5), whose ``value`` entries (1) hold a ``tag``
 # (1, string) and a ``simple_value`` (2, float). TensorBoard's reader checks
