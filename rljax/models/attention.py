@@ -152,14 +152,18 @@ def _attend_blocks_bwd(scale, softcap, blocks, residuals, d_out):
   qr = _rows(q.reshape(b, t, kh, g, h))
   dor = _rows(d_out.reshape(b, t, kh, g, h)).astype(v.dtype)
   kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-  dqs, dks, dvs = [], [], []
+  # dK and dV accumulate block by block in place (``.at[].add`` on the keys
+  # a block sees): summing a zero-padded full-size copy per block read and
+  # wrote every block's padding too (the step 2-4% slower).
+  dqs = []
+  dk = jnp.zeros((b, kh, s, h), jnp.float32)
+  dv = jnp.zeros((b, kh, s, h), jnp.float32)
   for (lo, hi, end), (e, total, tanh, out) in zip(blocks, saved):
     probs = e / total
     q_rows, do_rows = _block_rows(qr, lo, hi), _block_rows(dor, lo, hi)
-    pad = ((0, 0), (0, 0), (0, s - end), (0, 0))
-    dvs.append(jnp.pad(jnp.einsum(
+    dv = dv.at[:, :, :end].add(jnp.einsum(
         "bkrs,bkrh->bksh", probs.astype(v.dtype), do_rows,
-        preferred_element_type=jnp.float32), pad))
+        preferred_element_type=jnp.float32))
     dp = jnp.einsum("bkrh,bksh->bkrs", do_rows, vt[:, :, :end],
                     preferred_element_type=jnp.float32)
     delta = jnp.sum(do_rows.astype(jnp.float32) * out, -1, keepdims=True)
@@ -170,10 +174,10 @@ def _attend_blocks_bwd(scale, softcap, blocks, residuals, d_out):
     ds = ds.astype(q.dtype)
     dqs.append(jnp.einsum("bkrs,bksh->bkrh", ds, kt[:, :, :end].astype(q.dtype),
                           preferred_element_type=jnp.float32))
-    dks.append(jnp.pad(jnp.einsum("bkrs,bkrh->bksh", ds, q_rows,
-                                  preferred_element_type=jnp.float32), pad))
+    dk = dk.at[:, :, :end].add(jnp.einsum("bkrs,bkrh->bksh", ds, q_rows,
+                                          preferred_element_type=jnp.float32))
   dq = _rows(jnp.concatenate(dqs, axis=2).reshape(b, kh, t, g, h))
-  dk, dv = (jnp.transpose(sum(x), (0, 2, 1, 3)) for x in (dks, dvs))
+  dk, dv = (jnp.transpose(x, (0, 2, 1, 3)) for x in (dk, dv))
   return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype),
           dv.astype(v.dtype), None)
 
