@@ -82,6 +82,9 @@ PyTorch measured the same way):
   fell to ~300-325 ms (A/B in one process; blocks of 32 or 64 query rows
   instead of 48 within the noise). A single block (rows up to 48: the main
   job's) keeps JAX's derivative of dense attention, ~6% faster there.
+  Accumulating the key and value gradients block by block in place
+  (``.at[].add``) instead of summing zero-padded full-size copies made the
+  step another 2-4% faster (4ebeb93; ``launch/bench_attention.py``).
 * What is left (same split): the dense matmuls at ~440 GFLOP/s, the rate
   they reach alone, except the weight gradients (``x^T dy``, contracting
   the 4,096 token rows), which XLA:CPU runs through Eigen's transposed-lhs
