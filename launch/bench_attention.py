@@ -25,11 +25,9 @@ import time
 from absl import app, flags
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 
-from launch.benchlib import write_record
-from rljax import models, train
+from launch.benchlib import rl_step_inputs, write_record
+from rljax import models
 from rljax.models import attention, transformer
 
 _ROUNDS = flags.DEFINE_integer("rounds", 12, "timed steps of each side")
@@ -48,44 +46,24 @@ WORKLOADS = {
 def autodiff_blocks(q, k, v, mask, *, scale, softcap=None, causal=False):
   """``attend``'s blocks before the hand-written backward: each block dense,
   differentiated by JAX."""
-  t = q.shape[1]
-  blocks = min(attention.CAUSAL_MAX_BLOCKS,
-               -(-t // attention.CAUSAL_QUERY_BLOCK))
-  if not causal or blocks == 1:
+  blocks = attention.causal_blocks(q.shape[1])
+  if not causal or len(blocks) == 1:
     return attention._attend_dense(q, k, v, mask, scale, softcap)  # pylint: disable=protected-access
-  size = -(-t // blocks)
   return jnp.concatenate([
       attention._attend_dense(  # pylint: disable=protected-access
-          q[:, lo:lo + size], k[:, :lo + size], v[:, :lo + size],
-          mask[:, lo:lo + size, :lo + size], scale, softcap)
-      for lo in range(0, t, size)], axis=1)
+          q[:, lo:hi], k[:, :end], v[:, :end], mask[:, lo:hi, :end], scale,
+          softcap)
+      for lo, hi, end in blocks], axis=1)
 
 
 def _step(config, rows, length, attend):
-  """A jitted RL step traced with ``attend``, its state and batch, run once."""
-  completion = length - length // 4
-  optimizer = optax.adamw(1e-5)
-  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
+  """``bench_train_step``'s part-1 RL step traced with ``attend``, its state
+  and batch, run once."""
+  step, state, batch = rl_step_inputs(config, rows, length)
   saved = transformer.attend
   transformer.attend = attend
   try:
-    step = jax.jit(train.make_rl_step(
-        config, train.RLStepConfig(completion_length=completion), optimizer,
-        coef_tx), donate_argnums=(0,))
-    params = models.init_params(config, jax.random.key(0))
-    state = train.TrainState(
-        params, optimizer.init(params), optax.EmptyState(),
-        coef_tx.init(jnp.zeros((1, 1))), jnp.zeros((), jnp.int32),
-        jax.random.key_data(jax.random.key(0)))
-    rng = np.random.RandomState(0)
-    loss_mask = np.zeros((rows, length), bool)
-    loss_mask[:, length // 4:] = True
-    batch = train.RLBatch(
-        rng.randint(0, config.vocab_size, (rows, length)).astype(np.int32),
-        np.ones((rows, length), bool), loss_mask,
-        rng.randn(rows).astype(np.float32),
-        np.zeros((rows, length), np.float32))
-    state, first = step(state, batch)
+    state, first = step(state, batch)  # traced here, with ``attend``
     jax.block_until_ready(first)
   finally:
     transformer.attend = saved

@@ -153,7 +153,7 @@ import optax
 
 from ml_collections import config_flags
 
-from launch.benchlib import matmul_flops_per_s, write_record
+from launch.benchlib import matmul_flops_per_s, rl_step_inputs, write_record
 from rljax import metrics, models, train
 
 HUGE_PAGES = "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"
@@ -212,23 +212,8 @@ def train_flops(config: models.ModelConfig, tokens: int, length: int,
 def part1():
   mc = models.get_preset(_PRESET.value)
   b, t = _BATCH.value, _LENGTH.value
-  params = models.init_params(mc, jax.random.key(0))
-  optimizer = optax.adamw(1e-5)
-  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
-  completion = t - t // 4  # the loss mask below
-  step = jax.jit(train.make_rl_step(
-      mc, train.RLStepConfig(completion_length=completion), optimizer,
-      coef_tx), donate_argnums=(0,))
-  rng = np.random.RandomState(0)
-  loss_mask = np.zeros((b, t), bool)
-  loss_mask[:, t // 4:] = True
-  batch = train.RLBatch(rng.randint(0, mc.vocab_size, (b, t)).astype(np.int32),
-                        np.ones((b, t), bool), loss_mask,
-                        rng.randn(b).astype(np.float32),
-                        np.zeros((b, t), np.float32))
-  state = train.TrainState(params, optimizer.init(params), optax.EmptyState(),
-                           coef_tx.init(jnp.zeros((1, 1))), jnp.zeros((), jnp.int32),
-                           jax.random.key_data(jax.random.key(0)))
+  step, state, batch = rl_step_inputs(mc, b, t)
+  n_params, completion = models.count_params(state.params), t - t // 4
   start = time.perf_counter()
   state, m = step(state, batch)
   jax.block_until_ready(m)
@@ -242,7 +227,7 @@ def part1():
   best = min(times)
   peak = matmul_flops_per_s()
   flops = train_flops(mc, b * t, t, b * completion) / best
-  print(f"rl_step, preset={_PRESET.value} ({models.count_params(params):,} params), "
+  print(f"rl_step, preset={_PRESET.value} ({n_params:,} params), "
         f"batch {b} x {t} tokens")
   print(f"  compile + first step: {first:.2f}s; steady step: {best * 1e3:.1f} ms "
         f"(median {statistics.median(times) * 1e3:.1f} ms)")

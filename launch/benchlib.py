@@ -4,6 +4,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rljax import models, train
 
 
 def best_time(fn, *args, repeats: int = 5) -> float:
@@ -99,3 +103,28 @@ def write_record(name: str, figures: dict, directory: str,
   with open(path, "w") as f:
     json.dump(record, f, indent=2, sort_keys=True, default=str)
   return path
+
+
+def rl_step_inputs(mc: models.ModelConfig, b: int, t: int):
+  """The RL step the ``bench_train_step`` part 1 and ``bench_attention``
+  time: a jitted step (PPO-clip, AdamW; traced at its first call), its
+  initial state and a random batch of ``b x t`` tokens whose last
+  ``t - t // 4`` are completion tokens."""
+  params = models.init_params(mc, jax.random.key(0))
+  optimizer = optax.adamw(1e-5)
+  coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
+  completion = t - t // 4  # the loss mask below
+  step = jax.jit(train.make_rl_step(
+      mc, train.RLStepConfig(completion_length=completion), optimizer,
+      coef_tx), donate_argnums=(0,))
+  rng = np.random.RandomState(0)
+  loss_mask = np.zeros((b, t), bool)
+  loss_mask[:, t // 4:] = True
+  batch = train.RLBatch(rng.randint(0, mc.vocab_size, (b, t)).astype(np.int32),
+                        np.ones((b, t), bool), loss_mask,
+                        rng.randn(b).astype(np.float32),
+                        np.zeros((b, t), np.float32))
+  state = train.TrainState(params, optimizer.init(params), optax.EmptyState(),
+                           coef_tx.init(jnp.zeros((1, 1))), jnp.zeros((), jnp.int32),
+                           jax.random.key_data(jax.random.key(0)))
+  return step, state, batch

@@ -5,6 +5,7 @@ cache (a fresh directory per session: identical programs built by different
 tests, e.g. the same sampler in several loop runs, compile once)."""
 
 import os
+import shutil
 import tempfile
 
 # Unoptimised XLA:CPU code generation: test programs are tiny, so compiling
@@ -83,5 +84,4 @@ def pytest_sessionfinish(session):
   controller, or the one process) removes it: a session leaves no cache
   behind in the temporary directory."""
   if _OWNS_CACHE and not hasattr(session.config, "workerinput"):
-    import shutil  # pylint: disable=g-import-not-at-top
     shutil.rmtree(CACHE_DIR, ignore_errors=True)

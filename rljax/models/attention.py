@@ -59,18 +59,25 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
   https://arxiv.org/abs/2205.14135.
   """
   t, s = q_BxTxNxH.shape[1], k_BxSxKxH.shape[1]
-  num_blocks = min(CAUSAL_MAX_BLOCKS, -(-t // CAUSAL_QUERY_BLOCK))
-  if not causal or num_blocks == 1:
+  blocks = causal_blocks(t)
+  if not causal or len(blocks) == 1:
     return _attend_dense(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, scale,
                          softcap)
   if s != t:
     raise ValueError(f"attend(causal=True): keys have {s} slots, queries "
                      f"{t}; causal needs S = T.")
-  size = -(-t // num_blocks)
-  blocks = tuple((lo, min(lo + size, t), min(lo + size, t))
-                 for lo in range(0, t, size))
   return _attend_blocks(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, scale,
                         softcap, blocks)
+
+
+def causal_blocks(t: int) -> tuple[tuple[int, int, int], ...]:
+  """``attend(causal=True)``'s query blocks of ``t`` rows: ``(lo, hi, end)``,
+  query rows ``lo:hi`` against keys ``:end`` (``= hi``), at most
+  ``CAUSAL_MAX_BLOCKS`` of equal size, each up to about
+  ``CAUSAL_QUERY_BLOCK`` rows."""
+  size = -(-t // min(CAUSAL_MAX_BLOCKS, -(-t // CAUSAL_QUERY_BLOCK)))
+  return tuple((lo, min(lo + size, t), min(lo + size, t))
+               for lo in range(0, t, size))
 
 
 def _attend_dense(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, scale, softcap):
