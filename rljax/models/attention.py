@@ -47,7 +47,9 @@ def attend(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, mask_BxTxS, *, scale: float,
   outputs rather than the ``[.., S]`` probabilities, and a hand-written
   backward
   (``jax.custom_vjp``): ``dS = P * (dP - rowsum(dO * O))``, FlashAttention's
-  identity, with ``P`` saved unnormalised from the forward. Differentiated
+  identity, with ``P`` saved unnormalised from the forward; its key and
+  value gradients are plain matmuls of the queries and output gradients
+  transposed to ``[B, K, H, T * G]``. Differentiated
   by JAX instead, each block's slices, transposes and softmax gradient cost
   more than its matmuls (``launch/bench_train_step.py``).
 
@@ -151,25 +153,37 @@ def _attend_blocks_fwd(q, k, v, mask, scale, softcap, blocks):
   return out, (q, k, v, mask, saved)
 
 
+def _cols(x_BxTxKxGxH):
+  """``[B, T, K, G, H]`` -> ``[B, K, H, T * G]``: rows as columns."""
+  b, t, kh, g, h = x_BxTxKxGxH.shape
+  return jnp.transpose(x_BxTxKxGxH, (0, 2, 4, 1, 3)).reshape(b, kh, h, t * g)
+
+
 def _attend_blocks_bwd(scale, softcap, blocks, residuals, d_out):
   q, k, v, mask, saved = residuals
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
-  qr = _rows(q.reshape(b, t, kh, g, h))
-  dor = _rows(d_out.reshape(b, t, kh, g, h)).astype(v.dtype)
+  qc = _cols(q.reshape(b, t, kh, g, h))
+  d5 = d_out.reshape(b, t, kh, g, h).astype(v.dtype)
+  dor, doc = _rows(d5), _cols(d5)
   kt, vt = (jnp.transpose(x, (0, 2, 1, 3)) for x in (k, v))
-  # dK and dV accumulate block by block in place (``.at[].add`` on the keys
-  # a block sees): summing a zero-padded full-size copy per block read and
-  # wrote every block's padding too (the step 2-4% slower).
+  # dK and dV contract the query rows of P and dS ([r, s]). Contracting an
+  # operand's leading axis, XLA:CPU runs an Eigen matmul at about half the
+  # rate of a plain one; with Q and dO transposed to [H, r] (activation-sized
+  # copies) they are plain matmuls, dK^T = Q^T dS and dV^T = dO^T P: the
+  # backward 13% faster (``launch/bench_attention.py``). They accumulate
+  # block by block in place (``.at[].add`` on the keys a block sees):
+  # summing a zero-padded full-size copy per block read and wrote every
+  # block's padding too.
   dqs = []
-  dk = jnp.zeros((b, kh, s, h), jnp.float32)
-  dv = jnp.zeros((b, kh, s, h), jnp.float32)
+  dkt = jnp.zeros((b, kh, h, s), jnp.float32)
+  dvt = jnp.zeros((b, kh, h, s), jnp.float32)
   for (lo, hi, end), (e, total, tanh, out) in zip(blocks, saved):
     probs = e / total
-    q_rows, do_rows = _block_rows(qr, lo, hi), _block_rows(dor, lo, hi)
-    dv = dv.at[:, :, :end].add(jnp.einsum(
-        "bkrs,bkrh->bksh", probs.astype(v.dtype), do_rows,
+    do_rows = _block_rows(dor, lo, hi)
+    dvt = dvt.at[..., :end].add(jnp.einsum(
+        "bkhr,bkrs->bkhs", doc[..., lo * g:hi * g], probs.astype(v.dtype),
         preferred_element_type=jnp.float32))
     dp = jnp.einsum("bkrh,bksh->bkrs", do_rows, vt[:, :, :end],
                     preferred_element_type=jnp.float32)
@@ -181,10 +195,11 @@ def _attend_blocks_bwd(scale, softcap, blocks, residuals, d_out):
     ds = ds.astype(q.dtype)
     dqs.append(jnp.einsum("bkrs,bksh->bkrh", ds, kt[:, :, :end].astype(q.dtype),
                           preferred_element_type=jnp.float32))
-    dk = dk.at[:, :, :end].add(jnp.einsum("bkrs,bkrh->bksh", ds, q_rows,
-                                          preferred_element_type=jnp.float32))
+    dkt = dkt.at[..., :end].add(jnp.einsum(
+        "bkhr,bkrs->bkhs", qc[..., lo * g:hi * g], ds,
+        preferred_element_type=jnp.float32))
   dq = _rows(jnp.concatenate(dqs, axis=2).reshape(b, kh, t, g, h))
-  dk, dv = (jnp.transpose(x, (0, 2, 1, 3)) for x in (dk, dv))
+  dk, dv = (jnp.transpose(x, (0, 3, 1, 2)) for x in (dkt, dvt))
   return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype),
           dv.astype(v.dtype), None)
 
