@@ -102,14 +102,41 @@ PyTorch measured the same way):
   354 ms; input gradients through a transposed copy of the weight: the
   same; glibc keeping freed memory (``arena_max=1``, ``mmap_max=0``, a
   large ``trim_threshold``: 0 page faults per step instead of ~800 huge
-  ones; two processes each) 372-383 vs 345-352 ms, since the gain of huge pages is the TLB,
-  not the faults; XLA:CPU's older fusion emitters
+  ones; two processes each) 372-383 vs 345-352 ms (its system time: see
+  the next item); XLA:CPU's older fusion emitters
   (``--xla_cpu_use_fusion_emitters=false``, which halves test compiles;
   one process each) 384 vs 355 ms, its elementwise kernels slower. Alone, each dense
   matmul shape of the step reaches 460-480 GFLOP/s; in the step the
   thunk executor runs independent ones (gate and up) side by side, one
   thread each, so per-kernel times in a trace double while the wall time
   does not.
+* A later session (same host, ``perf`` over 15 steps and in-process A/B):
+  attend's key and value gradients as plain matmuls of transposed queries
+  and output gradients (``dK^T = Q^T dS``, ``dV^T = dO^T P``) instead of
+  matmuls contracting ``P``'s and ``dS``'s leading axis (Eigen, ~80 against
+  ~150 GFLOP/s): attention forward + backward 20.4 -> 17.7 ms per layer,
+  the step 312.6 -> 303.0 ms (bdc91ed). The roofline: one 2048 matmul,
+  best of 5, read 404-487 GFLOP/s in processes a minute apart, 1024 ones
+  483-499; ``benchlib.matmul_flops_per_s`` now takes the best of both
+  sizes, 10 calls each, before and after the steps. Where the CPU time
+  goes now: YNNPACK's matmuls 43%, XLA's own fused kernels (elementwise,
+  reductions, transposes) 28%, the kernel zeroing fresh pages 11-13%,
+  Eigen packing the weight gradients' transposed operand 6%. The zeroing:
+  each step's 560 MiB temporary buffer is a fresh ``mmap`` (glibc serves
+  a thread arena's request over 64 MiB by ``mmap`` and unmaps it on free,
+  whatever ``mmap_threshold`` or ``mmap_max``; ``arena_max=1`` with
+  ``mmap_max=0`` keeps the memory but runs slower, 469-515 ms, with
+  285-369 ms of system time per step). Ablations (wrong results, timing
+  only): no attention core -80 ms; weight gradients zeroed -62 to -80 ms.
+  Tried, none faster: weight gradients as YNNPACK plain matmuls on a
+  transposed ``x`` (shared by q/k/v and by gate/up), even without paying
+  for the transposes (318.7 vs 310.2 ms); the SwiGLU rematerialised
+  (``jax.checkpoint``) or with a hand-written backward (temporaries 560 ->
+  517 MiB, the same time); query blocks of 16-128 rows (32: attention
+  alone 6% faster, the step the same, 323.5 vs 324.0 ms); ``dV`` from the
+  unnormalised ``exp`` with ``dO`` scaled by ``1 / total``; the
+  transposed keys and values materialised once before the blocks slice
+  them.
 
 Padding-free (``--padding_free``, on by default): the packed step
 (``rl.padding_free``, ``train/packing.py``) against the padded step on the
