@@ -136,7 +136,11 @@ PyTorch measured the same way):
   alone 6% faster, the step the same, 323.5 vs 324.0 ms); ``dV`` from the
   unnormalised ``exp`` with ``dO`` scaled by ``1 / total``; the
   transposed keys and values materialised once before the blocks slice
-  them.
+  them; a hand-written RMSNorm backward (325.8 vs 325.4 ms); YNNPACK
+  fusions of elementwise ops and reductions
+  (``--xla_cpu_experimental_ynn_fusion_type=+eltwise`` or
+  ``+eltwise,+reduce,+dot``; one process each, two rounds): the same or
+  slower.
 
 Padding-free (``--padding_free``, on by default): the packed step
 (``rl.padding_free``, ``train/packing.py``) against the padded step on the
