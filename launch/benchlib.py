@@ -30,12 +30,9 @@ def matmul_flops_per_s(sizes: tuple[int, ...] = (1024, 2048),
   host: one 2048 matmul measured 404-487 GFLOP/s in three processes a
   minute apart, 1024 ones 483-499.
   """
-  best = 0.0
-  for n in sizes:
-    a = jnp.ones((n, n), jnp.float32)
-    f = jax.jit(lambda a: a @ a)
-    best = max(best, 2 * n ** 3 / best_time(f, a, repeats=repeats))
-  return best
+  square = jax.jit(lambda a: a @ a)
+  return max(2 * n ** 3 / best_time(square, jnp.ones((n, n), jnp.float32),
+                                    repeats=repeats) for n in sizes)
 
 
 def git(*args: str) -> str:

@@ -171,8 +171,9 @@ def _attend_blocks_bwd(scale, softcap, blocks, residuals, d_out):
   # dK and dV contract the query rows of P and dS ([r, s]). Contracting an
   # operand's leading axis, XLA:CPU runs an Eigen matmul at about half the
   # rate of a plain one; with Q and dO transposed to [H, r] (activation-sized
-  # copies) they are plain matmuls, dK^T = Q^T dS and dV^T = dO^T P: the
-  # backward 13% faster (``launch/bench_attention.py``). They accumulate
+  # copies) they are plain matmuls, dK^T = Q^T dS and dV^T = dO^T P:
+  # attention's forward + backward 13% faster on the small preset (the
+  # findings of ``launch/bench_train_step.py``). They accumulate
   # block by block in place (``.at[].add`` on the keys a block sees):
   # summing a zero-padded full-size copy per block read and wrote every
   # block's padding too.
