@@ -43,7 +43,7 @@ import time
 
 from absl import app, flags
 
-from launch import benchlib
+from launch import benchlib, local_cluster
 from launch.data_efficiency import curve, plot, summarize
 
 _METHODS = flags.DEFINE_list(
@@ -129,8 +129,9 @@ def main(argv):
   seeds = [0] if quick else [int(s) for s in _SEEDS.value]
   eval_every = 2 if quick else _EVAL_EVERY.value
   base = _WORKDIR.value or tempfile.mkdtemp(prefix="rljax-bench-data-")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # one CPU device: the user's main job
+  # One CPU device, as the user's main job; the caller's other XLA flags
+  # are kept (the tests' fast code generation reaches the runs).
+  env = local_cluster.child_env(1, platform="")
   curves: dict[str, list[dict]] = {}
   for method in _METHODS.value:
     for seed in seeds:

@@ -38,7 +38,7 @@ import time
 import numpy as np
 from absl import app, flags
 
-from launch import benchlib
+from launch import benchlib, local_cluster
 from launch.data_efficiency import curve
 
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds")
@@ -117,8 +117,9 @@ def main(argv):
   quick = _QUICK.value
   seeds = [0] if quick else [int(s) for s in _SEEDS.value]
   base = _WORKDIR.value or tempfile.mkdtemp(prefix="rljax-bench-rlhf-")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
+  # One CPU device, as the user's main job; the caller's other XLA flags
+  # are kept (the tests' fast code generation reaches the runs).
+  env = local_cluster.child_env(1, platform="")
   config, extra = _config(quick), _quick_flags(quick)
   rms = tuple(_RMS.value)
   unknown = sorted(set(rms) - set(_RM_FLAGS))
