@@ -4,6 +4,7 @@ that misbehave the ways user code does."""
 
 import dataclasses
 import os
+import sys
 import time
 
 from rljax.envs import Step
@@ -72,6 +73,20 @@ class Misbehaves:
     if how == "exit":
       os._exit(3)
     return Step(reward=1.0, done=True, state=state)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportsImports:
+  """Its one step's observation says whether the process has imported JAX."""
+
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    return example["prompt"], None
+
+  def step(self, state, action):
+    return Step(observation="jax" if "jax" in sys.modules else "no jax",
+                done=True)
 
 
 @dataclasses.dataclass(frozen=True)

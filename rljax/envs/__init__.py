@@ -8,6 +8,8 @@ is ``rollout.MultiTurnSampler``. Built-in environments: ``calculator``
 (``PythonToolEnv``, code run in ``sandbox``).
 """
 
+import importlib
+
 from rljax.envs.base import (Environment, EnvOutcome, EnvRunner, Step,
                              check_reset, check_step, env_reward)
 from rljax.envs.calculator import CalculatorEnv
@@ -15,8 +17,19 @@ from rljax.envs.guess import GuessNumberEnv
 from rljax.envs.python_tool import PythonToolEnv
 from rljax.envs.registry import builtin_envs, get_env
 from rljax.envs.sandbox import SandboxLimits, SandboxResult, run_python
-from rljax.envs.rollout import (Episodes, MultiTurnSampler,
-                                ObservationFormat, TurnConfig)
+
+# The rollout (JAX) is imported on first access: an environment's worker
+# process imports this package to unpickle its calls, and without JAX a
+# worker replaced after a timeout is ready in a fraction of the time.
+_ROLLOUT = ("Episodes", "MultiTurnSampler", "ObservationFormat", "TurnConfig")
+
+
+def __getattr__(name):
+  if name in _ROLLOUT or name == "rollout":
+    module = importlib.import_module("rljax.envs.rollout")
+    return module if name == "rollout" else getattr(module, name)
+  raise AttributeError(f"module 'rljax.envs' has no attribute {name!r}")
+
 
 __all__ = [
     "CalculatorEnv", "EnvOutcome", "EnvRunner", "Environment", "Episodes",
