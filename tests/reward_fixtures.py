@@ -47,6 +47,11 @@ def huge_values(prompts, completions, **fields):
   return [HUGE[c] if c in HUGE else float(c) for c in completions]
 
 
+def jax_imported(prompts, completions, **fields):
+  """1.0 per completion where the process has imported JAX, else 0.0."""
+  return [float("jax" in sys.modules)] * len(completions)
+
+
 class FloatRaises:
   def __float__(self):
     raise RuntimeError("__float__ exploded")

@@ -152,6 +152,18 @@ def test_system_exit_and_generator_exit_are_errors(value_result):
   assert any("SystemExit: 3" in s for s in value_result.messages)
 
 
+def test_a_reward_worker_never_imports_jax():
+  """A worker imports ``rljax.rewards`` and the reward's module to unpickle
+  its calls, never JAX: it starts, and restarts after a timeout, without
+  paying for it (``rljax/__init__.py`` imports submodules lazily)."""
+  spec = rewards.RewardSpec("jax_imported", rf.jax_imported, weight=1.0)
+  with rewards.RewardEvaluator([spec], num_workers=1,
+                               timeout_s=60.0) as evaluator:
+    result = evaluator.evaluate(["p", "p"], ["1", "2"])
+  assert result.valid_NxR.all(), result.messages
+  np.testing.assert_array_equal(result.rewards_NxR[:, 0], [0.0, 0.0])
+
+
 def test_keyboard_interrupt_in_process_stops_the_caller():
   # In-process rewards run in the trainer's thread: Ctrl-C must still stop it.
   spec = rewards.RewardSpec("ki", rf.raises_keyboard_interrupt)
