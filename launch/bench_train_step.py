@@ -141,6 +141,18 @@ PyTorch measured the same way):
   (``--xla_cpu_experimental_ynn_fusion_type=+eltwise`` or
   ``+eltwise,+reduce,+dot``; one process each, two rounds): the same or
   slower.
+* Tried in a third session (same host), none reliably faster: attention
+  run per batch chunk (``jax.lax.map`` over chunks of 1, 2, 4 or 8 rows,
+  so each chunk's score matrices stay in cache): forward + backward 18.4-21.0
+  vs 15.9 ms per layer; ``--xla_cpu_prefer_vector_width=512`` (this CPU
+  has full-width AVX-512; two rounds, one process each): 337.1 / 342.1 vs
+  341.3 / 337.9 ms; glibc serving the large buffers from the main arena
+  and keeping them (``mmap_max=0``, a large ``trim_threshold``, with
+  ``arena_max`` 1 or 2 or JAX's synchronous dispatch; one process each,
+  five rounds): 0-370 page faults per step instead of ~750, but the step
+  300.7-335.5 ms against 322.3-333.0 (one run 7% faster, the others the
+  same or slower, system time moving to lock waits); a profile's idle
+  gaps are the Eigen weight-gradient dots, which record no kernel event.
 
 Padding-free (``--padding_free``, on by default): the packed step
 (``rl.padding_free``, ``train/packing.py``) against the padded step on the
