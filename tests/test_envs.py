@@ -235,6 +235,11 @@ def test_an_environment_worker_never_imports_jax():
     runner.close()
   assert out.status == "ok", out.message
   assert out.value["observation"] == "no jax", out.value
+  # Here the rollout's names resolve on access, and only they.
+  assert envs.TurnConfig is mt.TurnConfig and envs.rollout is mt
+  assert "MultiTurnSampler" in dir(envs)
+  with pytest.raises(AttributeError, match="'nope'"):
+    envs.nope  # pylint: disable=pointless-statement
 
 
 def test_runner_refuses_what_is_not_an_environment():

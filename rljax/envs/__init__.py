@@ -31,6 +31,10 @@ def __getattr__(name):
   raise AttributeError(f"module 'rljax.envs' has no attribute {name!r}")
 
 
+def __dir__():
+  return sorted(set(globals()) | set(_ROLLOUT) | {"rollout"})
+
+
 __all__ = [
     "CalculatorEnv", "EnvOutcome", "EnvRunner", "Environment", "Episodes",
     "GuessNumberEnv", "MultiTurnSampler", "ObservationFormat",
