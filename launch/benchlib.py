@@ -4,10 +4,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-
-from rljax import models, train
 
 
 def best_time(fn, *args, repeats: int = 5) -> float:
@@ -112,11 +108,20 @@ def write_record(name: str, figures: dict, directory: str,
   return path
 
 
-def rl_step_inputs(mc: models.ModelConfig, b: int, t: int):
+def rl_step_inputs(mc, b: int, t: int):
   """The RL step the ``bench_train_step`` part 1 and ``bench_attention``
   time: a jitted step (PPO-clip, AdamW; traced at its first call), its
   initial state and a random batch of ``b x t`` tokens whose last
-  ``t - t // 4`` are completion tokens."""
+  ``t - t // 4`` are completion tokens. ``mc``: a ``models.ModelConfig``.
+
+  rljax's trainer is imported here, not with this module: the launchers
+  that import ``benchlib`` only to write records (``launch.train``,
+  ``reproduce_readme``, the benches that start runs) start ~0.5 s sooner.
+  """
+  # pylint: disable=import-outside-toplevel
+  import numpy as np
+  import optax
+  from rljax import models, train
   params = models.init_params(mc, jax.random.key(0))
   optimizer = optax.adamw(1e-5)
   coef_tx = train.coefficient_chain({"objective": "ppo_clip"})
