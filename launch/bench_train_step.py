@@ -153,6 +153,16 @@ PyTorch measured the same way):
   300.7-335.5 ms against 322.3-333.0 (one run 7% faster, the others the
   same or slower, system time moving to lock waits); a profile's idle
   gaps are the Eigen weight-gradient dots, which record no kernel event.
+* A second CPU (2026-12-04, an AMD EPYC of family 25, Zen 4, whose
+  AVX-512 runs on 256-bit units; the same code, 2345af3): the roofline
+  measures 205-215 GFLOP/s (PyTorch's oneDNN: 185-197 on the same squares
+  and on the step's ``[4096, 256] x [256, 768]`` shapes), the step 612-641
+  ms, **63.9-65.4%** of the roofline where family 26 reads 54-58%; PyTorch
+  1.12x slower there (1.89x on family 26). With its matmuls at the
+  roofline the step's remainder would be ~230 ms there against ~130 ms on
+  family 26: the memory-bound kernels slow less than the matmuls, so the
+  share depends on the CPU's balance of compute and memory as much as on
+  the step.
 
 Padding-free (``--padding_free``, on by default): the packed step
 (``rl.padding_free``, ``train/packing.py``) against the padded step on the
