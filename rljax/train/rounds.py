@@ -11,8 +11,10 @@ ones. Prompts of different batches are left-padded to a common width.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import functools
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,6 +60,19 @@ def left_pad(x: Any, name: str, width: int, pad_id: int, xp: Any = np) -> Any:
   return xp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
 
 
+@functools.partial(jax.jit, static_argnames=("width", "pad_id"))
+def _take_rows(parts: Mapping[str, tuple[Any, ...]], index: Any, *,
+               width: int, pad_id: int) -> dict[str, Any]:
+  """The rows ``index`` of every field's rounds stacked one after another
+  (prompts left-padded to ``width``): one program for all the fields, whose
+  shapes depend on the rounds' row counts only, where a ``jnp.take`` per
+  field and round compiled a program for every field and every count of
+  rows a round kept."""
+  return {name: jnp.take(jnp.concatenate(
+      [left_pad(x, name, width, pad_id, jnp) for x in xs], 0), index, axis=0)
+          for name, xs in parts.items()}
+
+
 def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
           pad_id: int, failed_rewards: str) -> Sampled:
   """The planned groups of every round (``selection.Plan``) as one batch,
@@ -67,12 +82,14 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
   rows = [(np.asarray(groups)[:, None] * g + np.arange(g)).reshape(-1)
           for groups in plan.rounds]
   width = max(r.rollout.prompt_tokens.shape[1] for r in rounds)
-  fields = {}
-  for name in sampling.Rollout._fields:
-    parts = [getattr(r.rollout, name) for r in rounds]
-    fields[name] = None if parts[0] is None else jnp.concatenate(
-        [jnp.take(left_pad(x, name, width, pad_id, jnp), jnp.asarray(idx),
-                  axis=0) for x, idx in zip(parts, rows)], 0)
+  parts = {name: tuple(getattr(r.rollout, name) for r in rounds)
+           for name in sampling.Rollout._fields
+           if getattr(rounds[0].rollout, name) is not None}
+  starts = np.cumsum([0] + [r.rollout.prompt_tokens.shape[0]
+                            for r in rounds[:-1]])
+  index = np.concatenate([start + idx for start, idx in zip(starts, rows)])
+  fields = dict.fromkeys(sampling.Rollout._fields)
+  fields.update(_take_rows(parts, index, width=width, pad_id=pad_id))
 
   def cat(get):
     return np.concatenate([np.asarray(get(r))[idx]
