@@ -91,9 +91,8 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
   fields = dict.fromkeys(sampling.Rollout._fields)
   fields.update(_take_rows(parts, index, width=width, pad_id=pad_id))
 
-  def cat(get):
-    return np.concatenate([np.asarray(get(r))[idx]
-                           for r, idx in zip(rounds, rows)], 0)
+  def cat(get):  # the host arrays' rows, by the same index
+    return np.concatenate([np.asarray(get(r)) for r in rounds], 0)[index]
 
   result = rewards_lib.merge_results(
       rounds[0].result.names, cat(lambda r: r.result.rewards_NxR),
