@@ -119,3 +119,24 @@ class FlakyGuess:
     if secret == 5:
       return "not a step"
     return GuessNumberEnv(self.max_guesses).step(state, action)
+
+
+@dataclasses.dataclass(frozen=True)
+class StartsDaemon:
+  """``step`` starts a process in a session of its own (``setsid``) whose
+  command line holds the action, so the test can find it; an action that
+  starts with ``hang`` then sleeps past the runner's timeout."""
+
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    return example["prompt"], {}
+
+  def step(self, state, action):
+    import subprocess  # pylint: disable=g-import-not-at-top
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)",
+                      action], start_new_session=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if action.startswith("hang"):
+      time.sleep(120)
+    return Step(done=True, state=state)

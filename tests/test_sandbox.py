@@ -7,10 +7,13 @@ does not allow a limit (no namespaces, not root), the test that needs it
 skips with the reason.
 """
 
+import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -214,3 +217,232 @@ def test_bad_limits_are_refused():
     sandbox.SandboxLimits(memory_mb=0)
   with pytest.raises(ValueError, match="timeout_s"):
     sandbox.SandboxLimits(timeout_s=0)
+
+
+# Issue 45: what a sandbox or an environment worker starts or writes stays
+# inside it. Each case also runs without namespaces, where `isolated` must
+# say what is shared with the host.
+
+
+def _world_writable_dirs(depth=3):
+  """Host directories anyone may write, to ``depth`` below ``/`` (without
+  ``/proc`` and ``/sys``)."""
+  found, frontier = [], ["/"]
+  for _ in range(depth):
+    nxt = []
+    for top in frontier:
+      try:
+        entries = list(os.scandir(top))
+      except OSError:
+        continue
+      for entry in entries:
+        if entry.path in ("/proc", "/sys") or not entry.is_dir(
+            follow_symlinks=False):
+          continue
+        nxt.append(entry.path)
+        if entry.stat(follow_symlinks=False).st_mode & 0o002:
+          found.append(entry.path)
+    frontier = nxt
+  return found
+
+
+def test_no_world_writable_host_directory_keeps_a_file(namespaces):
+  _needs_namespaces(namespaces)
+  # One outside every private place the sandbox mounts, so that its
+  # read-only remount is what must stop the write.
+  own = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(__file__)))
+  os.chmod(own, 0o1777)
+  try:
+    targets = sorted(set(_world_writable_dirs()) | {own})
+    name = f"rljax-escape-{uuid.uuid4().hex}"
+    code = "\n".join(
+        f"try:\n  open({os.path.join(t, name)!r}, 'w').write('x')\n"
+        f"  print('wrote', {t!r})\nexcept OSError as e:\n  print('refused', "
+        f"{t!r})" for t in targets)
+    result = _run(code)
+    assert result.status == "ok", result.stderr
+    assert f"refused {own}" in result.stdout
+    left = [t for t in targets if os.path.exists(os.path.join(t, name))]
+  finally:
+    shutil.rmtree(own)
+  assert len(targets) >= 2 and not left
+  assert result.isolated["filesystem"] == "read-only"
+
+
+def test_without_namespaces_the_host_directories_are_reported_shared():
+  own = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(__file__)))
+  os.chmod(own, 0o1777)
+  try:
+    result = sandbox.run_python(
+        f"open({own!r} + '/x', 'w').write('x')", LIMITS, namespaces=False)
+    landed = os.path.exists(os.path.join(own, "x"))
+  finally:
+    shutil.rmtree(own)
+  assert result.status == "ok" and landed
+  assert result.isolated == {
+      "namespaces": False, "user": "nobody" if os.getuid() == 0 else "same",
+      "network": "host", "filesystem": "host",
+      "ipc": "host, cleaned at the end", "processes": "process-group"}
+
+
+_BOMB = """
+import os
+written = 0
+try:
+    for i in range({files}):
+        place = ("/tmp", "/dev/shm", "/var/tmp", ".")[i % 4]
+        with open(os.path.join(place, "bomb%d" % i), "wb") as f:
+            f.write(b"x" * (2 << 20))
+        written += 2
+    print("wrote", written)
+except OSError as e:
+    print("stopped", written, e.errno)
+"""
+
+
+@pytest.mark.parametrize("files,expect", [(3, "wrote 6"), (6, "stopped")])
+def test_the_bytes_written_in_all_are_bounded(namespaces, files, expect):
+  # 2 MiB files under a 4 MiB file limit: only the total can stop them.
+  _needs_namespaces(namespaces)
+  limits = sandbox.SandboxLimits(timeout_s=5, tmpfs_mb=8, max_file_mb=4)
+  free = shutil.disk_usage(tempfile.gettempdir()).free
+  result = _run(_BOMB.format(files=files), limits)
+  assert result.status == "ok", result.stderr
+  assert result.stdout.startswith(expect), result.stdout
+  if expect == "stopped":  # ENOSPC, at 8 MiB: the third 2 MiB write at most
+    _, written, errno_ = result.stdout.split()
+    assert int(written) in (6, 4) and int(errno_) == 28
+  assert free - shutil.disk_usage(tempfile.gettempdir()).free < 4 << 20
+
+
+_SHM = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+ident = libc.shmget({key}, {size}, 0o1000 | 0o600)
+print(ident, libc.shmget({key}, 0, 0))
+"""
+
+
+def _host_segments(size):
+  with open("/proc/sysvipc/shm", encoding="ascii") as f:
+    return [line for line in f.read().splitlines()[1:]
+            if line.split()[3] == str(size)]
+
+
+@pytest.mark.parametrize("use_namespaces", [True, False])
+def test_a_sysv_segment_ends_with_its_run(namespaces, use_namespaces):
+  if use_namespaces:
+    _needs_namespaces(namespaces)
+  key, size = 0x5EED0000 + os.getpid() % 0xFFFF, 1234567
+  first = _run(_SHM.format(key=key, size=size), LIMITS) if use_namespaces \
+      else sandbox.run_python(_SHM.format(key=key, size=size), LIMITS,
+                              namespaces=False)
+  assert first.status == "ok" and int(first.stdout.split()[0]) >= 0
+  assert not _host_segments(size)
+  # The next run cannot find it by its key: nothing carries over.
+  second = sandbox.run_python(
+      "import ctypes\nprint(ctypes.CDLL(None).shmget(%d, 0, 0))" % key,
+      LIMITS, namespaces=use_namespaces)
+  assert second.stdout.strip() == "-1"
+  assert first.isolated["ipc"] == ("private" if use_namespaces
+                                   else "host, cleaned at the end")
+
+
+def test_a_host_socket_file_is_unreachable(namespaces):
+  _needs_namespaces(namespaces)
+  import socket  # pylint: disable=g-import-not-at-top
+  own = tempfile.mkdtemp(dir=os.path.dirname(os.path.abspath(__file__)))
+  os.chmod(own, 0o755)
+  path = os.path.join(own, "service.sock")
+  server = socket.socket(socket.AF_UNIX)
+  server.bind(path)
+  server.listen(1)
+  os.chmod(path, 0o777)  # anyone on the host may connect
+  try:
+    result = _run("import socket\ns = socket.socket(socket.AF_UNIX)\n"
+                  "try:\n  s.connect(%r)\n  print('connected')\n"
+                  "except OSError as e:\n  print('refused', e.errno)" % path)
+  finally:
+    server.close()
+    shutil.rmtree(own)
+  assert result.status == "ok", result.stderr
+  assert result.stdout.startswith("refused")
+
+
+@pytest.mark.parametrize("use_namespaces", [True, False])
+def test_home_and_tmpdir_exist_inside(namespaces, use_namespaces):
+  if use_namespaces:
+    _needs_namespaces(namespaces)
+  code = ("import os\nhome, tmp = os.environ['HOME'], os.environ['TMPDIR']\n"
+          "open(os.path.join(home, 'h'), 'w').write('1')\n"
+          "open(os.path.join(tmp, 't'), 'w').write('2')\n"
+          "print(os.path.isdir(home), os.path.isdir(tmp), "
+          "os.getcwd() == home, open('h').read())")
+  result = sandbox.run_python(code, LIMITS, namespaces=use_namespaces)
+  assert (result.status, result.stdout) == ("ok", "True True True 1\n"), (
+      result.stderr)
+
+
+def _processes_with(marker):
+  out = []
+  for pid in os.listdir("/proc"):
+    try:
+      with open(f"/proc/{pid}/cmdline", "rb") as f:
+        if marker.encode() in f.read():
+          with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+              out.append(int(pid))
+    except (OSError, ValueError):
+      continue
+  return out
+
+
+def _gone(marker, seconds=5.0):
+  deadline = time.monotonic() + seconds
+  while _processes_with(marker) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return not _processes_with(marker)
+
+
+def test_an_environment_daemon_ends_with_close_and_with_a_restart():
+  from tests import env_fixtures  # pylint: disable=g-import-not-at-top
+  runner = envs.EnvRunner(env_fixtures.StartsDaemon(), num_workers=1,
+                          timeout_s=3.0)
+  first, hung, last = (f"{what}-{uuid.uuid4().hex}"
+                       for what in ("daemon", "hang", "daemon"))
+  try:
+    assert runner.step([{}], [first])[0].status == "ok"
+    assert runner.isolated == {"processes": "pid-namespace"}
+    assert _processes_with(first), "the daemon did not start"
+    out = runner.step([{}], [hung])  # killed at the timeout, replaced
+    assert out[0].status == "timeout" and runner.restarts == 1
+    assert _gone(hung) and _gone(first)  # both of the replaced worker
+    assert runner.step([{}], [last])[0].status == "ok"
+    assert _processes_with(last), "the new worker's daemon did not start"
+  finally:
+    runner.close()
+  assert _gone(last)
+
+
+def test_without_a_pid_namespace_a_setsid_daemon_escapes_and_says_so():
+  from rljax.rewards import _pool  # pylint: disable=g-import-not-at-top
+  from tests import env_fixtures  # pylint: disable=g-import-not-at-top
+  runner = envs.EnvRunner(env_fixtures.StartsDaemon(), num_workers=1,
+                          timeout_s=3.0)
+  runner._pool.close()  # pylint: disable=protected-access
+  runner._pool = _pool.KillingPool(  # pylint: disable=protected-access
+      [functools.partial(envs.base._call_reset, runner.env),  # pylint: disable=protected-access
+       functools.partial(envs.base._call_step, runner.env)],  # pylint: disable=protected-access
+      encode=envs.base._identity, num_workers=1, timeout_s=3.0,  # pylint: disable=protected-access
+      pid_namespace=False)
+  marker = f"daemon-{uuid.uuid4().hex}"
+  try:
+    assert runner.step([{}], [marker])[0].status == "ok"
+    assert runner.isolated == {"processes": "process-group"}
+  finally:
+    runner.close()
+  try:
+    assert not _gone(marker, seconds=1.0)
+  finally:
+    for pid in _processes_with(marker):
+      os.kill(pid, signal.SIGKILL)

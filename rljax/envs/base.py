@@ -17,7 +17,10 @@ so an environment that works in one works in the other.
 ``EnvRunner`` runs ``reset`` and ``step`` on a ``rewards._pool.KillingPool``
 (the reward functions' pool): each call has a timeout, a worker that hangs
 past it is killed with its process group and replaced, a memory limit caps
-each worker, and results come back as JSON bytes, never pickles. A call that
+each worker, and results come back as JSON bytes, never pickles. Each
+worker is PID 1 of a PID namespace of its own where the machine allows it,
+so ``close()`` and a replacement end every process the environment started,
+``setsid`` or not (``EnvRunner.isolated`` says whether it held). A call that
 raises, hangs, or returns something that is not a ``Step`` ends its episode
 as failed (``EnvOutcome.status``); training goes on.
 
@@ -231,7 +234,21 @@ class EnvRunner:
           [functools.partial(_call_reset, env),
            functools.partial(_call_step, env)],
           encode=_identity, num_workers=num_workers, timeout_s=timeout_s,
-          start_method=start_method, memory_limit_mb=memory_limit_mb)
+          start_method=start_method, memory_limit_mb=memory_limit_mb,
+          pid_namespace=True)
+
+  @property
+  def isolated(self) -> dict[str, str | None]:
+    """What ends with a worker (at ``close()``, or when one is replaced):
+    ``{"processes": "pid-namespace"}``: every process its calls started,
+    ``setsid`` or not; ``"process-group"``: those that stayed in its process
+    group (the machine refused the namespace: one that calls ``setsid``
+    outlives the run); ``"in-process"``: no workers, the calls run in the
+    trainer's process and what they start is the trainer's; None until a
+    worker has started (after the first call)."""
+    if self._pool is None:
+      return {"processes": "in-process"}
+    return {"processes": self._pool.containment}
 
   @property
   def restarts(self) -> int:

@@ -22,10 +22,17 @@ Isolation, in the order a task meets it:
   ``subprocess``) joins that group. A worker is stopped by killing the whole
   group with SIGKILL: at a timeout, after the worker dies, at ``close()``,
   when the pool is garbage-collected and at interpreter exit
-  (``weakref.finalize``). If the parent itself is killed, a watchdog thread in
-  each worker sees it within a second and kills its own group. A process that
-  leaves the group on purpose (``os.setsid``, ``start_new_session=True``)
-  escapes this.
+  (``weakref.finalize``). If the parent itself is killed, each worker sees
+  it within a second and kills its own group.
+* With ``pid_namespace`` (the environment workers' pool), where the machine
+  allows it (root, or unprivileged user namespaces), each worker runs the functions as PID 1 of a PID namespace of its own:
+  the worker process forks at start, its child serves the tasks, and when
+  that child ends (killed with the group, or at its own exit) the kernel
+  ends every process in the namespace, including one that left the group on
+  purpose (``os.setsid``, ``start_new_session=True``). Without it such a
+  process escapes; ``KillingPool.containment`` says which held. Processes
+  that a namespace's PID 1 inherits are reaped when the worker ends (the
+  worker cannot tell an orphan from a child its function still waits on).
 * A forked child that returns from the called function instead of exiting is
   ended (``os._exit``) before it can answer in its parent's place.
 * ``memory_limit_mb`` caps a worker's address space (``RLIMIT_AS``) at its
@@ -38,18 +45,19 @@ Isolation, in the order a task meets it:
 
 Workers are started with ``spawn`` (or ``forkserver``), never ``fork``: the
 parent runs JAX, which is multithreaded, and forking a multithreaded process
-can deadlock the child. The functions a pool runs (and ``encode``) are the
-worker process's arguments, pickled by ``multiprocessing`` when a worker
-starts, so they must be picklable
+can deadlock the child. The functions a pool runs (and ``encode``) are
+pickled by ``multiprocessing``, so they must be picklable
 (module-level functions, or ``functools.partial`` of them); the parent trusts
-its own functions, so this direction may use pickle. A worker says "ready"
-after it has unpickled them (importing their modules), so start-up time is
+its own functions, so this direction may use pickle. They reach the worker
+as its first message, after the fork into its namespace, and it says "ready"
+once it has unpickled them (importing their modules), so start-up time is
 not charged to the first task's timeout.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import json
 import multiprocessing
@@ -71,6 +79,8 @@ _HEADER = struct.Struct("<I")
 _READY = "ready"
 _PARENT_POLL_S = 1.0
 _DEATH_POLL_S = 0.2
+_CLONE_NEWPID, _CLONE_NEWUSER = 0x20000000, 0x10000000
+_PR_SET_PDEATHSIG = 1
 
 
 class Task(NamedTuple):
@@ -202,19 +212,74 @@ def _parse(data: bytes) -> tuple[int | None, str, str, bytes]:
       _HEADER.size + size:]
 
 
+def _enter_pid_namespace() -> bool:
+  """Puts this process's future children in a new PID namespace.
+
+  As root (``CAP_SYS_ADMIN``), or with a user namespace of its own where
+  unprivileged ones are allowed (mapping this user to itself); False where
+  the machine refuses both. The caller must fork next: its first child is
+  the namespace's PID 1, and the caller itself cannot start threads.
+  """
+  libc = ctypes.CDLL(None, use_errno=True)
+  if libc.unshare(_CLONE_NEWPID) == 0:
+    return True
+  uid, gid = os.getuid(), os.getgid()
+  if uid == 0 or libc.unshare(_CLONE_NEWUSER | _CLONE_NEWPID) != 0:
+    return False
+  for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"),
+                     ("gid_map", f"{gid} {gid} 1")):
+    with open(f"/proc/self/{name}", "w", encoding="ascii") as f:
+      f.write(text)
+  return True
+
+
+def _supervise(child: int, parent_pid: int) -> None:
+  """The worker outside the namespace: ends with its PID 1 and takes it down
+  when the pool's process has gone (then never returns)."""
+  while True:
+    pid, status = os.waitpid(child, os.WNOHANG)
+    if pid:
+      os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    if os.getppid() != parent_pid:
+      os.killpg(os.getpgid(0), signal.SIGKILL)
+    time.sleep(_DEATH_POLL_S)
+
+
 def _worker_main(conn: multiprocessing.connection.Connection,
-                 functions: tuple, memory_limit_bytes: int | None) -> None:
-  """Runs tasks from ``conn`` until it closes or sends None."""
+                 memory_limit_bytes: int | None, contain: bool) -> None:
+  """Runs tasks from ``conn`` until it closes or sends None.
+
+  Its first message is the pool's functions: they are unpickled (their
+  modules imported) only after the fork into the PID namespace, while this
+  process is still single-threaded.
+  """
   os.setsid()  # Own session and group, led by this process: pgid == pid.
-  worker_pid = os.getpid()
   # Ctrl-C goes to the parent; the parent decides what to do.
   signal.signal(signal.SIGINT, signal.SIG_IGN)
-  threading.Thread(target=_exit_with_parent, args=(os.getppid(),),
-                   daemon=True, name="rljax-parent-watch").start()
-  fns, encode = functions  # unpickled by multiprocessing's spawn, from the parent
+  parent_pid = os.getppid()
+  containment = "process-group"
+  if contain and _enter_pid_namespace():
+    child = os.fork()
+    if child:
+      conn.close()
+      _supervise(child, parent_pid)
+    # PID 1 of the namespace: the kernel kills every process in it when this
+    # one ends, including those that left the group with setsid.
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    containment = "pid-namespace"
+  else:
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,),
+                     daemon=True, name="rljax-parent-watch").start()
+  worker_pid = os.getpid()
+  try:
+    fns, encode = conn.recv()  # from the parent, which trusts its functions
+  except (EOFError, OSError):
+    fns = None  # The parent has gone.
+  if fns is None:
+    _end(containment)
   if memory_limit_bytes:
     _limit_address_space(memory_limit_bytes)
-  _send(conn, None, _READY)
+  _send(conn, None, _READY, containment)
   while True:
     try:
       message = conn.recv()
@@ -236,7 +301,22 @@ def _worker_main(conn: multiprocessing.connection.Connection,
       _send(conn, task_id, status, text, payload)
     except (OSError, ValueError):
       break
-  os.killpg(worker_pid, signal.SIGKILL)
+  _end(containment)
+
+
+def _end(containment: str) -> None:
+  """Ends the worker and every process it started (never returns)."""
+  if containment == "pid-namespace":
+    os._exit(0)  # PID 1's end is its namespace's end.
+  os.killpg(0, signal.SIGKILL)
+
+
+def _send_functions(conn: multiprocessing.connection.Connection,
+                    functions: tuple) -> None:
+  try:
+    conn.send(functions)
+  except (OSError, ValueError):
+    pass  # The worker died first: the pool replaces it.
 
 
 @dataclasses.dataclass
@@ -246,6 +326,7 @@ class _Worker:
   deadline: float  # monotonic seconds; start-up deadline until ready.
   ready: bool = False
   task_id: int | None = None
+  containment: str = ""  # what its ready message said
 
 
 class KillingPool:
@@ -265,6 +346,11 @@ class KillingPool:
     memory_limit_mb: address space (MiB) a worker may add to its size after
       start-up (``RLIMIT_AS``, inherited by the processes it starts); None
       for no limit.
+    pid_namespace: run each worker as PID 1 of its own PID namespace where
+      the machine allows it, so that stopping it ends every process it
+      started, ``setsid`` or not (``containment`` says what each got). The
+      functions then see namespace pids: ``os.getpid()`` is 1 in every
+      worker, so no function may name a shared file by its pid.
   """
 
   def __init__(
@@ -278,6 +364,7 @@ class KillingPool:
       startup_timeout_s: float = 120.0,
       max_startup_failures: int = 3,
       memory_limit_mb: int | None = None,
+      pid_namespace: bool = False,
   ):
     accepted = ("spawn", "forkserver")
     if start_method not in accepted:
@@ -289,6 +376,7 @@ class KillingPool:
     if not timeout_s > 0:
       raise ValueError(f"timeout_s={timeout_s}: must be > 0.")
     self._functions = (tuple(fns), encode)
+    self._contain = bool(pid_namespace)
     self._memory_limit_bytes = (memory_limit_mb << 20 if memory_limit_mb
                                 else None)
     self._num_workers = num_workers
@@ -312,15 +400,31 @@ class KillingPool:
   def num_workers(self) -> int:
     return self._num_workers
 
+  @property
+  def containment(self) -> str | None:
+    """What ends with a stopped worker: ``"pid-namespace"`` (every process
+    it started), ``"process-group"`` (those that stayed in its group: one
+    that calls ``setsid`` escapes), or None before a worker is ready. The
+    weaker of the two when workers differ."""
+    seen = {w.containment for w in self._workers if w.ready}
+    if not seen:
+      return None
+    return "process-group" if "process-group" in seen else "pid-namespace"
+
   def _start_worker(self) -> None:
     parent_conn, child_conn = self._ctx.Pipe(duplex=True)
     process = self._ctx.Process(
         target=_worker_main,
-        args=(child_conn, self._functions, self._memory_limit_bytes),
+        args=(child_conn, self._memory_limit_bytes, self._contain),
         daemon=True, name="rljax-reward-worker")
     process.start()
     self._groups.add(process.pid)
     child_conn.close()
+    # The functions follow through the pipe, from a thread: a large closure
+    # must not block the pool while the worker starts (or fails to).
+    threading.Thread(target=_send_functions,
+                     args=(parent_conn, self._functions), daemon=True,
+                     name="rljax-pool-send").start()
     self._workers.append(_Worker(
         process, parent_conn, time.monotonic() + self._startup_timeout_s))
 
@@ -441,6 +545,7 @@ class KillingPool:
       return
     if status == _READY:
       worker.ready = True
+      worker.containment = message
       self._startup_failures = 0
       return
     index = task_id - first_id
