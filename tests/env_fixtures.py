@@ -140,3 +140,21 @@ class StartsDaemon:
     if action.startswith("hang"):
       time.sleep(120)
     return Step(done=True, state=state)
+
+
+@dataclasses.dataclass(frozen=True)
+class Graded:
+  """Turn k's step gives ``rewards[k]`` (its prefix sums are distinct, so an
+  episode's total tells how many steps it had); done after the last one.
+  A NaN reward is malformed: its episode fails."""
+
+  rewards: tuple = (1.0, -0.25, 2.0)
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    return example["prompt"], {"k": 0}
+
+  def step(self, state, action):
+    k = state["k"]
+    return Step(observation=f"<{k + 1}>", reward=self.rewards[k],
+                done=k + 1 >= len(self.rewards), state={"k": k + 1})

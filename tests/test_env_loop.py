@@ -92,6 +92,29 @@ def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("advantage,discount", [
+    ("gae", {"critic.gamma": 0.9, "critic.lam": 0.95}),
+    ("whiten_by_tokens", {"rl.gamma": 0.9})])
+def test_turn_rewards_train_gae_and_reinforce_pp_from_the_config(
+    advantage, discount, tmp_path):
+  """An environment whose every turn is rewarded (tests.env_fixtures.Graded)
+  with a discounted estimator: the per-token rewards reach the chain (and,
+  with a critic, the step's GAE) through the launcher's path."""
+  config = env_config("guess_number", **{
+      "env.name": "tests.env_fixtures:Graded", "rl.advantage": advantage,
+      "eval.every": 100, **discount})
+  config.env.kwargs = {}
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert r["env/failed_episodes"] == 0 and r["reward/env/mean"] != 0
+    assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
+    if advantage == "gae":
+      assert np.isfinite(r["critic/value_loss"])
+
+
+@pytest.mark.slow
 def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
   config = env_config("guess_number", **{"rl.num_steps": 3,
                                          "checkpoint.every": 1,

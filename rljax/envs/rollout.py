@@ -256,13 +256,15 @@ def _insert(params, state: _Turns, obs_NxO, obs_len_N, resume_N, end_N,
       finished=state.finished | (end_N & env_done_N))
 
 
-def _to_rollout(prompt_tokens_NxP, prompt_mask_NxP, s: _Turns) -> Rollout:
+def _to_rollout(prompt_tokens_NxP, prompt_mask_NxP, s: _Turns,
+                turn_rewards_NxT) -> Rollout:
   return Rollout(
       prompt_tokens=prompt_tokens_NxP, prompt_mask=prompt_mask_NxP,
       completion_tokens=s.tokens, completion_mask=s.mask,
       lengths=jnp.sum(s.mask & ~s.observed, -1).astype(jnp.int32),
       finished=s.finished, policy_logprobs=s.policy_logp,
-      sampler_logprobs=s.sampler_logp, observation_mask=s.observed)
+      sampler_logprobs=s.sampler_logp, observation_mask=s.observed,
+      turn_rewards=turn_rewards_NxT)
 
 
 class ObservationFormat:
@@ -329,7 +331,8 @@ class Episodes(NamedTuple):
   """What ``MultiTurnSampler.run`` returns.
 
   Attributes:
-    rollout: the ``Rollout`` (``observation_mask`` set), on the devices.
+    rollout: the ``Rollout`` (``observation_mask`` and ``turn_rewards``
+      set), on the devices.
     prompts: each example's prompt (``Environment.reset``), ``B``.
     env_reward: ``[N]`` float, the sum of each episode's step rewards (0 if
       none gave one); NaN for a failed episode.
@@ -471,7 +474,7 @@ class MultiTurnSampler:
         taken_turns = (jax.device_get(state.tokens), column, start)
         decoding = (decoding & ~stopped) | resumed
       rollout = _to_rollout(jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP),
-                            state)
+                            state, ep.turn_rewards(self.config.max_new_tokens))
     return ep.episodes(rollout, prompts, self.runner.restarts)
 
   def _step(self, taken, turns, states, ep: "_Bookkeeping", p: int):
@@ -501,6 +504,8 @@ class MultiTurnSampler:
       states[r] = value["state"]
       if value["reward"] is not None:
         ep.reward[r] += value["reward"]
+        # The turn the step answered ends at column - 1.
+        ep.rewards_at[r].append((int(column[r]) - 1, value["reward"]))
       for k, v in value["info"].items():
         ep.info[k] = ep.info.get(k, 0.0) + v
       if value["done"]:
@@ -540,6 +545,7 @@ class _Bookkeeping:
   def __init__(self, n: int):
     self.failed = np.zeros(n, bool)
     self.reward = np.zeros(n, np.float64)
+    self.rewards_at: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     self.turns = np.zeros(n, np.int32)
     self.spans: list[list[tuple[int, int, str]]] = [[] for _ in range(n)]
     self.info: dict[str, float] = {}
@@ -559,6 +565,16 @@ class _Bookkeeping:
     self.counts["errors" if outcome.status == "error" else "timeouts"] += 1
     logging.getLogger("rljax").warning("environment %s: %s", outcome.status,
                                        outcome.message)
+
+  def turn_rewards(self, t: int) -> np.ndarray:
+    """``[N, T]`` float32: each step's reward on its turn's last model
+    token; a failed episode's row is 0 (its ``env`` reward is NaN)."""
+    out = np.zeros((len(self.failed), t), np.float32)
+    for r, pairs in enumerate(self.rewards_at):
+      if not self.failed[r]:
+        for column, reward in pairs:
+          out[r, column] += reward
+    return out
 
   def episodes(self, rollout, prompts, restarts: int) -> Episodes:
     metrics = {

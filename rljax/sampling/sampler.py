@@ -152,6 +152,11 @@ class Rollout(NamedTuple):
       (``rljax.envs``: observations between model turns; inputs, never
       trained, sampler logprob 0), or None (every completion token was
       sampled).
+    turn_rewards: ``[N, T]`` fp32, the rewards an environment's steps gave,
+      each on the last model token of the turn the step answered (0
+      elsewhere; a failed episode's row is 0), or None (no environment).
+      The trainer turns them into per-token rewards
+      (``train.batch_layout.token_rewards``).
   """
 
   prompt_tokens: jax.Array
@@ -163,6 +168,7 @@ class Rollout(NamedTuple):
   policy_logprobs: jax.Array | None
   sampler_logprobs: jax.Array
   observation_mask: jax.Array | None = None
+  turn_rewards: jax.Array | None = None
 
   def sequences(self) -> tuple[jax.Array, jax.Array]:
     """``(tokens_NxL, mask_NxL)``: prompt and completion, ``L = P + T``."""

@@ -199,16 +199,24 @@ class Algorithm:
 
 def advantage_extra_args(lengths_N: jax.Array, seq_log_ratio_N: jax.Array,
                          tokens_NxT: jax.Array,
-                         completion_mask_NxT: jax.Array) -> dict[str, jax.Array]:
+                         completion_mask_NxT: jax.Array,
+                         token_rewards_NxT: jax.Array | None = None
+                         ) -> dict[str, jax.Array]:
   """The per-row extra arguments every advantage chain receives, besides
   ``group_size``, ``mask_N`` and ``reward_weights_R``: the completion
   lengths ``lengths_N``, the sequence log-ratio
   ``seq_log_ratio_N = log pi_old(y) / mu(y)`` (0 without the sampler's policy
-  logprobs) and the completions ``tokens_NxT`` / ``completion_mask_NxT``
-  (KTAE, whose advantages are ``[N, T]``). Transforms that do not read them
-  ignore them."""
-  return {"lengths_N": lengths_N, "seq_log_ratio_N": seq_log_ratio_N,
-          "tokens_NxT": tokens_NxT, "completion_mask_NxT": completion_mask_NxT}
+  logprobs), the completions ``tokens_NxT`` / ``completion_mask_NxT``
+  (KTAE, whose advantages are ``[N, T]``) and, for a multi-turn batch, the
+  per-token rewards ``token_rewards_NxT`` (an environment's turn rewards:
+  ``batch_layout.token_rewards``; read by ``whiten_by_tokens``, ReMax's
+  ``center_by_greedy_baseline``). Transforms that do not read them ignore
+  them."""
+  out = {"lengths_N": lengths_N, "seq_log_ratio_N": seq_log_ratio_N,
+         "tokens_NxT": tokens_NxT, "completion_mask_NxT": completion_mask_NxT}
+  if token_rewards_NxT is not None:
+    out["token_rewards_NxT"] = token_rewards_NxT
+  return out
 
 
 def advantage_chain(rl: Mapping[str, Any], group_size: int,

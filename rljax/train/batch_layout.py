@@ -8,10 +8,13 @@ conventions.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from rljax.advantages import advantage_metrics
+from rljax.advantages._common import _last_token_rewards
 from rljax.advantages import grouping
 from rljax.train.algorithm import Algorithm, advantage_extra_args
 from rljax.train.steps import RLBatch
@@ -48,9 +51,38 @@ def _weighted_total(rewards_NxR, weights_R):
                  * weights_R, axis=-1)
 
 
+def token_rewards(rewards_N: jax.Array, turn_rewards_NxT: jax.Array,
+                  env_N: jax.Array, env_weight: jax.Array | float,
+                  mask_NxT: jax.Array) -> jax.Array:
+  """Per-token rewards ``[N, T]`` (verl's ``token_level_rewards``) of a
+  multi-turn batch.
+
+  Each row's reward ``rewards_N`` (the weighted sum of its reward
+  functions, the environment's ``env`` among them) sits on its last trained
+  token, except the environment's share, which sits where it was earned:
+
+      r_NxT = last(rewards_N) + env_weight * (turn_rewards_NxT - last(env_N))
+
+  ``last(x)`` puts ``x[i]`` on row ``i``'s last ``mask_NxT`` token.
+  ``env_N`` is the ``env`` column (the sum of the row's turn rewards; NaN,
+  a failed episode, counts 0, as its turn rewards are 0). A row's tokens
+  therefore sum to ``rewards_N``, and a turn's reward reaches only the
+  tokens up to that turn through the discounted returns of GAE,
+  REINFORCE++ (``whiten_by_tokens``) and ReMax. Without an ``env`` reward
+  (``env_weight`` 0) the turn rewards are not counted, as the row reward
+  does not count them.
+  """
+  last = functools.partial(_last_token_rewards, mask_NxT=mask_NxT)
+  env_N = jnp.nan_to_num(env_N.astype(jnp.float32), nan=0.0)
+  shift = jnp.where(mask_NxT, turn_rewards_NxT.astype(jnp.float32), 0.0) \
+      - last(env_N)
+  return last(rewards_N) + jnp.asarray(env_weight, jnp.float32) * shift
+
+
 def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
                  trained_N=None, group_ids_N=None, *, algorithm: Algorithm,
-                 group_size: int, groups: tuple[int, int] | None = None):
+                 group_size: int, groups: tuple[int, int] | None = None,
+                 env_column: int | None = None):
   """Advantages, the pivot drop and the trainer's layout (jitted).
 
   ``trained_N``: False for rows kept in the batch with no loss (prompt
@@ -58,7 +90,10 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
   ``group_ids_N`` with ``groups = (K, G_max)``: groups of unequal size
   (rollout allocation): the chain (``advantages.by_group_ids``-wrapped)
   gets each row's group, and the ``adv/*`` metrics are taken on the padded
-  ``[K, G_max]`` layout."""
+  ``[K, G_max]`` layout. A multi-turn rollout (``rollout.turn_rewards``)
+  gives the chain ``token_rewards_NxT`` (``token_rewards``; ``env_column``:
+  the ``env`` reward's column, None when the rewards do not list it), and a
+  critic's batch ``token_rewards_NxL`` for the step's GAE."""
   sampled = group_size + algorithm.extra_samples
   by_ids = {} if group_ids_N is None else {"group_ids_N": group_ids_N}
   # The trained tokens: an environment's observations are inputs only.
@@ -68,12 +103,22 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
   else:  # log pi_old(y) / mu(y), masked positions are 0 in both.
     seq_log_ratio_N = jnp.sum(
         rollout.policy_logprobs - rollout.sampler_logprobs, axis=-1)
+  total_N = _weighted_total(rewards_NxR, weights_R)
+  env_token_args = None
+  if rollout.turn_rewards is not None:
+    if env_column is None:
+      env_N, env_weight = jnp.zeros_like(total_N), 0.0
+    else:
+      env_N, env_weight = rewards_NxR[:, env_column], weights_R[env_column]
+    env_token_args = (rollout.turn_rewards, env_N, env_weight,
+                      completion_mask)
   advantages_N, adv_state = algorithm.advantage.update(
       rewards_NxR, adv_state, group_size=sampled, mask_N=valid_N,
       reward_weights_R=weights_R, **by_ids,
-      **advantage_extra_args(rollout.lengths, seq_log_ratio_N,
-                             rollout.completion_tokens, completion_mask))
-  total_N = _weighted_total(rewards_NxR, weights_R)
+      **advantage_extra_args(
+          rollout.lengths, seq_log_ratio_N, rollout.completion_tokens,
+          completion_mask, None if env_token_args is None
+          else token_rewards(total_N, *env_token_args)))
   per_token = advantages_N.ndim == 2  # KTAE: [N, T] on the completion.
   # Non-finite advantages never reach the update: their rows are out of the
   # loss (and counted), whatever the user's chain or optimizer.
@@ -122,6 +167,9 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
         [zeros, rollout.policy_logprobs], 1)
   if algorithm.critic:
     layout["rewards_N"] = advantages_N.astype(jnp.float32)
+    if env_token_args is not None:  # GAE reads the turns' rewards
+      layout["token_rewards_NxL"] = jnp.concatenate(
+          [zeros, token_rewards(advantages_N, *env_token_args)], 1)
   if algorithm.drop_pivot:
     rows = pivot_rows(total_N, valid_N, sampled)
     layout = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), layout)

@@ -136,7 +136,8 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
       teacher_shardings=(None if teacher_params is None else jax.tree.map(
           lambda x: x.sharding, teacher_params)),
       rewards=sc.critic is not None,
-      packed=bool(c.config.rl.padding_free))
+      packed=bool(c.config.rl.padding_free),
+      token_rewards=sc.critic is not None and c.env is not None)
   if c.config.rl.padding_free:  # the host plans each step's packing
     rl_step = packing_lib.PaddingFree(rl_step, sc, c.mesh)
   # The teacher is an extra argument only when there is one.

@@ -188,6 +188,7 @@ class Collector:
       raise ValueError(f"eval.reward={correctness!r} is not one of the reward "
                        f"names {tuple(names)}.")
     self._correct_column = names.index(correctness)
+    self._env_column = names.index("env") if "env" in names else None
     self._weights_R = np.asarray(evaluator.weights, np.float32)
     self.mesh = mesh
     self.speculation = speculation
@@ -199,7 +200,8 @@ class Collector:
       fn = functools.partial(
           postprocess, algorithm=self.algorithm, group_size=self.group_size,
           groups=None if self.allocation is None else (
-              self.allocation.prompts[0], self.allocation.max_group))
+              self.allocation.prompts[0], self.allocation.max_group),
+          env_column=self._env_column)
       if self.mesh is None:
         self._jitted[has_old_logprobs] = jax.jit(fn)
       else:
@@ -207,7 +209,10 @@ class Collector:
                                                 jax.sharding.PartitionSpec())
         self._jitted[has_old_logprobs] = jax.jit(fn, out_shardings=(
             batch_shardings(self.mesh, has_old_logprobs,
-                            self.algorithm.critic), replicated, replicated))
+                            self.algorithm.critic,
+                            token_rewards=bool(self.algorithm.critic)
+                            and self.episodes is not None),
+            replicated, replicated))
     return self._jitted[has_old_logprobs]
 
   def _sample(self, params, prompts, tokens, mask, key, sampler=None):

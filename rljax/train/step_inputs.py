@@ -79,6 +79,10 @@ class RLBatch(NamedTuple):
       (``RLStepConfig.critic``); None otherwise.
     plan: a ``StepPlan``: every forward pass of the step runs padding-free
       on packed rows (``train/packing.py`` adds it); None: padded rows.
+    token_rewards_NxL: fp32 per-token rewards (0 on the prompt columns):
+      with a critic, GAE's input instead of ``rewards_N`` (a multi-turn
+      batch, whose environment rewards sit on their turns:
+      ``batch_layout.token_rewards``); None otherwise.
   """
 
   tokens_NxL: jax.Array
@@ -89,6 +93,7 @@ class RLBatch(NamedTuple):
   old_logprobs_NxL: jax.Array | None = None
   rewards_N: jax.Array | None = None
   plan: StepPlan | None = None
+  token_rewards_NxL: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +295,7 @@ def check_batch(batch: RLBatch) -> None:
                      "[N, L] is required.")
   n, length = batch.tokens_NxL.shape
   for name in ("input_mask_NxL", "loss_mask_NxL", "sampler_logprobs_NxL",
-               "old_logprobs_NxL"):
+               "old_logprobs_NxL", "token_rewards_NxL"):
     x = getattr(batch, name)
     if x is not None and x.shape != (n, length):
       raise ValueError(f"RLBatch.{name} has shape {x.shape}; the tokens' "

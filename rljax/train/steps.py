@@ -272,9 +272,10 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
         lambda x, m, p: critic_lib.values(critic_params, model_config,
                                           x, m, p), chunks, tokens,
         input_mask, plan))
-    adv, returns = gae_lib.gae_advantages(batch.rewards_N, old_values,
-                                          loss_mask, cfg.critic.gamma,
-                                          cfg.critic.lam)
+    rewards = (batch.rewards_N if batch.token_rewards_NxL is None
+               else last(batch.token_rewards_NxL))
+    adv, returns = gae_lib.gae_advantages(rewards, old_values, loss_mask,
+                                          cfg.critic.gamma, cfg.critic.lam)
     if cfg.critic.whiten:
       adv = gae_lib.whiten_advantages(adv, loss_mask)
   ref = None
@@ -527,20 +528,22 @@ def init_state(params: Any, key: jax.Array, *, algorithm: Any,
 
 
 def batch_shardings(mesh: jax.sharding.Mesh, old_logprobs: bool,
-                    rewards: bool = False, packed: bool = False) -> RLBatch:
+                    rewards: bool = False, packed: bool = False,
+                    token_rewards: bool = False) -> RLBatch:
   """``RLBatch`` of shardings: rows split over the mesh's batch axes (a
   padding-free step's plan replicated: it is small)."""
   b2, b1 = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 1)
   r = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   plan = StepPlan(r, models.Packing(r, r, r, r)) if packed else None
   return RLBatch(b2, b2, b2, b2, b2, b2 if old_logprobs else None,
-                 b1 if rewards else None, plan)
+                 b1 if rewards else None, plan,
+                 b2 if token_rewards else None)
 
 
 def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
                 ref_shardings: Any = None, *, old_logprobs: bool = False,
                 teacher_shardings: Any = None, rewards: bool = False,
-                packed: bool = False):
+                packed: bool = False, token_rewards: bool = False):
   """``jax.jit(rl_step)`` with explicit shardings and the state donated.
 
   Args:
@@ -555,13 +558,16 @@ def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
     rewards: whether batches carry ``rewards_N`` (a critic).
     packed: whether batches carry a ``StepPlan`` (padding-free;
       ``train/packing.py``).
+    token_rewards: whether batches carry ``token_rewards_NxL`` (a critic on
+      a multi-turn environment).
   """
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   teacher = () if teacher_shardings is None else (teacher_shardings,)
   return jax.jit(
       rl_step,
       in_shardings=(state_shardings,
-                    batch_shardings(mesh, old_logprobs, rewards, packed),
+                    batch_shardings(mesh, old_logprobs, rewards, packed,
+                                    token_rewards),
                     ref_shardings) + teacher,
       out_shardings=(state_shardings, replicated),
       donate_argnums=(0,))
