@@ -76,10 +76,15 @@ def test_rounds_and_turn_caps_train_from_the_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1], ids=["sync", "async"])
+def test_failing_environments_are_counted_and_training_goes_on(
+    max_staleness, tmp_path):
+  """Steps that raise, hang past the timeout or answer garbage, on the
+  synchronous schedule and sampled one update ahead."""
   config = env_config("guess_number", **{
       "env.name": "tests.env_fixtures:FlakyGuess", "env.num_workers": 2,
-      "env.timeout_s": 0.5, "eval.every": 100})
+      "env.timeout_s": 0.5, "eval.every": 100,
+      "rl.max_staleness": max_staleness})
   summary = train.run(config, str(tmp_path))
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
@@ -115,6 +120,44 @@ def test_turn_rewards_train_gae_and_reinforce_pp_from_the_config(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    # Asynchronous on a split mesh, with replayed groups.
+    {"rl.max_staleness": 1, "rl.sampler_devices": 4,
+     "rl.replay.fraction": 0.25, "rl.num_steps": 3},
+    # Dynamic sampling refills zero-variance groups with more episodes.
+    {"rl.selection.name": "dapo", "rl.selection.max_rounds": 2},
+    {"rl.selection.name": "greso"},
+], ids=["async-split-replay", "dapo", "greso"])
+def test_episodes_compose_with_schedules_selection_and_replay(overrides,
+                                                             tmp_path):
+  """Episodes under the other schedules and prompt feeders, each seen to
+  act through its own metric."""
+  config = env_config("guess_number", **{"eval.every": 100})
+  for key, value in overrides.items():
+    *sections, field = key.split(".")
+    node = config
+    for section in sections:
+      node = node[section]
+    node[field] = value
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == list(range(1, config.rl.num_steps + 1))
+  for r in rows:
+    assert r["env/turns/mean"] >= 1 and r["env/failed_episodes"] == 0
+    assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
+  if "rl.max_staleness" in overrides:
+    # Step 2 is a checkpoint (checkpoint.every): nothing is sampled across.
+    assert [r["rollout/sampler_lag"] for r in rows] == [0, 1, 0]
+    assert max(r["replay/fraction"] for r in rows) == 0.25
+  if overrides.get("rl.selection.name") == "dapo":
+    assert all(r["select/rounds"] >= 1 for r in rows)
+    assert "select/zero_variance_after" in rows[0]
+  if overrides.get("rl.selection.name") == "greso":
+    assert all(r["select/prompt_draws"] >= 1 for r in rows)
+    assert "select/zero_variance_before" in rows[-1]
+
+
+@pytest.mark.slow
 def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
   config = env_config("guess_number", **{"rl.num_steps": 3,
                                          "checkpoint.every": 1,
@@ -126,7 +169,7 @@ def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
 
 @pytest.mark.parametrize("field,value,match", [
     ("rl.rollout", "continuous", "rl.rollout='continuous' with env.name"),
-    ("rl.max_staleness", 1, "rl.max_staleness=1 with env.name"),
+    ("sampler.shrink_batch_to", 2, "sampler.shrink_batch_to=2 with env.name"),
     ("sampler.speculative", True, "sampler.speculative=True with env.name"),
     ("env.name", "nope", "env.name='nope'"),
     ("env.name", "tests.env_fixtures:Missing", "cannot be imported"),

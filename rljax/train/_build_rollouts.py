@@ -85,19 +85,16 @@ def _validate_rollout(config: Any) -> None:
   """``rl.rollout*``, ``rl.max_staleness`` and ``rl.selection`` against
   each other."""
   rl = config.rl
-  if rl.selection.name != "none" and (rl.rollout != "static"
-                                      or config.env.name):
+  if rl.selection.name != "none" and rl.rollout != "static":
     raise ValueError(
         f"rl.selection.name={rl.selection.name!r} with rl.rollout="
-        f"{rl.rollout!r} and env.name={config.env.name!r}: prompt selection "
-        "refills the static batch; accepted: rl.rollout='static' without an "
-        "environment, or rl.selection.name='none'.")
-  if rl.replay.fraction and (rl.rollout != "static" or config.env.name):
+        f"{rl.rollout!r}: prompt selection refills the static batch; "
+        "accepted: rl.rollout='static', or rl.selection.name='none'.")
+  if rl.replay.fraction and rl.rollout != "static":
     raise ValueError(
         f"rl.replay.fraction={rl.replay.fraction!r} with rl.rollout="
-        f"{rl.rollout!r} and env.name={config.env.name!r}: replay mixes "
-        "groups into the static batch; accepted: rl.rollout='static' "
-        "without an environment, or rl.replay.fraction=0.")
+        f"{rl.rollout!r}: replay mixes groups into the static batch; "
+        "accepted: rl.rollout='static', or rl.replay.fraction=0.")
   if rl.replay.fraction and round(rl.replay.fraction * rl.prompts_per_step) \
       >= rl.prompts_per_step:
     raise ValueError(

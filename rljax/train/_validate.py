@@ -132,8 +132,6 @@ def _validate_env(config: Any) -> None:
     raise ValueError(f"env.observation_role={e.observation_role!r}: a chat "
                      "role such as 'user' or 'tool' is required.")
   others = {"rl.rollout": (rl.rollout, "static"),
-            "rl.max_staleness": (rl.max_staleness, 0),
-            "rl.sampler_devices": (rl.sampler_devices, 0),
             "sampler.speculative": (bool(config.sampler.speculative), False),
             "sampler.shrink_batch_to": (config.sampler.shrink_batch_to, None)}
   for field, (value, accepted) in others.items():

@@ -328,24 +328,26 @@ class Components:
       self.env.close()
 
   def episodes(self, num_samples: int, *, greedy: bool = False,
-               record_policy_logprobs: bool = False
+               record_policy_logprobs: bool = False, training: bool = False
                ) -> envs_lib.MultiTurnSampler | None:
     """The multi-turn rollout of ``num_samples`` episodes per example
     (``env.name``), sampled as ``sampler``'s rows; None without an
-    environment."""
+    environment. ``training``: on the sampler's devices
+    (``rl.sampler_devices``)."""
     if self.env is None:
       return None
     alg = self.algorithm
     greedy_every = num_samples if (
         alg.greedy_baseline and not greedy
         and num_samples == self.settings.group_size + alg.extra_samples) else 0
+    mesh, param_shardings = self._where(training)
     return envs_lib.MultiTurnSampler(
         self.model_config,
         sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
                        record_policy_logprobs=record_policy_logprobs,
                        greedy_every=greedy_every),
-        self.turns, self.env, self.tokenizer, self.buckets, mesh=self.mesh,
-        param_shardings=self.param_shardings,
+        self.turns, self.env, self.tokenizer, self.buckets, mesh=mesh,
+        param_shardings=param_shardings,
         observation_role=self.config.env.observation_role)
 
   @property

@@ -165,10 +165,10 @@ class Collector:
     if not self.group.single and mesh is None:
       raise ValueError("Collector with several processes needs the mesh.")
     if (selection is not None or replay is not None) and (
-        slots is not None or episodes is not None or not self.group.single):
+        slots is not None or not self.group.single):
       raise ValueError("prompt selection (rl.selection) and replay "
-                       "(rl.replay) work on the static batch, on one "
-                       "process, without an environment.")
+                       "(rl.replay) work on the static batch or episodes, "
+                       "on one process.")
     self.selection, self.replay = selection, replay
     if allocation is not None and (
         slots is not None or episodes is not None or speculation is not None
@@ -325,13 +325,24 @@ class Collector:
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
     token_versions = None
     env_reward = None
+    scored_examples = examples
     if self.episodes is not None:
+      if self.sample_mesh is not None and on_dispatch is not None:
+        # The sampler's params are a copy on its own devices: the update
+        # runs on the trainer's while the episodes play out.
+        on_dispatch()
+        on_dispatch = None
       episodes = self.episodes.run(params, examples, key)
       rollout, spec_metrics = episodes.rollout, episodes.metrics
-      examples = dict(examples, prompt=episodes.prompts)
+      # The rewards read the episodes' prompts (Environment.reset's); the
+      # batch keeps the data's examples, which selection and replay key by.
+      scored_examples = dict(examples, prompt=episodes.prompts)
       env_reward = [None if np.isnan(r) else float(r)
                     for r in episodes.env_reward]
       mask = np.asarray(rollout.prompt_mask[::g])
+      if self.sample_mesh is not None:  # to the trainer's devices
+        rollout = jax.device_put(rollout, jax.tree.map(
+            lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
       if on_dispatch is not None:
         on_dispatch()
     elif self.slots is not None:
@@ -359,7 +370,7 @@ class Collector:
     t_sample = time.time()
     completions = tok_lib.decode_completions(
         self.tokenizer, completion_tokens, completion_mask, self.eos_ids)
-    fields = data_lib.repeat_each(examples, g)
+    fields = data_lib.repeat_each(scored_examples, g)
     if env_reward is not None:
       fields["env_reward"] = env_reward
     result = self.evaluator.evaluate(  # a reward model reads the tokens
@@ -544,7 +555,7 @@ class Collector:
     merged = self._merge([sampled, old], plan)
     row_version = np.concatenate([np.full(n_fresh * g, version),
                                   np.repeat(versions, g)]).astype(np.int32)
-    mask = np.asarray(merged.rollout.completion_mask)
+    mask = np.asarray(merged.rollout.sampled_mask())
     merged = merged._replace(token_versions=np.where(
         mask, row_version[:, None], -1).astype(np.int32))
     metrics.update({"replay/fraction": r / (n_fresh + r),

@@ -115,6 +115,11 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
       sum(r.seconds_reward for r in rounds))
 
 
+# The Rollout fields a batch may lack; a replayed group has those of its
+# batch.
+_OPTIONAL = ("policy_logprobs", "observation_mask", "turn_rewards")
+
+
 def host_groups(sampled: Sampled, groups: Sequence[int],
                 group_rows: int) -> list[dict[str, np.ndarray]]:
   """Host copies of the given groups' rows, the fields a replay buffer
@@ -127,8 +132,9 @@ def host_groups(sampled: Sampled, groups: Sequence[int],
           "rewards_NxR": result.rewards_NxR, "valid_NxR": result.valid_NxR,
           "total_N": result.total_N, "prompt_tokens_N": sampled.prompt_tokens_N,
           "completion_tokens_N": sampled.completion_tokens_N}
-  if r.policy_logprobs is not None:
-    rows["policy_logprobs"] = r.policy_logprobs
+  for name in _OPTIONAL:  # recorded logprobs, an environment's fields
+    if getattr(r, name) is not None:
+      rows[name] = getattr(r, name)
   host = {k: np.asarray(v) for k, v in rows.items()}
   g = group_rows
   return [{k: v[i * g:(i + 1) * g] for k, v in host.items()} for i in groups]
@@ -147,14 +153,15 @@ def from_groups(groups: Sequence[Mapping[str, np.ndarray]], like: Sampled, *,
   rollout = sampling.Rollout(
       stack("prompt_tokens"), stack("prompt_mask"),
       stack("completion_tokens"), stack("completion_mask"),
-      stack("lengths"), stack("finished"),
-      stack("policy_logprobs") if "policy_logprobs" in groups[0] else None,
-      stack("sampler_logprobs"))
-  if (rollout.policy_logprobs is None) != (
-      like.rollout.policy_logprobs is None):
-    raise ValueError("the replay buffer's groups and this batch disagree "
-                     "on recorded policy logprobs (rl.old_logprobs "
-                     "changed?).")
+      stack("lengths"), stack("finished"), None, stack("sampler_logprobs"))
+  rollout = rollout._replace(**{name: stack(name) for name in _OPTIONAL
+                                if name in groups[0]})
+  for name in _OPTIONAL:
+    if (getattr(rollout, name) is None) != (
+        getattr(like.rollout, name) is None):
+      raise ValueError(
+          f"the replay buffer's groups and this batch disagree on "
+          f"Rollout.{name} (rl.old_logprobs or env.name changed?).")
   result = rewards_lib.RewardResult(
       like.result.names, stack("rewards_NxR"), stack("valid_NxR"),
       stack("total_N"), {k: 0.0 for k in like.result.metrics}, ())
