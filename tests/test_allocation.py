@@ -203,8 +203,8 @@ def _vigor_config(**overrides):
     ({"rl.replay.fraction": 0.25}, r"with rl.replay.fraction=0.25"),
     ({"rl.rollout": "continuous"}, r"with rl.rollout='continuous'"),
     ({"sampler.speculative": True}, r"with sampler.speculative=True"),
-    ({"rl.advantage": "mc_grpo"}, r"rl.advantage='mc_grpo', which samples 1 "
-     r"extra row"),
+    ({"rl.advantage": "mc_grpo"}, r"with rl.advantage='mc_grpo': the "
+     r"advantage samples a pivot or greedy row"),
     ({"rl.allocation.rounds": 3}, r"rl.group_size=4 does not split into "
      r"rl.allocation.rounds=3"),
     ({"rl.allocation.growth": 3}, r"rl.prompts_per_step=8 cannot keep 1/3"),

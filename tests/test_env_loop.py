@@ -127,7 +127,11 @@ def test_turn_rewards_train_gae_and_reinforce_pp_from_the_config(
     # Dynamic sampling refills zero-variance groups with more episodes.
     {"rl.selection.name": "dapo", "rl.selection.max_rounds": 2},
     {"rl.selection.name": "greso"},
-], ids=["async-split-replay", "dapo", "greso"])
+    # Episodes on slots refilled as they end, sampled one update ahead,
+    # with DAPO's refills.
+    {"rl.rollout": "continuous", "rl.rollout_slots": 16,
+     "rl.max_staleness": 1, "rl.selection.name": "dapo"},
+], ids=["async-split-replay", "dapo", "greso", "continuous-async-dapo"])
 def test_episodes_compose_with_schedules_selection_and_replay(overrides,
                                                              tmp_path):
   """Episodes under the other schedules and prompt feeders, each seen to
@@ -145,13 +149,20 @@ def test_episodes_compose_with_schedules_selection_and_replay(overrides,
   for r in rows:
     assert r["env/turns/mean"] >= 1 and r["env/failed_episodes"] == 0
     assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
-  if "rl.max_staleness" in overrides:
+  if "rl.sampler_devices" in overrides:
     # Step 2 is a checkpoint (checkpoint.every): nothing is sampled across.
     assert [r["rollout/sampler_lag"] for r in rows] == [0, 1, 0]
     assert max(r["replay/fraction"] for r in rows) == 0.25
   if overrides.get("rl.selection.name") == "dapo":
     assert all(r["select/rounds"] >= 1 for r in rows)
     assert "select/zero_variance_after" in rows[0]
+  if overrides.get("rl.rollout") == "continuous":
+    n = config.rl.prompts_per_step * config.rl.group_size
+    for r in rows:
+      assert r["rollout/slots"] == 16
+      assert r["rollout/prefills"] >= n  # every episode, every round
+      assert 0 < r["rollout/slot_utilization"] <= 1
+    assert max(r["rollout/sampler_lag"] for r in rows) == 1
   if overrides.get("rl.selection.name") == "greso":
     assert all(r["select/prompt_draws"] >= 1 for r in rows)
     assert "select/zero_variance_before" in rows[-1]
@@ -168,7 +179,7 @@ def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("rl.rollout", "continuous", "rl.rollout='continuous' with env.name"),
+    ("rl.rollout", "partial", "rl.rollout='partial' with env.name"),
     ("sampler.shrink_batch_to", 2, "sampler.shrink_batch_to=2 with env.name"),
     ("sampler.speculative", True, "sampler.speculative=True with env.name"),
     ("env.name", "nope", "env.name='nope'"),
@@ -201,3 +212,53 @@ def test_a_stop_string_the_tokenizer_splits_unevenly_is_refused():
     build.turn_config(env_config("calculator"), Tok(), ("</calc>",))
 
 
+
+
+@pytest.mark.slow
+def test_calculator_on_slots_async_killed_mid_run_resumes_exactly(tmp_path):
+  """The calculator on continuous slots, sampled one update ahead: SIGKILL
+  after step 2's checkpoint, resume, and steps 3-4 and the final params
+  equal the uninterrupted run's."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from tests import subprocess_env, test_resume  # pylint: disable=g-import-not-at-top
+  flags = ["--config=configs/calculator_grpo.py:tiny",
+           "--config.rl.num_steps=4", "--config.eval.every=100",
+           "--config.checkpoint.every=2",
+           "--config.rl.rollout=continuous", "--config.rl.rollout_slots=16",
+           "--config.rl.max_staleness=1",
+           "--config.rewards.names=('env', 'tests.reward_fixtures:parity')",
+           "--config.rewards.weights=(1.0, 0.5)"]
+
+  def launch(workdir):
+    return subprocess.Popen(
+        [sys.executable, "-m", "launch.train", f"--workdir={workdir}",
+         *flags], cwd=os.path.join(CONFIGS, ".."),
+        env=subprocess_env.one_device_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+
+  full = str(tmp_path / "full")
+  proc = launch(full)
+  out, _ = proc.communicate(timeout=600)
+  assert proc.returncode == 0, out
+  killed = str(tmp_path / "killed")
+  proc = launch(killed)
+  test_resume._wait_for_step(killed, 2, proc)  # pylint: disable=protected-access
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  resumed = launch(killed)
+  out, _ = resumed.communicate(timeout=600)
+  assert resumed.returncode == 0 and "resumed from step" in out, out
+  a = test_resume._by_step(full)  # pylint: disable=protected-access
+  b = test_resume._by_step(killed)  # pylint: disable=protected-access
+  assert sorted(b) == [1, 2, 3, 4]
+  assert all(a[s]["rollout/slots"] == 16 for s in a)
+  assert a[4]["rollout/sampler_lag"] == 1  # step 4's batch drawn at step 3
+  for step in (3, 4):
+    assert b[step] == a[step], step
+  for x, y in zip(
+      jax.tree.leaves(test_resume._final_params(full)),  # pylint: disable=protected-access
+      jax.tree.leaves(test_resume._final_params(killed))):  # pylint: disable=protected-access
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -411,8 +411,11 @@ def test_remat_gives_the_same_gradients(tiny_params):
   for policy in ("full", "dots"):
     g1 = jax.jit(jax.grad(loss), static_argnums=1)(
         tiny_params, TINY.replace(remat=policy))
+    # Recomputed activations may fuse differently: equal to float rounding
+    # (an Intel Xeon of family 6 differs by 1.6e-6 on one element of 0.147).
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                                 atol=1e-6)
 
 
 # Published parameter counts of the real checkpoints.

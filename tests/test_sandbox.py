@@ -323,22 +323,23 @@ print(ident, libc.shmget({key}, 0, 0))
 """
 
 
-def _host_segments(size):
+def _host_segments(key):
   with open("/proc/sysvipc/shm", encoding="ascii") as f:
     return [line for line in f.read().splitlines()[1:]
-            if line.split()[3] == str(size)]
+            if int(line.split()[0]) == key]
 
 
 @pytest.mark.parametrize("use_namespaces", [True, False])
 def test_a_sysv_segment_ends_with_its_run(namespaces, use_namespaces):
   if use_namespaces:
     _needs_namespaces(namespaces)
-  key, size = 0x5EED0000 + os.getpid() % 0xFFFF, 1234567
+  # A key of this test's own: a segment another run left cannot match.
+  key, size = 0x5EED0000 + uuid.uuid4().int % 0xFFFF, 1234567
   first = _run(_SHM.format(key=key, size=size), LIMITS) if use_namespaces \
       else sandbox.run_python(_SHM.format(key=key, size=size), LIMITS,
                               namespaces=False)
   assert first.status == "ok" and int(first.stdout.split()[0]) >= 0
-  assert not _host_segments(size)
+  assert not _host_segments(key)
   # The next run cannot find it by its key: nothing carries over.
   second = sandbox.run_python(
       "import ctypes\nprint(ctypes.CDLL(None).shmget(%d, 0, 0))" % key,

@@ -42,8 +42,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import logging
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -54,10 +52,12 @@ import numpy as np
 from rljax import sharding
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
+from rljax.envs.episodes import EpisodeLog, Episodes, SlotOutputs
+from rljax.envs.observations import ObservationFormat
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _fused_logprobs,
-                                    _pick, _setup, pad_prompts, row_keys,
+                                    _pick, _setup, pad_prompts,
                                     token_keys)
 
 
@@ -117,11 +117,15 @@ class _Turns(NamedTuple):
   ended_turn: jax.Array    # [N] bool, its turn ended (waits for the env)
   done: jax.Array          # [N] bool, episode over
   finished: jax.Array      # [N] bool, ended by the environment
+  row: jax.Array           # [N] int32, the episode row each cache row plays
+  steps: jax.Array         # [] int32, decode steps run so far
 
 
-def _start(params, prompt_tokens_NxP, prompt_mask_NxP, key, *, mc, sc,
+def _start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N, *, mc, sc,
            obs_width):
-  """Each row's prompt prefilled into its own cache row; every row live."""
+  """Each row's prompt prefilled into its own cache row; every row live.
+  ``row_N``: the episode row each cache row plays (its draws are that
+  row's: ``row_keys``)."""
   n, p = prompt_tokens_NxP.shape
   t = sc.max_new_tokens
   mask = prompt_mask_NxP.astype(jnp.bool_)
@@ -143,8 +147,31 @@ def _start(params, prompt_tokens_NxP, prompt_mask_NxP, key, *, mc, sc,
       policy_logp=zeros if sc.record_policy_logprobs else None,
       column=jnp.zeros((n,), jnp.int32),
       position=jnp.sum(mask.astype(jnp.int32), -1),
-      turn_start=jnp.zeros((n,), jnp.int32), keys=row_keys(key, n),
-      live=~false, ended_turn=false, done=false, finished=false)
+      turn_start=jnp.zeros((n,), jnp.int32),
+      keys=jax.vmap(jax.random.fold_in, (None, 0))(
+          key, row_N.astype(jnp.uint32)),
+      live=~false, ended_turn=false, done=false, finished=false,
+      row=row_N.astype(jnp.int32), steps=jnp.zeros((), jnp.int32))
+
+
+def _refill(params, state: _Turns, refill_N, prompt_tokens_NxP,
+            prompt_mask_NxP, key, row_N, *, mc, sc, obs_width) -> _Turns:
+  """The slots in ``refill_N`` start the episodes ``row_N`` (their prompts
+  prefilled, every buffer reset); the other slots are unchanged. Every slot
+  is prefilled and the refilled ones kept: one program, whatever the
+  count."""
+  fresh = _start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N,
+                 mc=mc, sc=sc, obs_width=obs_width)
+
+  def pick(new, old):
+    if new is None or new.ndim == 0:
+      return old
+    where = refill_N.reshape((-1,) + (1,) * (new.ndim - 1))
+    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(jnp.where(
+          where[:, None], jax.random.key_data(new), jax.random.key_data(old)))
+    return jnp.where(where, new, old)
+  return jax.tree.map(pick, fresh, state, is_leaf=lambda x: x is None)
 
 
 def _turn_ended(tokens_NxT, column_N, token_N, turn_start_N, eos_V,
@@ -171,8 +198,7 @@ def _decode_turn(params, state: _Turns, clear_N, min_waiting, *,
   model, w_DxV, _, _ = _setup(params, state.mask[:1, :1], mc, sc)
   n, t = state.tokens.shape
   eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
-  rows = jnp.arange(n, dtype=jnp.int32)
-  samples = rows % sc.num_samples
+  samples = state.row % sc.num_samples
   max_turn = turns.max_turn_tokens or t
 
   def body(s: _Turns) -> _Turns:
@@ -212,7 +238,7 @@ def _decode_turn(params, state: _Turns, clear_N, min_waiting, *,
         position=s.position + live.astype(jnp.int32),
         live=live & ~ended & ~over_budget & ~long_turn,
         ended_turn=s.ended_turn | ((ended | long_turn) & ~over_budget),
-        done=s.done | over_budget)
+        done=s.done | over_budget, steps=s.steps + 1)
 
   def more(s: _Turns) -> jax.Array:
     waiting = jnp.sum((s.ended_turn & ~s.done).astype(jnp.int32))
@@ -267,91 +293,6 @@ def _to_rollout(prompt_tokens_NxP, prompt_mask_NxP, s: _Turns,
       turn_rewards=turn_rewards_NxT)
 
 
-class ObservationFormat:
-  """Turns an observation's text into the ids appended after a model turn.
-
-  Plain (a tokenizer without a chat template, e.g. sentencepiece): the
-  observation's text as is (``tokenizers.continuation_ids``: no BOS, no
-  sentencepiece start-of-text piece). Chat (a
-  ``ChatPromptTokenizer``): the model turn is closed as the template closes an
-  assistant message (less the end-of-turn token when the model wrote it),
-  the observation is a message of ``role`` as the template renders it, and
-  the assistant header follows: the text between two renders of a probe
-  conversation, with and without the observation.
-
-  Args:
-    tokenizer: the run's tokenizer (``ChatPromptTokenizer`` for chat).
-    role: the observation's role in a chat (``"user"`` or ``"tool"``, as
-      the template knows it).
-    eos_ids: the end-of-turn ids (their text is dropped from the closing
-      when the model's turn ended with one).
-  """
-
-  _PROBE_USER, _PROBE_TURN, _PROBE_OBS = "\x01U\x01", "\x01A\x01", "\x01O\x01"
-
-  def __init__(self, tokenizer: Any, *, role: str = "user",
-               eos_ids: Sequence[int] = ()):
-    self.tokenizer = tokenizer
-    self.chat = isinstance(tokenizer, tok_lib.ChatPromptTokenizer)
-    self.eos_ids = tuple(eos_ids)
-    self.role = role
-    if self.chat:
-      render = tokenizer.tokenizer.apply_chat_template
-      head = [{"role": "user", "content": self._PROBE_USER},
-              {"role": "assistant", "content": self._PROBE_TURN}]
-      before = render(head, add_generation_prompt=False)
-      after = render(head + [{"role": role, "content": self._PROBE_OBS}],
-                     add_generation_prompt=True)
-      if not after.startswith(before) or self._PROBE_OBS not in after:
-        raise ValueError(
-            f"env.observation_role={role!r}: the chat template does not "
-            "render an observation message after an assistant turn as a "
-            "suffix of the conversation; try role 'user'.")
-      close = before[before.index(self._PROBE_TURN) + len(self._PROBE_TURN):]
-      middle = after[len(before):]
-      self.close = close
-      self.open, self.tail = middle.split(self._PROBE_OBS)
-      piece = getattr(tokenizer, "id_to_piece", None) or (
-          lambda i: tokenizer.decode([i]))
-      eos_texts = [piece(i) for i in self.eos_ids]
-      self.close_after_eos = next(
-          (close[len(e):] for e in eos_texts if e and close.startswith(e)),
-          close)
-
-  def encode(self, observation: str, ended_with_eos: bool) -> list[int]:
-    """The ids appended for ``observation`` after a turn (that ended with an
-    end-of-turn id, or not: a tool call's stop sequence)."""
-    if not self.chat:
-      return tok_lib.continuation_ids(self.tokenizer, observation)
-    close = self.close_after_eos if ended_with_eos else self.close
-    return self.tokenizer.encode(close + self.open + observation + self.tail)
-
-
-class Episodes(NamedTuple):
-  """What ``MultiTurnSampler.run`` returns.
-
-  Attributes:
-    rollout: the ``Rollout`` (``observation_mask`` and ``turn_rewards``
-      set), on the devices.
-    prompts: each example's prompt (``Environment.reset``), ``B``.
-    env_reward: ``[N]`` float, the sum of each episode's step rewards (0 if
-      none gave one); NaN for a failed episode.
-    failed: ``[N]`` bool, the environment raised, hung or answered malformed
-      output (or its reset did).
-    metrics: ``env/*`` host floats, and ``time/env`` (seconds in the
-      environments' calls).
-    turn_tokens: each row's turns as ``(start, end, kind)`` column spans,
-      ``kind`` ``"model"`` or ``"observation"`` (tests and debugging).
-  """
-
-  rollout: Rollout
-  prompts: list[str]
-  env_reward: np.ndarray
-  failed: np.ndarray
-  metrics: dict[str, float]
-  turn_tokens: list[list[tuple[int, int, str]]]
-
-
 def _state_copy(state: Any) -> Any:
   return json.loads(json.dumps(state))
 
@@ -370,13 +311,27 @@ class MultiTurnSampler:
     mesh, param_shardings: where the params live (rows are replicated: the
       rollout's arrays are laid out by the compiler).
     observation_role: the chat role of observations (``ObservationFormat``).
+    slots: ``M``: the episodes play on ``M`` slots, each a cache row,
+      refilled as episodes end (continuous batching: ``rl.rollout=
+      "continuous"``); None: every episode has its own row from the start
+      (the static batch).
+    refill_rows: with slots, queued episodes take free slots once this many
+      are free (or the queue's last ones are).
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
                turns: TurnConfig, runner: EnvRunner, tokenizer: Any,
                buckets: Sequence[int], *,
                mesh: jax.sharding.Mesh | None = None,
-               param_shardings: Any = None, observation_role: str = "user"):
+               param_shardings: Any = None, observation_role: str = "user",
+               slots: int | None = None, refill_rows: int = 1):
+    for name, value in (("rl.rollout_slots", slots),
+                        ("rl.rollout_refill_rows", refill_rows)):
+      if value is not None and (isinstance(value, bool)
+                                or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name}={value!r}: a positive integer is "
+                         "required.")
+    self.slots, self.refill_rows = slots, refill_rows
     self.model_config, self.config, self.turns = model_config, config, turns
     self.runner, self.tokenizer = runner, tokenizer
     self.buckets = tuple(buckets)
@@ -386,6 +341,8 @@ class MultiTurnSampler:
     kw = dict(mc=model_config, sc=config)
     self._start = jax.jit(functools.partial(
         _start, obs_width=turns.max_observation_tokens, **kw))
+    self._refill = jax.jit(functools.partial(
+        _refill, obs_width=turns.max_observation_tokens, **kw))
     self._decode = jax.jit(functools.partial(_decode_turn, turns=turns, **kw),
                            static_argnames=("prompt_width",))
     self._insert = jax.jit(functools.partial(_insert, **kw),
@@ -420,7 +377,7 @@ class MultiTurnSampler:
     b = len(examples[names[0]])
     rows = [{k: examples[k][i] for k in names} for i in range(b)]
     n = b * g
-    ep = _Bookkeeping(n)
+    ep = EpisodeLog(n)
     resets = ep.timed(lambda: self.runner.reset(rows))
     prompts, states = [], [None] * n
     for i, outcome in enumerate(resets):
@@ -446,153 +403,143 @@ class MultiTurnSampler:
     p = tokens_BxP.shape[1]
     tokens_NxP = np.repeat(tokens_BxP, g, 0)
     mask_NxP = np.repeat(mask_BxP, g, 0)
-    min_waiting = np.int32(self.turns.step_rows or n)
-    no_rows = np.zeros(n, bool)
+    m = min(self.slots or n, n)
+    min_waiting = np.int32(self.turns.step_rows or m)
+    slot_row = np.arange(m)  # the episode row each slot plays (-1: free)
+    queue = list(range(m, n))  # rows waiting for a slot, in order
+    out = SlotOutputs(n, self.config) if m < n else None
     with self._mesh():
-      state = self._start(params, tokens_NxP, mask_NxP, key)
-      decoding = ~ep.failed  # the rows live in the decode dispatched next
-      if ep.failed.any():  # rows whose reset failed never decode
-        state = state._replace(live=state.live & ~ep.failed,
-                               done=state.done | ep.failed)
-      taken = np.zeros(0, np.int64)  # rows whose turn waits for its env
+      state = self._start(params, tokens_NxP[:m], mask_NxP[:m], key,
+                          slot_row.astype(np.int32))
+      decoding = ~ep.failed[:m]  # the slots live in the decode dispatched next
+      if not decoding.all():  # rows whose reset failed never decode
+        state = state._replace(live=state.live & decoding,
+                               done=state.done | ~decoding)
+      taken = np.zeros(0, np.int64)  # slots whose turn waits for its env
       taken_turns = None
-      while decoding.any() or len(taken):
-        state = self._decode(params, state, _mask(n, taken), min_waiting,
+      while decoding.any() or len(taken) or queue:
+        state = self._decode(params, state, _mask(m, taken), min_waiting,
                              prompt_width=p)
-        resumed = no_rows
+        resumed = np.zeros(m, bool)
         if len(taken):  # overlaps the decode just dispatched
-          inserts, resumed = self._step(taken, taken_turns, states, ep, p)
+          inserts, resumed = self._step(taken, slot_row, taken_turns, states,
+                                        ep)
           state = self._insert(params, state, *inserts, prompt_width=p)
         host = jax.device_get((state.column, state.turn_start,
                                state.ended_turn, state.done))
         column, start, ended, done = (np.asarray(x) for x in host)
         stopped = decoding & (ended | done)  # their turn is over
-        for r in np.flatnonzero(stopped):
-          ep.spans[r].append((int(start[r]), int(column[r]), "model"))
+        for s in np.flatnonzero(stopped):
+          r = slot_row[s]
+          ep.spans[r].append((int(start[s]), int(column[s]), "model"))
           ep.turns[r] += 1
         taken = np.flatnonzero(stopped & ended & ~done)
         taken_turns = (jax.device_get(state.tokens), column, start)
         decoding = (decoding & ~stopped) | resumed
-      rollout = _to_rollout(jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP),
-                            state, ep.turn_rewards(self.config.max_new_tokens))
+        if out is not None:
+          state, decoding = self._turnover(
+              params, state, out, slot_row, queue, done & ~decoding,
+              decoding, tokens_NxP, mask_NxP, key, ep)
+      if out is None:
+        rollout = _to_rollout(jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP),
+                              state,
+                              ep.turn_rewards(self.config.max_new_tokens))
+      else:
+        out.retire(state, slot_row >= 0, slot_row)
+        rollout = out.rollout(tokens_NxP, mask_NxP,
+                              ep.turn_rewards(self.config.max_new_tokens))
+        ep.slot_metrics = out.metrics(int(jax.device_get(state.steps)), m)
     return ep.episodes(rollout, prompts, self.runner.restarts)
 
-  def _step(self, taken, turns, states, ep: "_Bookkeeping", p: int):
-    """Steps the environments of the ``taken`` rows: the arrays of
-    ``_insert`` and the rows that go on."""
-    del p
+  def _step(self, taken, slot_row, turns, states, ep: "EpisodeLog"):
+    """Steps the environments of the ``taken`` slots' episodes: the arrays
+    of ``_insert`` (one row per slot) and the slots that go on."""
     toks, column, start = turns
     n, t = toks.shape
     o = self.turns.max_observation_tokens
     eos = set(self.config.eos_ids)
     actions, ended_eos = [], []
-    for r in taken:
-      ids = [int(x) for x in toks[r, start[r]:column[r]]]
+    for s in taken:
+      ids = [int(x) for x in toks[s, start[s]:column[s]]]
       ended_eos.append(bool(ids) and ids[-1] in eos)
       actions.append(self.tokenizer.decode([x for x in ids if x not in eos]))
-    outcomes = ep.timed(lambda: self.runner.step([states[r] for r in taken],
-                                                 actions))
+    outcomes = ep.timed(lambda: self.runner.step(
+        [states[slot_row[s]] for s in taken], actions))
     obs = np.full((n, o), self.config.pad_id, np.int32)
     obs_len = np.zeros(n, np.int32)
     resume, end, env_done = (np.zeros(n, bool) for _ in range(3))
-    for r, outcome, eos_end in zip(taken, outcomes, ended_eos):
+    for s, outcome, eos_end in zip(taken, outcomes, ended_eos):
+      r = slot_row[s]
       if outcome.status != "ok":
         ep.fail(r, outcome)
-        end[r] = True
+        end[s] = True
         continue
       value = outcome.value
       states[r] = value["state"]
       if value["reward"] is not None:
         ep.reward[r] += value["reward"]
         # The turn the step answered ends at column - 1.
-        ep.rewards_at[r].append((int(column[r]) - 1, value["reward"]))
+        ep.rewards_at[r].append((int(column[s]) - 1, value["reward"]))
       for k, v in value["info"].items():
         ep.info[k] = ep.info.get(k, 0.0) + v
       if value["done"]:
-        end[r] = env_done[r] = True
+        end[s] = env_done[s] = True
         continue
       if ep.turns[r] >= self.turns.max_turns:
-        end[r] = True
+        end[s] = True
         ep.turn_limit += 1
         continue
       ids = self.format.encode(value["observation"], eos_end)
-      room = min(o, t - int(column[r]) - 1)  # keep one model token
+      room = min(o, t - int(column[s]) - 1)  # keep one model token
       if room < len(ids):
         ep.truncated_obs += 1
       if room <= 0 and ids:
-        end[r] = True  # no room for the observation and a reply
+        end[s] = True  # no room for the observation and a reply
         continue
       ids = ids[:max(room, 0)]
-      obs[r, :len(ids)] = ids
-      obs_len[r] = len(ids)
+      obs[s, :len(ids)] = ids
+      obs_len[s] = len(ids)
       ep.obs_tokens += len(ids)
-      resume[r] = True
+      resume[s] = True
       if ids:
-        ep.spans[r].append((int(column[r]), int(column[r]) + len(ids),
+        ep.spans[r].append((int(column[s]), int(column[s]) + len(ids),
                             "observation"))
     return (obs, obs_len, resume, end, env_done), resume
+
+  def _turnover(self, params, state, out: "SlotOutputs", slot_row, queue,
+                over, decoding, tokens_NxP, mask_NxP, key, ep):
+    """Slots: the episodes that are over leave their slots (``out`` keeps
+    them), and queued episodes take the free slots once
+    ``refill_rows`` are free (or the queue's last ones). Updates
+    ``slot_row`` and ``queue`` in place; returns the state and the slots
+    that decode next."""
+    over = over & (slot_row >= 0)
+    if over.any():
+      out.retire(state, over, slot_row)
+      slot_row[over] = -1
+    free = np.flatnonzero(slot_row < 0)
+    if not queue or len(free) < min(self.refill_rows, len(queue)):
+      return state, decoding
+    slots = free[:len(queue)]
+    rows = np.asarray([queue.pop(0) for _ in slots])
+    slot_row[slots] = rows
+    refill = _mask(len(slot_row), slots)
+    # Slots not refilled are prefilled with a valid prompt and discarded.
+    rows_M = np.where(refill, slot_row, rows[0]).astype(np.int32)
+    state = self._refill(params, state, refill, tokens_NxP[rows_M],
+                         mask_NxP[rows_M], key, rows_M)
+    failed = refill & ep.failed[np.maximum(slot_row, 0)]
+    if failed.any():  # their reset failed: over at once
+      state = state._replace(live=state.live & ~failed,
+                             done=state.done | failed)
+    out.prefills += len(slots)
+    return state, decoding | (refill & ~failed)
 
 
 def _mask(n: int, rows: np.ndarray) -> np.ndarray:
   out = np.zeros(n, bool)
   out[rows] = True
   return out
-
-
-class _Bookkeeping:
-  """The host's figures of one ``run``: rewards, failures, turns, spans."""
-
-  def __init__(self, n: int):
-    self.failed = np.zeros(n, bool)
-    self.reward = np.zeros(n, np.float64)
-    self.rewards_at: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    self.turns = np.zeros(n, np.int32)
-    self.spans: list[list[tuple[int, int, str]]] = [[] for _ in range(n)]
-    self.info: dict[str, float] = {}
-    self.counts = {"errors": 0, "timeouts": 0}
-    self.obs_tokens = self.truncated_obs = self.turn_limit = 0
-    self.env_seconds = 0.0
-
-  def timed(self, fn):
-    t = time.monotonic()
-    try:
-      return fn()
-    finally:
-      self.env_seconds += time.monotonic() - t
-
-  def fail(self, r: int, outcome) -> None:
-    self.failed[r] = True
-    self.counts["errors" if outcome.status == "error" else "timeouts"] += 1
-    logging.getLogger("rljax").warning("environment %s: %s", outcome.status,
-                                       outcome.message)
-
-  def turn_rewards(self, t: int) -> np.ndarray:
-    """``[N, T]`` float32: each step's reward on its turn's last model
-    token; a failed episode's row is 0 (its ``env`` reward is NaN)."""
-    out = np.zeros((len(self.failed), t), np.float32)
-    for r, pairs in enumerate(self.rewards_at):
-      if not self.failed[r]:
-        for column, reward in pairs:
-          out[r, column] += reward
-    return out
-
-  def episodes(self, rollout, prompts, restarts: int) -> Episodes:
-    metrics = {
-        "env/turns/mean": float(self.turns.mean()),
-        "env/turns/max": float(self.turns.max()),
-        "env/observation_tokens": float(self.obs_tokens),
-        "env/observation_truncated": float(self.truncated_obs),
-        "env/turn_limit": float(self.turn_limit),
-        "env/failed_episodes": float(self.failed.sum()),
-        "env/errors": float(self.counts["errors"]),
-        "env/timeouts": float(self.counts["timeouts"]),
-        "env/worker_restarts": float(restarts),
-        "time/env": self.env_seconds,  # within time/sample
-    }
-    metrics.update({f"env/{k}": float(v) for k, v in self.info.items()})
-    return Episodes(rollout, prompts,
-                    np.where(self.failed, np.nan, self.reward), self.failed,
-                    metrics, self.spans)
 
 
 __all__ = ["Episodes", "MultiTurnSampler", "ObservationFormat", "TurnConfig"]

@@ -81,16 +81,16 @@ def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
   ``mesh`` and scores in-process, reading the policy's tokens when it has
   the policy's ``tokenizer``; a judge (``"judge:<path>"``) is read by
   ``load_judge`` (``policy.load_judge``)."""
+  if group is not None and not group.single:
+    from rljax.train import combinations  # pylint: disable=g-import-not-at-top
+    from rljax.train import schema  # pylint: disable=g-import-not-at-top
+    combinations.check(schema.complete_config(config), group.count)
   specs = []
   for name, weight in zip(config.rewards.names, config.rewards.weights):
     label, fn = reward_fn(name)
     if fn is not None:
       specs.append(rewards_lib.RewardSpec(label, fn, weight=float(weight)))
       continue
-    if group is not None and not group.single:
-      raise ValueError(f"rewards.names entry {name!r} with {group.count} "
-                       "processes: a reward model or judge scores on one "
-                       "process for now.")
     if judges.is_judge(name):
       if load_judge is None:
         raise ValueError(f"rewards.names entry {name!r}: a judge needs a "

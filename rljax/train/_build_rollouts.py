@@ -15,6 +15,7 @@ from rljax import sharding
 from rljax.data import allocation as allocation_lib
 from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
+from rljax.train import combinations
 from rljax.train import partial as partial_lib
 
 
@@ -42,25 +43,7 @@ def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
 
 
 def _validate_allocation(config: Any) -> None:
-  rl = config.rl
-  others = {"rl.rollout": (rl.rollout, "static"),
-            "env.name": (config.env.name, ""),
-            "rl.selection.name": (rl.selection.name, "none"),
-            "rl.replay.fraction": (rl.replay.fraction, 0.0),
-            "sampler.speculative": (config.sampler.speculative, False)}
-  for field, (value, accepted) in others.items():
-    if value != accepted:
-      raise ValueError(
-          f"rl.allocation.name={rl.allocation.name!r} with {field}={value!r}: "
-          "rollout allocation samples the static batch in rounds of its "
-          f"own; accepted: {field}={accepted!r}.")
-  extra = alg_lib.sampling_needs(rl.advantage)["extra_samples"]
-  if extra:
-    raise ValueError(
-        f"rl.allocation.name={rl.allocation.name!r} with rl.advantage="
-        f"{rl.advantage!r}, which samples {extra} extra row(s) per group "
-        "(a pivot or greedy row): groups of unequal size have none; "
-        "accepted: an advantage without extra samples.")
+  combinations.check(config)  # what allocation does not combine with
   allocation(config)  # the schedule's own checks
 
 
@@ -85,16 +68,7 @@ def _validate_rollout(config: Any) -> None:
   """``rl.rollout*``, ``rl.max_staleness`` and ``rl.selection`` against
   each other."""
   rl = config.rl
-  if rl.selection.name != "none" and rl.rollout != "static":
-    raise ValueError(
-        f"rl.selection.name={rl.selection.name!r} with rl.rollout="
-        f"{rl.rollout!r}: prompt selection refills the static batch; "
-        "accepted: rl.rollout='static', or rl.selection.name='none'.")
-  if rl.replay.fraction and rl.rollout != "static":
-    raise ValueError(
-        f"rl.replay.fraction={rl.replay.fraction!r} with rl.rollout="
-        f"{rl.rollout!r}: replay mixes groups into the static batch; "
-        "accepted: rl.rollout='static', or rl.replay.fraction=0.")
+  combinations.check(config)
   if rl.replay.fraction and round(rl.replay.fraction * rl.prompts_per_step) \
       >= rl.prompts_per_step:
     raise ValueError(
@@ -105,13 +79,6 @@ def _validate_rollout(config: Any) -> None:
     _validate_allocation(config)
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
-    if config.sampler.speculative and rl.rollout == "static":
-      raise ValueError(
-          f"rl.sampler_devices={rl.sampler_devices} with sampler.speculative"
-          "=True and rl.rollout='static': SPEC-RL's static speculative "
-          "sampler samples on the trainer's mesh; accepted: rl.rollout="
-          "'continuous' or 'partial' (drafts verified in the slots), or "
-          "rl.sampler_devices=0.")
   if rl.rollout == "static":
     for name in ("rollout_slots", "rollout_refill_rows"):
       if rl[name] is not None:

@@ -15,6 +15,7 @@ from rljax import data as data_lib
 from rljax import objectives as obj_lib
 from rljax import sharding
 from rljax.train import algorithm as alg_lib
+from rljax.train import combinations
 from rljax.train import schema, table
 from rljax.train._build_inputs import hf_overrides, lora_config, reward_fn
 from rljax.train._build_rollouts import _validate_rollout
@@ -118,7 +119,7 @@ def _validate_always(config: Any) -> None:
 
 def _validate_env(config: Any) -> None:
   """A multi-turn environment's settings and what it cannot run with."""
-  e, rl = config.env, config.rl
+  e = config.env
   uses_env_reward = "env" in tuple(config.rewards.names)
   if not e.name:
     if uses_env_reward:
@@ -131,14 +132,6 @@ def _validate_env(config: Any) -> None:
   if not isinstance(e.observation_role, str) or not e.observation_role:
     raise ValueError(f"env.observation_role={e.observation_role!r}: a chat "
                      "role such as 'user' or 'tool' is required.")
-  others = {"rl.rollout": (rl.rollout, "static"),
-            "sampler.speculative": (bool(config.sampler.speculative), False),
-            "sampler.shrink_batch_to": (config.sampler.shrink_batch_to, None)}
-  for field, (value, accepted) in others.items():
-    if value != accepted:
-      raise ValueError(
-          f"{field}={value!r} with env.name={e.name!r}: multi-turn episodes "
-          f"run on the static batch for now; accepted: {field}={accepted!r}.")
   from rljax import envs  # pylint: disable=g-import-not-at-top
   envs.get_env(e.name, **dict(e.kwargs or {}))  # a clear error, no compile
 
@@ -228,11 +221,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
     raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "
                      "the truncation interval is empty.")
   _validate_algorithm(config)
-  if config.sampler.shrink_batch_to is not None and rl.rollout != "static":
-    raise ValueError(
-        f"sampler.shrink_batch_to={config.sampler.shrink_batch_to!r} with "
-        f"rl.rollout={rl.rollout!r}: slots refill as rows end, so there is no "
-        "batch to shrink; accepted: None, or rl.rollout='static'.")
+  combinations.check(config)
   n = rl.prompts_per_step * rl.group_size
   if n % (rl.num_minibatches * rl.num_microbatches):
     raise ValueError(

@@ -35,6 +35,7 @@ from rljax import objectives as obj_lib
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
 from rljax.train import algorithm as alg_lib
+from rljax.train import combinations
 from rljax.train import schema, table
 from rljax.train.schema import complete_config  # noqa: F401  (re-exported)
 from rljax.train import critic as critic_lib
@@ -333,7 +334,8 @@ class Components:
     """The multi-turn rollout of ``num_samples`` episodes per example
     (``env.name``), sampled as ``sampler``'s rows; None without an
     environment. ``training``: on the sampler's devices
-    (``rl.sampler_devices``)."""
+    (``rl.sampler_devices``), and with ``rl.rollout="continuous"`` on
+    ``rl.rollout_slots`` slots refilled as episodes end."""
     if self.env is None:
       return None
     alg = self.algorithm
@@ -341,6 +343,7 @@ class Components:
         alg.greedy_baseline and not greedy
         and num_samples == self.settings.group_size + alg.extra_samples) else 0
     mesh, param_shardings = self._where(training)
+    partial = partial_config(self.config) if training else None
     return envs_lib.MultiTurnSampler(
         self.model_config,
         sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
@@ -348,7 +351,9 @@ class Components:
                        greedy_every=greedy_every),
         self.turns, self.env, self.tokenizer, self.buckets, mesh=mesh,
         param_shardings=param_shardings,
-        observation_role=self.config.env.observation_role)
+        observation_role=self.config.env.observation_role,
+        slots=None if partial is None else partial.slots,
+        refill_rows=1 if partial is None else partial.refill_rows)
 
   @property
   def split(self) -> bool:
@@ -465,7 +470,7 @@ class Components:
     as ``sampler``'s; ``drafts``: SPEC-RL's store (``speculation().store``),
     whose drafts are verified in the slots' prefills."""
     partial = partial_config(self.config)
-    if partial is None:
+    if partial is None or self.env is not None:  # episodes have their own
       return None
     config = self._training_sampler_config(record_policy_logprobs)
     return partial_lib.SlotRollouts(
@@ -516,22 +521,7 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   validate(config, mesh)
   if not group.single:
     group.block(mesh)  # a clear error for a mesh that splits no rows by host
-    rl = config.rl
-    if (rl.selection.name != "none" or rl.replay.fraction
-        or rl.allocation.name != "none"):
-      raise ValueError(
-          f"rl.selection.name={rl.selection.name!r}, rl.replay.fraction="
-          f"{rl.replay.fraction!r}, rl.allocation.name="
-          f"{rl.allocation.name!r} with {group.count} processes: prompt "
-          "selection, replay and allocation run on one process for now; "
-          "accepted: 'none', 0 and 'none'.")
-    if rl.rollout != "static" or rl.max_staleness or rl.sampler_devices:
-      raise ValueError(
-          f"rl.rollout={rl.rollout!r}, rl.max_staleness={rl.max_staleness}, "
-          f"rl.sampler_devices={rl.sampler_devices} with {group.count} "
-          "processes: continuous batching, partial rollouts and asynchronous "
-          "sampling run on one process for now; accepted: rl.rollout="
-          "'static', rl.max_staleness=0 and rl.sampler_devices=0.")
+    combinations.check(config, group.count)
     if config.sft.num_steps:
       sharding.check_batch_divisible(config.sft.batch_size, mesh,
                                      "sft.batch_size")
@@ -546,10 +536,6 @@ def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
   alg = with_allocation(config, alg)  # groups of unequal size
   task, train_examples, heldout = load_task(config)
   check_data(config, train_examples, heldout, mesh)
-  if config.env.name and not group.single:
-    raise ValueError(f"env.name={config.env.name!r} with {group.count} "
-                     "processes: multi-turn episodes run on one process for "
-                     "now.")
   stops = (tuple(envs_lib.get_env(config.env.name, **dict(
       config.env.kwargs or {})).stop_strings) if config.env.name else ())
   hf_path = config.model.path

@@ -157,7 +157,8 @@ class Collector:
     self.sample_mesh = sample_mesh if sample_mesh is not mesh else None
     if slots is not None and not self.group.single:
       raise ValueError("continuous batching and partial rollouts "
-                       "(rl.rollout) run with one process for now.")
+                       "(rl.rollout) run on one process (the rule "
+                       "'slots-on-processes' of train/combinations.py).")
     if slots is not None and speculation is not None and (
         slots.drafts is not speculation.store):
       raise ValueError("with slots, SPEC-RL's draft store must be the slots' "

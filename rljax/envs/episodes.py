@@ -1,0 +1,152 @@
+"""What a multi-turn rollout returns, and the host's records while it runs
+(``rljax.envs.rollout``): each episode's rewards, turns and failures, and
+with slots the episodes that left them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rljax.sampling.sampler import Rollout, SamplerConfig
+
+
+class Episodes(NamedTuple):
+  """What ``MultiTurnSampler.run`` returns.
+
+  Attributes:
+    rollout: the ``Rollout`` (``observation_mask`` and ``turn_rewards``
+      set), on the devices.
+    prompts: each example's prompt (``Environment.reset``), ``B``.
+    env_reward: ``[N]`` float, the sum of each episode's step rewards (0 if
+      none gave one); NaN for a failed episode.
+    failed: ``[N]`` bool, the environment raised, hung or answered malformed
+      output (or its reset did).
+    metrics: ``env/*`` host floats, and ``time/env`` (seconds in the
+      environments' calls).
+    turn_tokens: each row's turns as ``(start, end, kind)`` column spans,
+      ``kind`` ``"model"`` or ``"observation"`` (tests and debugging).
+  """
+
+  rollout: Rollout
+  prompts: list[str]
+  env_reward: np.ndarray
+  failed: np.ndarray
+  metrics: dict[str, float]
+  turn_tokens: list[list[tuple[int, int, str]]]
+
+
+class SlotOutputs:
+  """The episodes that left their slots, by episode row (host arrays)."""
+
+  def __init__(self, n: int, config: SamplerConfig):
+    t = config.max_new_tokens
+    self.tokens = np.full((n, t), config.pad_id, np.int32)
+    self.mask = np.zeros((n, t), bool)
+    self.observed = np.zeros((n, t), bool)
+    self.sampler_logp = np.zeros((n, t), np.float32)
+    self.policy_logp = (np.zeros((n, t), np.float32)
+                        if config.record_policy_logprobs else None)
+    self.finished = np.zeros(n, bool)
+    self.prefills = 0
+
+  def retire(self, state: Any, slots_M, slot_row) -> None:
+    """Copies the ``slots_M`` slots' buffers (``rollout._Turns``) to their
+    episodes' rows ``slot_row``."""
+    slots = np.flatnonzero(slots_M)
+    if not len(slots):
+      return
+    fields = ("tokens", "mask", "observed", "sampler_logp", "policy_logp",
+              "finished")
+    host = jax.device_get({f: getattr(state, f) for f in fields
+                           if getattr(state, f) is not None})
+    rows = slot_row[slots]
+    for f, x in host.items():
+      getattr(self, f)[rows] = np.asarray(x)[slots]
+
+  def rollout(self, tokens_NxP, mask_NxP, turn_rewards_NxT) -> Rollout:
+    return Rollout(
+        prompt_tokens=jnp.asarray(tokens_NxP),
+        prompt_mask=jnp.asarray(mask_NxP),
+        completion_tokens=jnp.asarray(self.tokens),
+        completion_mask=jnp.asarray(self.mask),
+        lengths=jnp.asarray((self.mask & ~self.observed).sum(1), jnp.int32),
+        finished=jnp.asarray(self.finished),
+        policy_logprobs=(None if self.policy_logp is None
+                         else jnp.asarray(self.policy_logp)),
+        sampler_logprobs=jnp.asarray(self.sampler_logp),
+        observation_mask=jnp.asarray(self.observed),
+        turn_rewards=jnp.asarray(turn_rewards_NxT))
+
+  def metrics(self, decode_steps: int, slots: int) -> dict[str, float]:
+    model_tokens = float((self.mask & ~self.observed).sum())
+    return {"rollout/slots": float(slots),
+            "rollout/decode_steps": float(decode_steps),
+            "rollout/prefills": float(self.prefills + slots),
+            "rollout/slot_utilization": model_tokens / max(
+                decode_steps * slots, 1)}
+
+
+class EpisodeLog:
+  """The host's figures of one ``run``: rewards, failures, turns, spans."""
+
+  def __init__(self, n: int):
+    self.failed = np.zeros(n, bool)
+    self.reward = np.zeros(n, np.float64)
+    self.rewards_at: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+    self.turns = np.zeros(n, np.int32)
+    self.spans: list[list[tuple[int, int, str]]] = [[] for _ in range(n)]
+    self.info: dict[str, float] = {}
+    self.counts = {"errors": 0, "timeouts": 0}
+    self.obs_tokens = self.truncated_obs = self.turn_limit = 0
+    self.env_seconds = 0.0
+    self.slot_metrics: dict[str, float] = {}
+
+  def timed(self, fn):
+    t = time.monotonic()
+    try:
+      return fn()
+    finally:
+      self.env_seconds += time.monotonic() - t
+
+  def fail(self, r: int, outcome) -> None:
+    self.failed[r] = True
+    self.counts["errors" if outcome.status == "error" else "timeouts"] += 1
+    logging.getLogger("rljax").warning("environment %s: %s", outcome.status,
+                                       outcome.message)
+
+  def turn_rewards(self, t: int) -> np.ndarray:
+    """``[N, T]`` float32: each step's reward on its turn's last model
+    token; a failed episode's row is 0 (its ``env`` reward is NaN)."""
+    out = np.zeros((len(self.failed), t), np.float32)
+    for r, pairs in enumerate(self.rewards_at):
+      if not self.failed[r]:
+        for column, reward in pairs:
+          out[r, column] += reward
+    return out
+
+  def episodes(self, rollout, prompts, restarts: int) -> Episodes:
+    metrics = {
+        "env/turns/mean": float(self.turns.mean()),
+        "env/turns/max": float(self.turns.max()),
+        "env/observation_tokens": float(self.obs_tokens),
+        "env/observation_truncated": float(self.truncated_obs),
+        "env/turn_limit": float(self.turn_limit),
+        "env/failed_episodes": float(self.failed.sum()),
+        "env/errors": float(self.counts["errors"]),
+        "env/timeouts": float(self.counts["timeouts"]),
+        "env/worker_restarts": float(restarts),
+        "time/env": self.env_seconds,  # within time/sample
+    }
+    metrics.update({f"env/{k}": float(v) for k, v in self.info.items()})
+    metrics.update(self.slot_metrics)
+    return Episodes(rollout, prompts,
+                    np.where(self.failed, np.nan, self.reward), self.failed,
+                    metrics, self.spans)
+
+
+__all__ = ["EpisodeLog", "Episodes", "SlotOutputs"]

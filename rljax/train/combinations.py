@@ -1,0 +1,209 @@
+"""Which features do not combine, and why: the one table of rules.
+
+The features of a run (rollout plans, schedules, prompt feeders,
+environments, reward sources, several processes) combine with each other
+except where a rule below says otherwise. Each refusal is written once,
+here, with its reason: ``build.validate`` (one process) and ``build.build``
+(the run's processes) raise the first rule that applies, before anything is
+compiled, and ``docs/rollouts.md`` lists every rule by name
+(``tests/test_combinations.py`` checks both).
+
+A rule's ``kind`` is ``"meaningless"`` where the combination has no meaning
+(the reason says why), or ``"missing"`` where it has one but the code path it
+needs does not exist (the reason says which).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
+
+
+class Rule(NamedTuple):
+  """One refused combination.
+
+  Attributes:
+    name: its short name (``docs/rollouts.md`` lists it).
+    fields: the config fields the error names, the setting that is refused
+      first (``"processes"`` is the run's process count).
+    applies: ``(config, processes) -> bool``.
+    reason: why, after the fields in the error.
+    accepted: what the user may set instead.
+    kind: ``"meaningless"`` or ``"missing"`` (the module docstring).
+  """
+
+  name: str
+  fields: tuple[str, ...]
+  applies: Callable[[Any, int], bool]
+  reason: str
+  accepted: str
+  kind: Literal["meaningless", "missing"]
+
+
+def _get(config: Any, field: str) -> Any:
+  value = config
+  for part in field.split("."):
+    value = value[part]
+  return value
+
+
+def _slots(c: Any) -> bool:
+  return c.rl.rollout != "static"
+
+
+def _row_slots(c: Any) -> bool:
+  """Single-turn rows on slots (``sampling/continuous.py``); episodes on
+  slots stay whole batches to selection, replay and allocation."""
+  return _slots(c) and not c.env.name
+
+
+def _extra_samples(c: Any) -> int:
+  from rljax.train import algorithm  # pylint: disable=g-import-not-at-top
+  return algorithm.sampling_needs(c.rl.advantage)["extra_samples"]
+
+
+def _scoring_models(c: Any) -> list[str]:
+  """The reward names that are reward models or judges (they score on the
+  devices, not in reward workers)."""
+  from rljax.train import judges, model_rewards  # pylint: disable=g-import-not-at-top
+  return [name for name in c.rewards.names
+          if model_rewards.is_model_reward(name) or judges.is_judge(name)]
+
+
+_ALLOCATION = "rl.allocation.name"
+_ROUNDS = ("rollout allocation samples the static batch in rounds of its own "
+           "size and prompts")
+
+RULES: tuple[Rule, ...] = (
+    # --- one process -------------------------------------------------------
+    Rule("shrink-on-slots", ("sampler.shrink_batch_to", "rl.rollout"),
+         lambda c, p: c.sampler.shrink_batch_to is not None and _slots(c),
+         "slots refill as rows end, so there is no batch to shrink",
+         "sampler.shrink_batch_to=None, or rl.rollout='static'",
+         "meaningless"),
+    Rule("episodes-partial", ("rl.rollout", "env.name"),
+         lambda c, p: bool(c.env.name) and c.rl.rollout == "partial",
+         "episodes play on slots (rl.rollout='continuous') but are not "
+         "carried to the next step: an unfinished episode's environment "
+         "state is not kept", "rl.rollout='continuous' or 'static'",
+         "missing"),
+    Rule("episodes-with-spec-rl", ("sampler.speculative", "env.name"),
+         lambda c, p: bool(c.env.name) and bool(c.sampler.speculative),
+         "SPEC-RL's drafts are single-turn completions; the multi-turn "
+         "rollout verifies none", "sampler.speculative=False, or "
+         "env.name=''", "missing"),
+    Rule("episodes-shrink", ("sampler.shrink_batch_to", "env.name"),
+         lambda c, p: bool(c.env.name)
+         and c.sampler.shrink_batch_to is not None,
+         "the multi-turn rollout decodes every row of the batch; it has no "
+         "shrinking levels", "sampler.shrink_batch_to=None, or env.name=''",
+         "missing"),
+    Rule("selection-on-slots", ("rl.selection.name", "rl.rollout"),
+         lambda c, p: c.rl.selection.name != "none" and _row_slots(c),
+         "prompt selection refills the static batch with more rounds; slots "
+         "refill rows, not rounds", "rl.rollout='static', or "
+         "rl.selection.name='none'", "missing"),
+    Rule("replay-on-slots", ("rl.replay.fraction", "rl.rollout"),
+         lambda c, p: bool(c.rl.replay.fraction) and _row_slots(c),
+         "replay mixes stored groups into the static batch; slots carry "
+         "their own rows", "rl.rollout='static', or rl.replay.fraction=0",
+         "missing"),
+    Rule("allocation-on-slots", (_ALLOCATION, "rl.rollout"),
+         lambda c, p: c.rl.allocation.name != "none" and _slots(c),
+         _ROUNDS, "rl.rollout='static'", "missing"),
+    Rule("allocation-with-episodes", (_ALLOCATION, "env.name"),
+         lambda c, p: c.rl.allocation.name != "none" and bool(c.env.name),
+         _ROUNDS + " with the static sampler, not episodes", "env.name=''",
+         "missing"),
+    Rule("allocation-with-selection", (_ALLOCATION, "rl.selection.name"),
+         lambda c, p: (c.rl.allocation.name != "none"
+                       and c.rl.selection.name != "none"),
+         "both decide how many rows each prompt gets: allocation by its "
+         "rounds, selection by refilling groups; nothing arbitrates between "
+         "them", "rl.selection.name='none'", "missing"),
+    Rule("allocation-with-replay", (_ALLOCATION, "rl.replay.fraction"),
+         lambda c, p: (c.rl.allocation.name != "none"
+                       and bool(c.rl.replay.fraction)),
+         _ROUNDS + "; replayed groups have the fixed group size",
+         "rl.replay.fraction=0", "missing"),
+    Rule("allocation-with-spec-rl", (_ALLOCATION, "sampler.speculative"),
+         lambda c, p: (c.rl.allocation.name != "none"
+                       and bool(c.sampler.speculative)),
+         _ROUNDS + "; SPEC-RL's drafts are per fixed group",
+         "sampler.speculative=False", "missing"),
+    Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
+         lambda c, p: (c.rl.allocation.name != "none"
+                       and bool(_extra_samples(c))),
+         "the advantage samples a pivot or greedy row per group of G; "
+         "groups of unequal size have no such row",
+         "an advantage without extra samples", "meaningless"),
+    Rule("static-spec-rl-on-split-devices",
+         ("rl.sampler_devices", "sampler.speculative", "rl.rollout"),
+         lambda c, p: (bool(c.rl.sampler_devices)
+                       and bool(c.sampler.speculative) and not _slots(c)),
+         "SPEC-RL's static speculative sampler samples on the trainer's "
+         "mesh", "rl.rollout='continuous' or 'partial' (drafts verified in "
+         "the slots), or rl.sampler_devices=0", "missing"),
+    # --- several processes -------------------------------------------------
+    Rule("slots-on-processes", ("rl.rollout", "processes"),
+         lambda c, p: p > 1 and _slots(c),
+         "the slots' queue and carried rows are one process's",
+         "rl.rollout='static'", "missing"),
+    Rule("async-on-processes", ("rl.max_staleness", "processes"),
+         lambda c, p: p > 1 and bool(c.rl.max_staleness),
+         "batches sampled ahead are one process's", "rl.max_staleness=0",
+         "missing"),
+    Rule("split-devices-on-processes", ("rl.sampler_devices", "processes"),
+         lambda c, p: p > 1 and bool(c.rl.sampler_devices),
+         "the sampler's devices are taken from one process's",
+         "rl.sampler_devices=0", "missing"),
+    Rule("episodes-on-processes", ("env.name", "processes"),
+         lambda c, p: p > 1 and bool(c.env.name),
+         "each process would need its own environment workers for its rows",
+         "env.name=''", "missing"),
+    Rule("selection-on-processes", ("rl.selection.name", "processes"),
+         lambda c, p: p > 1 and c.rl.selection.name != "none",
+         "selection's decisions are one process's", "rl.selection.name="
+         "'none'", "missing"),
+    Rule("replay-on-processes", ("rl.replay.fraction", "processes"),
+         lambda c, p: p > 1 and bool(c.rl.replay.fraction),
+         "the replay buffer is one process's", "rl.replay.fraction=0",
+         "missing"),
+    Rule("allocation-on-processes", (_ALLOCATION, "processes"),
+         lambda c, p: p > 1 and c.rl.allocation.name != "none",
+         "allocation's rounds are one process's", "rl.allocation.name="
+         "'none'", "missing"),
+    Rule("reward-models-on-processes", ("rewards.names", "processes"),
+         lambda c, p: p > 1 and bool(_scoring_models(c)),
+         "a reward model or judge scores the rows on one process's devices",
+         "reward functions only", "missing"),
+)
+
+
+def applying(config: Any, processes: int = 1) -> list[Rule]:
+  """The rules that refuse ``config`` on ``processes`` processes."""
+  return [rule for rule in RULES if rule.applies(config, processes)]
+
+
+def message(rule: Rule, config: Any, processes: int = 1) -> str:
+  """The error of ``rule`` for ``config``: the fields and their values, the
+  reason and what is accepted."""
+  settings = " with ".join(
+      f"{processes} processes" if field == "processes"
+      else f"{field}={_get(config, field)!r}" for field in rule.fields)
+  return f"{settings}: {rule.reason}; accepted: {rule.accepted}."
+
+
+def check(config: Any, processes: int = 1) -> None:
+  """Raises the first rule that refuses ``config`` on ``processes``
+  processes.
+
+  Raises:
+    ValueError: naming the rule's fields and values, its reason and what
+      is accepted.
+  """
+  for rule in applying(config, processes):
+    raise ValueError(message(rule, config, processes))
+
+
+__all__ = ["RULES", "Rule", "applying", "check", "message"]

@@ -1,0 +1,126 @@
+"""The one table of refused combinations (``rljax/train/combinations.py``):
+every rule fires on its settings and on nothing less, is raised by
+``build.validate`` before compiling, and is listed in ``docs/rollouts.md``."""
+
+import os
+
+import pytest
+
+from rljax.train import build, combinations
+from tests.test_loop import loop_config
+
+DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "rollouts.md")
+
+# Settings that make each rule apply: (overrides, processes).
+TRIGGERS = {
+    "shrink-on-slots": ({"sampler.shrink_batch_to": 2,
+                         "rl.rollout": "continuous"}, 1),
+    "episodes-partial": ({"env.name": "calculator",
+                          "rl.rollout": "partial"}, 1),
+    "episodes-with-spec-rl": ({"env.name": "calculator",
+                               "sampler.speculative": True}, 1),
+    "episodes-shrink": ({"env.name": "calculator",
+                         "sampler.shrink_batch_to": 2}, 1),
+    "selection-on-slots": ({"rl.selection.name": "dapo",
+                            "rl.rollout": "continuous"}, 1),
+    "replay-on-slots": ({"rl.replay.fraction": 0.25,
+                         "rl.rollout": "partial"}, 1),
+    "allocation-on-slots": ({"rl.allocation.name": "vigor",
+                             "rl.rollout": "continuous"}, 1),
+    "allocation-with-episodes": ({"rl.allocation.name": "vigor",
+                                  "env.name": "calculator"}, 1),
+    "allocation-with-selection": ({"rl.allocation.name": "vigor",
+                                   "rl.selection.name": "dapo"}, 1),
+    "allocation-with-replay": ({"rl.allocation.name": "vigor",
+                                "rl.replay.fraction": 0.25}, 1),
+    "allocation-with-spec-rl": ({"rl.allocation.name": "vigor",
+                                 "sampler.speculative": True}, 1),
+    "allocation-with-extra-rows": ({"rl.allocation.name": "vigor",
+                                    "rl.advantage": "mc_grpo"}, 1),
+    "static-spec-rl-on-split-devices": ({"rl.sampler_devices": 2,
+                                         "sampler.speculative": True}, 1),
+    "slots-on-processes": ({"rl.rollout": "continuous"}, 2),
+    "async-on-processes": ({"rl.max_staleness": 1}, 2),
+    "split-devices-on-processes": ({"rl.sampler_devices": 2}, 2),
+    "episodes-on-processes": ({"env.name": "calculator"}, 2),
+    "selection-on-processes": ({"rl.selection.name": "greso"}, 2),
+    "replay-on-processes": ({"rl.replay.fraction": 0.25}, 2),
+    "allocation-on-processes": ({"rl.allocation.name": "vigor"}, 2),
+    "reward-models-on-processes": ({"rewards.names": ("model:/nowhere",),
+                                    "rewards.weights": (1.0,)}, 2),
+}
+RULES = {rule.name: rule for rule in combinations.RULES}
+
+
+def _config(overrides):
+  config = loop_config()
+  for key, value in overrides.items():
+    *path, leaf = key.split(".")
+    node = config
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def test_every_rule_has_a_trigger_and_a_unique_name():
+  assert set(TRIGGERS) == set(RULES)
+  assert len(RULES) == len(combinations.RULES)
+
+
+@pytest.mark.parametrize("name", sorted(TRIGGERS))
+def test_each_rule_applies_to_its_settings_and_to_nothing_less(name):
+  overrides, processes = TRIGGERS[name]
+  rule = RULES[name]
+  config = _config(overrides)
+  assert rule.applies(config, processes)
+  # Each setting is needed: without it (or on one process) the rule is off.
+  for key in overrides:
+    if key == "rewards.weights":
+      continue
+    less = {k: v for k, v in overrides.items()
+            if k != key and not (key == "rewards.names"
+                                 and k == "rewards.weights")}
+    assert not rule.applies(_config(less), processes), (name, key)
+  if processes > 1:
+    assert not rule.applies(config, 1)
+  text = combinations.message(rule, config, processes)
+  for field in rule.fields:
+    assert (f"{processes} processes" if field == "processes"
+            else f"{field}=") in text
+  assert rule.reason in text and "for now" not in text
+
+
+@pytest.mark.parametrize("name", sorted(n for n, (_, p) in TRIGGERS.items()
+                                        if p == 1))
+def test_validate_raises_the_rule_before_compiling(name):
+  overrides, _ = TRIGGERS[name]
+  config = _config(overrides)
+  if "env.name" in overrides:
+    config.rewards.names = ("env",)
+    config.rewards.weights = (1.0,)
+  with pytest.raises(ValueError) as info:
+    build.validate(config)
+  # The first applying rule is raised; it is this one or one written before
+  # it that the same settings also trigger.
+  first = combinations.applying(config)[0]
+  assert str(info.value) == combinations.message(first, config)
+  assert name in [r.name for r in combinations.applying(config)]
+
+
+def test_several_processes_check_the_process_rules():
+  config = _config({"rl.max_staleness": 1})
+  combinations.check(config, 1)  # one process: fine
+  with pytest.raises(ValueError, match=r"rl.max_staleness=1 with 2 "
+                     r"processes: batches sampled ahead"):
+    combinations.check(config, 2)
+
+
+def test_the_docs_list_every_rule_with_its_kind_and_reason():
+  with open(DOCS, encoding="utf-8") as f:
+    docs = f.read()
+  for rule in combinations.RULES:
+    row = next((line for line in docs.splitlines()
+                if line.startswith(f"| `{rule.name}` |")), None)
+    assert row is not None, rule.name
+    assert f"| {rule.kind} |" in row and rule.reason in row, rule.name

@@ -1,0 +1,107 @@
+"""Episodes on slots (continuous batching of multi-turn episodes).
+
+The reference is the static batch of the same episodes: every episode gets
+its own row there from the start, so an episode played in a refilled slot
+must be the same episode, token for token (its draws are its row's), with
+the same observations, rewards and failures.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from rljax import envs, models
+from rljax.envs import rollout as mt
+from tests import env_fixtures
+from tests.test_envs import EXAMPLES, MC, O, SC, TOK
+
+TURNS = mt.TurnConfig(max_turns=4, max_observation_tokens=O)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return models.init_params(MC, jax.random.key(0))
+
+
+def _run(params, env, *, slots=None, refill_rows=1, examples=EXAMPLES,
+         config=SC, turns=TURNS, workers=0, key=3):
+  runner = envs.EnvRunner(env, num_workers=workers, timeout_s=3.0)
+  try:
+    sampler = mt.MultiTurnSampler(MC, config, turns, runner, TOK, (8, 16),
+                                  slots=slots, refill_rows=refill_rows)
+    return jax.device_get(sampler.run(params, examples, jax.random.key(key)))
+  finally:
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def static(params):
+  return _run(params, env_fixtures.Graded((1.0, -0.25, 2.0)))
+
+
+@pytest.mark.parametrize("slots,refill_rows", [(2, 1), (4, 2), (5, 1)])
+def test_each_episode_on_slots_is_its_static_row(params, static, slots,
+                                                 refill_rows):
+  got = _run(params, env_fixtures.Graded((1.0, -0.25, 2.0)), slots=slots,
+             refill_rows=refill_rows)
+  a, b = static.rollout, got.rollout
+  for field in ("prompt_tokens", "prompt_mask", "completion_tokens",
+                "completion_mask", "observation_mask", "lengths", "finished",
+                "turn_rewards"):
+    np.testing.assert_array_equal(getattr(b, field), getattr(a, field),
+                                  err_msg=field)
+  np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs,
+                             atol=2e-5)
+  np.testing.assert_allclose(b.policy_logprobs, a.policy_logprobs, atol=2e-5)
+  assert got.turn_tokens == static.turn_tokens
+  np.testing.assert_array_equal(got.env_reward, static.env_reward)
+  n = len(static.env_reward)
+  m = got.metrics
+  assert m["rollout/slots"] == slots and m["rollout/prefills"] == n
+  assert 0 < m["rollout/slot_utilization"] <= 1
+  model_tokens = (a.completion_mask & ~a.observation_mask).sum()
+  # Fewer slots than episodes: more decode steps than the static batch's
+  # longest episode, each with at most `slots` tokens.
+  assert m["rollout/decode_steps"] * slots >= model_tokens
+  for k, v in static.metrics.items():
+    if k != "time/env":
+      assert m[k] == v, k
+
+
+def test_slot_settings_are_checked():
+  runner = envs.EnvRunner(env_fixtures.Scripted(), num_workers=0)
+  for kwargs, match in (({"slots": 0}, "rl.rollout_slots=0"),
+                        ({"slots": 2, "refill_rows": 0},
+                         "rl.rollout_refill_rows=0")):
+    with pytest.raises(ValueError, match=match):
+      mt.MultiTurnSampler(MC, SC, TURNS, runner, TOK, (8,), **kwargs)
+
+
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_failing_environments_on_slots_fail_their_episodes_only(params,
+                                                                workers):
+  """A step that raises, answers garbage or a NaN reward, a failed reset,
+  and with a worker a step that hangs or kills its worker, each in a slot
+  that is then given to the next episode: the same failures as the static
+  batch, and every other episode plays."""
+  ways = ["raise", "fine", "not_a_step", "nan_reward", "fine",
+          "not_json_state", "bad_reset", "long_prompt", "fine"]
+  if workers:
+    ways += ["hang", "fine", "exit", "fine"]
+  examples = {"prompt": ways}
+  config = SC.replace(num_samples=1)
+  turns = mt.TurnConfig(max_turns=2, max_turn_tokens=3)
+  env = env_fixtures.Misbehaves()
+  want = _run(params, env, examples=examples, config=config, turns=turns,
+              workers=workers, key=1)
+  got = _run(params, env, slots=3, examples=examples, config=config,
+             turns=turns, workers=workers, key=1)
+  assert got.failed.tolist() == [w != "fine" for w in ways]
+  np.testing.assert_array_equal(got.failed, want.failed)
+  np.testing.assert_array_equal(got.env_reward, want.env_reward)
+  np.testing.assert_array_equal(got.rollout.completion_tokens,
+                                want.rollout.completion_tokens)
+  for k in ("env/failed_episodes", "env/errors", "env/timeouts"):
+    assert got.metrics[k] == want.metrics[k], k
+  if workers:
+    assert got.metrics["env/timeouts"] == 1
