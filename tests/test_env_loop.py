@@ -97,9 +97,6 @@ def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
 # Each run composes several features, each seen to act through its own
 # metric: one 2-step run per case keeps the pairs cheap.
 COMPOSE = {
-    # Asynchronous on a split mesh, with replayed groups.
-    "async-split-replay": {"rl.max_staleness": 1, "rl.sampler_devices": 4,
-                           "rl.replay.fraction": 0.25, "rl.num_steps": 3},
     # Dynamic sampling refills zero-variance groups with more episodes;
     # every turn rewarded (tests.env_fixtures.Graded), REINFORCE++ with a
     # discount reads the per-token rewards.
@@ -107,17 +104,16 @@ COMPOSE = {
         "rl.selection.name": "dapo", "rl.selection.max_rounds": 2,
         "env.name": "tests.env_fixtures:Graded", "env.kwargs": {},
         "rl.advantage": "whiten_by_tokens", "rl.gamma": 0.9},
-    # GRESO's filter; a critic's GAE reads the per-token rewards.
-    "greso-turn-rewards-gae": {
-        "rl.selection.name": "greso", "env.name": "tests.env_fixtures:Graded",
-        "env.kwargs": {}, "rl.advantage": "gae", "critic.gamma": 0.9,
-        "critic.lam": 0.95},
-    # Episodes on slots refilled as they end, sampled one update ahead,
-    # with DAPO's refills.
-    "continuous-async-dapo": {"rl.rollout": "continuous",
-                              "rl.rollout_slots": 16, "rl.max_staleness": 1,
-                              "rl.selection.name": "dapo"},
+    # GRESO's filter and replayed groups of episodes, sampled one update
+    # ahead on a split mesh; a critic's GAE reads the per-token rewards.
+    "greso-replay-async-split-turn-rewards-gae": {
+        "rl.selection.name": "greso", "rl.replay.fraction": 0.25,
+        "rl.max_staleness": 1, "rl.sampler_devices": 4, "rl.num_steps": 3,
+        "env.name": "tests.env_fixtures:Graded", "env.kwargs": {},
+        "rl.advantage": "gae", "critic.gamma": 0.9, "critic.lam": 0.95},
 }
+# Episodes on continuous slots with async sampling, split devices, DAPO,
+# a critic, LoRA, a reward model and distillation: tests/test_pairs.py.
 
 
 @pytest.mark.slow
@@ -143,17 +139,11 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
   if "rl.sampler_devices" in overrides:
     # Step 2 is a checkpoint (checkpoint.every): nothing is sampled across.
     assert [r["rollout/sampler_lag"] for r in rows] == [0, 1, 0]
+    assert all(r["rollout/sampler_devices"] == 4 for r in rows)
     assert max(r["replay/fraction"] for r in rows) == 0.25
   if overrides.get("rl.selection.name") == "dapo":
     assert all(r["select/rounds"] >= 1 for r in rows)
     assert "select/zero_variance_after" in rows[0]
-  if overrides.get("rl.rollout") == "continuous":
-    n = config.rl.prompts_per_step * config.rl.group_size
-    for r in rows:
-      assert r["rollout/slots"] == 16
-      assert r["rollout/prefills"] >= n  # every episode, every round
-      assert 0 < r["rollout/slot_utilization"] <= 1
-    assert max(r["rollout/sampler_lag"] for r in rows) == 1
   if overrides.get("rl.selection.name") == "greso":
     assert all(r["select/prompt_draws"] >= 1 for r in rows)
     assert "select/zero_variance_before" in rows[-1]

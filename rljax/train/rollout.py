@@ -453,6 +453,8 @@ class Collector:
         "time/advantage": t_advantage - t_reward, **sampled.spec_metrics,
         **(extra_metrics or {}),
     })
+    if self.sample_mesh is not None:  # rl.sampler_devices
+      metrics["rollout/sampler_devices"] = float(self.sample_mesh.devices.size)
     if "rollout/generated_tokens" in sampled.spec_metrics:  # not carried
       metrics["num_generated_tokens"] = sampled.spec_metrics[
           "rollout/generated_tokens"]
