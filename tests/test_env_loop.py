@@ -35,6 +35,11 @@ def env_config(name="calculator", **overrides):
   return c
 
 
+# What a loop test that checks the RL steps does not need: the warm-up,
+# greedy and long held-out evaluations.
+QUICK = {"sft.num_steps": 0, "eval.greedy": False, "eval.num_examples": 8}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["calculator", "guess_number", "python"])
 def test_every_environment_trains_from_the_config(name, tmp_path):
@@ -63,7 +68,7 @@ def test_every_environment_trains_from_the_config(name, tmp_path):
 def test_rounds_and_turn_caps_train_from_the_config(tmp_path):
   """env.step_rows (environments stepped as rows wait) and
   env.max_turn_tokens from the config, through the loop."""
-  config = env_config("guess_number", **{"env.step_rows": 4,
+  config = env_config("guess_number", **QUICK, **{"env.step_rows": 4,
                                          "env.max_turn_tokens": 3,
                                          "eval.every": 100})
   train.run(config, str(tmp_path))
@@ -80,7 +85,7 @@ def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
   """Steps that raise, hang past the timeout or answer garbage, sampled one
   update ahead (the synchronous schedule's episodes fail the same way:
   tests/test_envs.py)."""
-  config = env_config("guess_number", **{
+  config = env_config("guess_number", **QUICK, **{
       "env.name": "tests.env_fixtures:FlakyGuess", "env.num_workers": 2,
       "env.timeout_s": 0.5, "eval.every": 100, "rl.max_staleness": 1})
   summary = train.run(config, str(tmp_path))
@@ -123,7 +128,7 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
   """Episodes under the other schedules, prompt feeders and discounted
   estimators."""
   overrides = COMPOSE[case]
-  config = env_config("guess_number", **{"eval.every": 100})
+  config = env_config("guess_number", **QUICK, **{"eval.every": 100})
   for key, value in overrides.items():
     *sections, field = key.split(".")
     node = config
@@ -155,7 +160,7 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
 
 @pytest.mark.slow
 def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
-  config = env_config("guess_number", **{"rl.num_steps": 3,
+  config = env_config("guess_number", **QUICK, **{"rl.num_steps": 3,
                                          "checkpoint.every": 1,
                                          "eval.every": 100})
   train.run(config, str(tmp_path / "whole"))
@@ -211,7 +216,8 @@ def test_calculator_on_slots_async_killed_mid_run_resumes_exactly(tmp_path):
   from tests import subprocess_env, test_resume  # pylint: disable=g-import-not-at-top
   flags = ["--config=configs/calculator_grpo.py:tiny",
            "--config.rl.num_steps=4", "--config.eval.every=100",
-           "--config.checkpoint.every=2",
+           "--config.checkpoint.every=2", "--config.sft.num_steps=0",
+           "--config.eval.greedy=False", "--config.eval.num_examples=8",
            "--config.rl.rollout=continuous", "--config.rl.rollout_slots=16",
            "--config.rl.max_staleness=1",
            "--config.rewards.names=('env', 'tests.reward_fixtures:parity')",

@@ -108,6 +108,10 @@ def config(features, rm_dir="/rm", teacher_dir="/teacher"):
   c.env.name = ""
   c.rl.num_steps = 2
   c.eval.every = c.checkpoint.every = 100
+  # What the pairs do not need: the warm-up, greedy and long evaluations.
+  c.sft.num_steps = 0
+  c.eval.greedy = False
+  c.eval.num_examples = 8
   c.task.num_train = c.rl.prompts_per_step  # the same prompts every step
   names = ["numeric_match", "tests.reward_fixtures:parity"]
   weights = [1.0, 0.5]

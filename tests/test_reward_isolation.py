@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from rljax import rewards
-from rljax.rewards import _pool
+from rljax.rewards import pool as _pool
 from rljax.rewards import evaluation
 from tests import reward_fixtures as rf
 

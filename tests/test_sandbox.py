@@ -398,6 +398,13 @@ def _processes_with(marker):
   return out
 
 
+def _appears(marker, seconds=5.0):
+  deadline = time.monotonic() + seconds
+  while not _processes_with(marker) and time.monotonic() < deadline:
+    time.sleep(0.05)
+  return bool(_processes_with(marker))
+
+
 def _gone(marker, seconds=5.0):
   deadline = time.monotonic() + seconds
   while _processes_with(marker) and time.monotonic() < deadline:
@@ -412,21 +419,22 @@ def test_an_environment_daemon_ends_with_close_and_with_a_restart():
   first, hung, last = (f"{what}-{uuid.uuid4().hex}"
                        for what in ("daemon", "hang", "daemon"))
   try:
-    assert runner.step([{}], [first])[0].status == "ok"
+    out = runner.step([{}], [first])[0]
+    assert out.status == "ok", out
     assert runner.isolated == {"processes": "pid-namespace"}
-    assert _processes_with(first), "the daemon did not start"
+    assert _appears(first), "the daemon did not start"
     out = runner.step([{}], [hung])  # killed at the timeout, replaced
     assert out[0].status == "timeout" and runner.restarts == 1
     assert _gone(hung) and _gone(first)  # both of the replaced worker
     assert runner.step([{}], [last])[0].status == "ok"
-    assert _processes_with(last), "the new worker's daemon did not start"
+    assert _appears(last), "the new worker's daemon did not start"
   finally:
     runner.close()
   assert _gone(last)
 
 
 def test_without_a_pid_namespace_a_setsid_daemon_escapes_and_says_so():
-  from rljax.rewards import _pool  # pylint: disable=g-import-not-at-top
+  from rljax.rewards import pool as _pool  # pylint: disable=g-import-not-at-top
   from tests import env_fixtures  # pylint: disable=g-import-not-at-top
   runner = envs.EnvRunner(env_fixtures.StartsDaemon(), num_workers=1,
                           timeout_s=3.0)
@@ -438,12 +446,14 @@ def test_without_a_pid_namespace_a_setsid_daemon_escapes_and_says_so():
       pid_namespace=False)
   marker = f"daemon-{uuid.uuid4().hex}"
   try:
-    assert runner.step([{}], [marker])[0].status == "ok"
+    out = runner.step([{}], [marker])[0]
+    assert out.status == "ok", out
     assert runner.isolated == {"processes": "process-group"}
   finally:
     runner.close()
   try:
-    assert not _gone(marker, seconds=1.0)
+    time.sleep(0.5)
+    assert _appears(marker)  # still there, after close()
   finally:
     for pid in _processes_with(marker):
       os.kill(pid, signal.SIGKILL)

@@ -14,7 +14,7 @@ test can replay an episode from its states. Every ``reset`` and ``step``
 result crosses a JSON round trip, in worker processes and in-process alike,
 so an environment that works in one works in the other.
 
-``EnvRunner`` runs ``reset`` and ``step`` on a ``rewards._pool.KillingPool``
+``EnvRunner`` runs ``reset`` and ``step`` on a ``rewards.pool.KillingPool``
 (the reward functions' pool): each call has a timeout, a worker that hangs
 past it is killed with its process group and replaced, a memory limit caps
 each worker, and results come back as JSON bytes, never pickles. Each
@@ -46,7 +46,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
-from rljax.rewards import _pool
+from rljax.rewards import pool as pool_lib
 from rljax.rewards.verifiers import env_reward  # noqa: F401  (re-exported)
 
 
@@ -230,7 +230,7 @@ class EnvRunner:
     self.num_workers = num_workers
     self._pool = None
     if num_workers:
-      self._pool = _pool.KillingPool(
+      self._pool = pool_lib.KillingPool(
           [functools.partial(_call_reset, env),
            functools.partial(_call_step, env)],
           encode=_identity, num_workers=num_workers, timeout_s=timeout_s,
@@ -258,18 +258,18 @@ class EnvRunner:
   def _run(self, index: int, calls: Sequence[tuple], check) -> list[EnvOutcome]:
     fn = (_call_reset, _call_step)[index]
     if self._pool is not None:
-      raw = self._pool.run([_pool.Task(index, tuple(args), {})
+      raw = self._pool.run([pool_lib.Task(index, tuple(args), {})
                             for args in calls])
     else:
       raw = []
       for args in calls:
         try:
-          raw.append(_pool.Outcome("ok", fn(self.env, *args), ""))
+          raw.append(pool_lib.Outcome("ok", fn(self.env, *args), ""))
         except KeyboardInterrupt:
           raise
         except BaseException as exc:  # pylint: disable=broad-exception-caught
-          raw.append(_pool.Outcome("error", None,
-                                   _pool.describe_exception(exc)))
+          raw.append(pool_lib.Outcome("error", None,
+                                   pool_lib.describe_exception(exc)))
     out = []
     for outcome in raw:
       if outcome.status != "ok":

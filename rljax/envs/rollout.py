@@ -56,8 +56,8 @@ from rljax.envs.episodes import EpisodeLog, Episodes, SlotOutputs
 from rljax.envs.observations import ObservationFormat
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache
-from rljax.sampling.sampler import (Rollout, SamplerConfig, _fused_logprobs,
-                                    _pick, _setup, pad_prompts,
+from rljax.sampling.sampler import (Rollout, SamplerConfig, fused_logprobs,
+                                    pick_logprob, decode_setup, pad_prompts,
                                     token_keys)
 
 
@@ -129,7 +129,7 @@ def _start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N, *, mc, sc,
   n, p = prompt_tokens_NxP.shape
   t = sc.max_new_tokens
   mask = prompt_mask_NxP.astype(jnp.bool_)
-  model, w_DxV, cache_dtype, _ = _setup(params, mask[:1], mc, sc)
+  model, w_DxV, cache_dtype, _ = decode_setup(params, mask[:1], mc, sc)
   cache = init_cache(mc, n, p + t + obs_width, cache_dtype)
   hidden, cache = model.apply(
       {"params": params}, prompt_tokens_NxP,
@@ -195,7 +195,7 @@ def _decode_turn(params, state: _Turns, clear_N, min_waiting, *,
   ended a turn (a traced int); ``clear_N``: rows whose ended turn the host
   has taken (their ``ended_turn`` is cleared first)."""
   state = state._replace(ended_turn=state.ended_turn & ~clear_N)
-  model, w_DxV, _, _ = _setup(params, state.mask[:1, :1], mc, sc)
+  model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
   n, t = state.tokens.shape
   eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
   samples = state.row % sc.num_samples
@@ -215,7 +215,7 @@ def _decode_turn(params, state: _Turns, clear_N, min_waiting, *,
     tokens = put(s.tokens, token)
     policy_logp = s.policy_logp
     if policy_logp is not None:
-      lp = (sampler_logp if _fused_logprobs(sc) else _pick(
+      lp = (sampler_logp if fused_logprobs(sc) else pick_logprob(
           jax.nn.log_softmax(s.logits / sc.training_temperature, -1), token))
       policy_logp = put(policy_logp, lp)
     ended = live & _turn_ended(tokens, column, token, s.turn_start, eos,
@@ -253,7 +253,7 @@ def _insert(params, state: _Turns, obs_NxO, obs_len_N, resume_N, end_N,
   """Appends each resumed row's observation (prefilled at its own index)
   and makes it live; ends the rows in ``end_N``. Rows in neither (decoding
   their turn, or done) are unchanged."""
-  model, w_DxV, _, _ = _setup(params, state.mask[:1, :1], mc, sc)
+  model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
   n, t = state.tokens.shape
   o = obs_NxO.shape[1]
   obs_len_N = jnp.where(resume_N, obs_len_N, 0)

@@ -39,7 +39,7 @@ evaluator:
   ``[-c, c]`` and counted in ``reward/<name>/clipped`` (they keep their
   reward); infinities stay invalid.
 
-Worker processes are isolated (see ``_pool``): each runs in its own process
+Worker processes are isolated (see ``pool``): each runs in its own process
 group, which is killed whole at a timeout, at ``close()`` and at interpreter
 exit, so processes a reward function forks or starts are not left behind; an
 optional ``memory_limit_mb`` caps each worker's address space. A function
@@ -70,7 +70,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
-from rljax.rewards import _pool
+from rljax.rewards import pool as _pool
 from rljax.rewards import verifiers
 
 _log = logging.getLogger(__name__)
@@ -301,7 +301,7 @@ def _convert(returned: Any) -> _Values:
 
 
 def _encode_values(returned: Any) -> bytes:
-  """``_convert(returned)`` as bytes (run in the worker; see ``_pool``)."""
+  """``_convert(returned)`` as bytes (run in the worker; see ``pool``)."""
   values_n, status_n, note = _convert(returned)
   note_bytes = note.encode("utf-8", "backslashreplace")[:500]
   return (_VALUES_HEADER.pack(len(values_n), len(note_bytes))

@@ -47,8 +47,8 @@ import numpy as np
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache, LayerKV
-from rljax.sampling.sampler import (SamplerConfig, _ended, _fused_logprobs,
-                                    _pick, _setup, _token_logprobs,
+from rljax.sampling.sampler import (SamplerConfig, _ended, fused_logprobs,
+                                    pick_logprob, decode_setup, _token_logprobs,
                                     token_keys)
 
 
@@ -333,7 +333,7 @@ def _step(params, state: _State, queue: Queue, *, model, w_DxV,
   ended = live & _ended(window, column, token, eos, sc.stop_sequences)
   policy_logp = state.policy_logp
   if policy_logp is not None:
-    lp = (sampler_logp if _fused_logprobs(sc) else _pick(
+    lp = (sampler_logp if fused_logprobs(sc) else pick_logprob(
         jax.nn.log_softmax(state.logits / sc.training_temperature, -1), token))
     policy_logp = policy_logp.at[row, column].set(lp, mode="drop")
   hidden, cache = model.apply(
@@ -375,7 +375,7 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
   q, p = queue.prompt_tokens.shape
   t, m = sc.max_new_tokens, slots.slots
   queue = queue._replace(prompt_mask=queue.prompt_mask.astype(jnp.bool_))
-  model, w_DxV, cache_dtype, _ = _setup(params, queue.prompt_mask[:1], mc, sc)
+  model, w_DxV, cache_dtype, _ = decode_setup(params, queue.prompt_mask[:1], mc, sc)
   cache = init_cache(mc, m, p + t, cache_dtype)
   cache = cache._replace(index=jnp.zeros((m,), jnp.int32))
   state = _State(

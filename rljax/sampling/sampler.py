@@ -260,7 +260,13 @@ def _ended(tokens_NxT, column_N, token_N, eos_V, stop_sequences):
   return hit
 
 
-def _pick(logp_xV, token_x):
+# The decode API the samplers share (this module's, continuous.py's,
+# speculative.py's and the multi-turn rollout's, rljax/envs/rollout.py):
+# decode_setup, pick_logprob, fused_logprobs, row_keys and token_keys.
+
+
+def pick_logprob(logp_xV, token_x):
+  """``logp_xV[..., token_x]``: each token's entry of its log-distribution."""
   return jnp.take_along_axis(logp_xV, token_x[..., None], -1)[..., 0]
 
 
@@ -275,15 +281,15 @@ def _token_logprobs(logits_xV, token_x, sc: SamplerConfig):
   if m.greedy:
     sampler_logp = jnp.zeros(token_x.shape, jnp.float32)
   else:
-    sampler_logp = _pick(jax.nn.log_softmax(m.truncated_logits(logits_xV), -1),
+    sampler_logp = pick_logprob(jax.nn.log_softmax(m.truncated_logits(logits_xV), -1),
                          token_x)
-  if _fused_logprobs(sc):
+  if fused_logprobs(sc):
     return sampler_logp, sampler_logp
-  return sampler_logp, _pick(jax.nn.log_softmax(
+  return sampler_logp, pick_logprob(jax.nn.log_softmax(
       logits_xV.astype(jnp.float32) / sc.training_temperature, -1), token_x)
 
 
-def _fused_logprobs(sc: SamplerConfig) -> bool:
+def fused_logprobs(sc: SamplerConfig) -> bool:
   """Whether the policy logprob is the sampler's (same distribution)."""
   m = sc.method
   return (not m.greedy and not getattr(m, "greedy_every", 0)
@@ -329,7 +335,7 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
     token = jnp.where(live, token, sc.pad_id)
     policy_logp = None
     if sc.record_policy_logprobs:
-      policy_logp = (sampler_logp if _fused_logprobs(sc) else _pick(
+      policy_logp = (sampler_logp if fused_logprobs(sc) else pick_logprob(
           jax.nn.log_softmax(state.logits / sc.training_temperature, -1),
           token))
     at_NxT = (cols_T[None] == state.column[:, None]) & live[:, None]
@@ -431,7 +437,10 @@ def _prefill(params, prompt_tokens_BxP, prompt_mask_BxP, *, model,
   return hidden[:, -1], cache
 
 
-def _setup(params, prompt_mask_BxP, mc: ModelConfig, sc: SamplerConfig):
+def decode_setup(params, prompt_mask_BxP, mc: ModelConfig, sc: SamplerConfig):
+  """``(decoder, w_DxV, cache dtype, prompt_len_N)`` of a decode: the model,
+  its output projection, the KV cache's dtype (``SamplerConfig.cache_dtype``
+  or the model's) and each of the ``B * num_samples`` rows' prompt length."""
   cache_dtype = (mc.jnp_dtype if sc.cache_dtype is None
                  else _CACHE_DTYPES[sc.cache_dtype])
   prompt_len_N = jnp.repeat(
@@ -472,7 +481,7 @@ def _sample_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                  row_multiple: int = 1) -> Rollout:
   mc, sc = model_config, config
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
-  model, w_DxV, cache_dtype, prompt_len_N = _setup(params, prompt_mask_BxP,
+  model, w_DxV, cache_dtype, prompt_len_N = decode_setup(params, prompt_mask_BxP,
                                                    mc, sc)
   hidden_NxD, cache = _prefill(params, prompt_tokens_BxP, prompt_mask_BxP,
                                model=model, w_DxV=w_DxV, mc=mc, sc=sc,

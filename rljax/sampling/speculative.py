@@ -60,7 +60,7 @@ from rljax.models import ModelConfig, compute_logits
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _decode, _ended,
                                     mesh_shardings, pad_rows,
                                     _LoopState, _grow, _prefill,
-                                    _round_up, _setup, _to_rollout,
+                                    _round_up, decode_setup, _to_rollout,
                                     _token_logprobs)
 
 _VERIFY_CHUNK = 128  # draft positions whose [N, chunk, V] logits exist at once
@@ -87,7 +87,7 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
   mc, sc = model_config, config
   t = sc.max_new_tokens
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
-  model, w_DxV, cache_dtype, prompt_len_N = _setup(params, prompt_mask_BxP,
+  model, w_DxV, cache_dtype, prompt_len_N = decode_setup(params, prompt_mask_BxP,
                                                    mc, sc)
   last_NxD, cache = _prefill(params, prompt_tokens_BxP, prompt_mask_BxP,
                              model=model, w_DxV=w_DxV, mc=mc, sc=sc,

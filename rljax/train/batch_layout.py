@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from rljax.advantages import advantage_metrics
-from rljax.advantages._common import _last_token_rewards
+from rljax.advantages.gae import terminal_rewards
 from rljax.advantages import grouping
 from rljax.train.algorithm import Algorithm, advantage_extra_args
 from rljax.train.steps import RLBatch
@@ -72,7 +72,7 @@ def token_rewards(rewards_N: jax.Array, turn_rewards_NxT: jax.Array,
   (``env_weight`` 0) the turn rewards are not counted, as the row reward
   does not count them.
   """
-  last = functools.partial(_last_token_rewards, mask_NxT=mask_NxT)
+  last = functools.partial(terminal_rewards, mask_NxT=mask_NxT)
   env_N = jnp.nan_to_num(env_N.astype(jnp.float32), nan=0.0)
   shift = jnp.where(mask_NxT, turn_rewards_NxT.astype(jnp.float32), 0.0) \
       - last(env_N)

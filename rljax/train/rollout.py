@@ -147,39 +147,26 @@ class Collector:
                replay: selection_lib.ReplayBuffer | None = None,
                allocation: Any = None, allocation_sampler: Any = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
+    # Which features combine is train/combinations.py's (build.validate
+    # checks a config against it); these are the arguments' own contracts.
     self.episodes = episodes
-    if episodes is not None and (slots is not None or speculation is not None
-                                 or not (group is None or group.single)):
-      raise ValueError("a multi-turn environment (env.name) runs with the "
-                       "static batch, without SPEC-RL, on one process.")
+    if episodes is not None and slots is not None:
+      raise ValueError("episodes and slots are two rollout plans: pass one "
+                       "(episodes play on slots of their own: "
+                       "MultiTurnSampler(slots=...)).")
     self.group = group or distributed.ProcessGroup()
     self.slots = slots
     self.sample_mesh = sample_mesh if sample_mesh is not mesh else None
-    if slots is not None and not self.group.single:
-      raise ValueError("continuous batching and partial rollouts "
-                       "(rl.rollout) run on one process (the rule "
-                       "'slots-on-processes' of train/combinations.py).")
     if slots is not None and speculation is not None and (
         slots.drafts is not speculation.store):
       raise ValueError("with slots, SPEC-RL's draft store must be the slots' "
                        "(partial.SlotRollouts(drafts=speculation.store)).")
     if not self.group.single and mesh is None:
       raise ValueError("Collector with several processes needs the mesh.")
-    if (selection is not None or replay is not None) and (
-        slots is not None or not self.group.single):
-      raise ValueError("prompt selection (rl.selection) and replay "
-                       "(rl.replay) work on the static batch or episodes, "
-                       "on one process.")
     self.selection, self.replay = selection, replay
-    if allocation is not None and (
-        slots is not None or episodes is not None or speculation is not None
-        or not self.group.single or selection is not None
-        or replay is not None or algorithm.extra_samples
-        or allocation_sampler is None):
-      raise ValueError(
-          "rollout allocation (rl.allocation) samples the static batch in "
-          "rounds with allocation_sampler, on one process, without SPEC-RL, "
-          "an environment, prompt selection, replay or extra samples.")
+    if allocation is not None and allocation_sampler is None:
+      raise ValueError("rollout allocation (rl.allocation) samples its "
+                       "rounds with allocation_sampler: pass it.")
     self.allocation, self.allocation_sampler = allocation, allocation_sampler
     self.algorithm, self.group_size = algorithm, group_size
     self.samples_per_prompt = group_size + algorithm.extra_samples

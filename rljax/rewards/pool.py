@@ -327,6 +327,7 @@ class _Worker:
   ready: bool = False
   task_id: int | None = None
   containment: str = ""  # what its ready message said
+  sender: threading.Thread | None = None  # sends the functions at start
 
 
 class KillingPool:
@@ -422,11 +423,13 @@ class KillingPool:
     child_conn.close()
     # The functions follow through the pipe, from a thread: a large closure
     # must not block the pool while the worker starts (or fails to).
-    threading.Thread(target=_send_functions,
-                     args=(parent_conn, self._functions), daemon=True,
-                     name="rljax-pool-send").start()
+    sender = threading.Thread(target=_send_functions,
+                              args=(parent_conn, self._functions),
+                              daemon=True, name="rljax-pool-send")
+    sender.start()
     self._workers.append(_Worker(
-        process, parent_conn, time.monotonic() + self._startup_timeout_s))
+        process, parent_conn, time.monotonic() + self._startup_timeout_s,
+        sender=sender))
 
   def _kill(self, worker: _Worker) -> None:
     # The group first, while the worker is not yet reaped: its pid (the
@@ -436,7 +439,13 @@ class KillingPool:
       worker.process.kill()
     worker.process.join(timeout=5.0)
     self._groups.discard(worker.process.pid)
-    worker.conn.close()
+    # The pipe is closed only once its sender has stopped (the dead worker's
+    # end fails its write): a descriptor closed under a writing thread is
+    # reused by the next worker's pipe, which would then read the rest.
+    if worker.sender is not None:
+      worker.sender.join(timeout=5.0)
+    if worker.sender is None or not worker.sender.is_alive():
+      worker.conn.close()
     self._workers.remove(worker)
 
   def _replace(self, worker: _Worker, during_startup: bool) -> None:
