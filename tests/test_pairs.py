@@ -98,7 +98,7 @@ REFUSED = {
     frozenset(("continuous", "dapo")): "selection-on-slots",
 }
 
-MAX_FEATURES = 5  # per run
+MAX_FEATURES = 6  # per run
 
 
 def config(features, rm_dir="/rm", teacher_dir="/teacher"):
@@ -189,7 +189,9 @@ def test_the_runs_cover_every_allowed_pair():
   covered = {frozenset(p) for run in PLAN
              for p in itertools.combinations(run, 2)}
   pairs = {frozenset(p) for p in itertools.combinations(FEATURES, 2)}
-  assert covered == pairs - SAME_FIELD - set(REFUSED)
+  # A refused pair may still meet in a run that a third feature makes
+  # allowed (DAPO on slots with episodes).
+  assert covered >= pairs - SAME_FIELD - set(REFUSED)
   assert all(not _refused(run) for run in PLAN)
   assert len(PLAN) <= 16  # a cheap test: a few runs, not one per pair
 
