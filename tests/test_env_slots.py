@@ -39,7 +39,7 @@ def static(params):
   return _run(params, env_fixtures.Graded((1.0, -0.25, 2.0)))
 
 
-@pytest.mark.parametrize("slots,refill_rows", [(2, 1), (4, 2), (5, 1)])
+@pytest.mark.parametrize("slots,refill_rows", [(2, 1), (4, 2), (5, 1), (2, 5)])
 def test_each_episode_on_slots_is_its_static_row(params, static, slots,
                                                  refill_rows):
   got = _run(params, env_fixtures.Graded((1.0, -0.25, 2.0)), slots=slots,

@@ -518,7 +518,8 @@ class MultiTurnSampler:
       out.retire(state, over, slot_row)
       slot_row[over] = -1
     free = np.flatnonzero(slot_row < 0)
-    if not queue or len(free) < min(self.refill_rows, len(queue)):
+    if not queue or len(free) < min(self.refill_rows, len(queue),
+                                    len(slot_row)):
       return state, decoding
     slots = free[:len(queue)]
     rows = np.asarray([queue.pop(0) for _ in slots])
