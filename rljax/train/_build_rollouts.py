@@ -15,7 +15,6 @@ from rljax import sharding
 from rljax.data import allocation as allocation_lib
 from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
-from rljax.train import combinations
 from rljax.train import partial as partial_lib
 
 
@@ -42,9 +41,6 @@ def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
           sharding.make_mesh(1, -1, 1, devices=devices[-n:]))
 
 
-def _validate_allocation(config: Any) -> None:
-  combinations.check(config)  # what allocation does not combine with
-  allocation(config)  # the schedule's own checks
 
 
 def partial_config(config: Any):
@@ -65,10 +61,10 @@ def partial_config(config: Any):
 
 
 def _validate_rollout(config: Any) -> None:
-  """``rl.rollout*``, ``rl.max_staleness`` and ``rl.selection`` against
-  each other."""
+  """The rollout settings' own checks (replay, allocation, sampler devices,
+  slots); which of them combine is ``combinations.RULES``', checked first
+  by ``validate``."""
   rl = config.rl
-  combinations.check(config)
   if rl.replay.fraction and round(rl.replay.fraction * rl.prompts_per_step) \
       >= rl.prompts_per_step:
     raise ValueError(
@@ -76,7 +72,7 @@ def _validate_rollout(config: Any) -> None:
         f"{rl.prompts_per_step} groups of rl.prompts_per_step: at least one "
         "must be sampled fresh.")
   if rl.allocation.name != "none":
-    _validate_allocation(config)
+    allocation(config)  # the schedule's own checks
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
   if rl.rollout == "static":
