@@ -31,7 +31,7 @@ import numpy as np
 from launch import benchlib
 from launch import envs_fixtures
 from rljax import envs, models, sampling
-from rljax.envs import rollout as mt
+from rljax.rollout import multi_turn as mt
 
 _B = flags.DEFINE_integer("prompts", 8, "prompts per batch (B)")
 _G = flags.DEFINE_integer("group_size", 8, "episodes per prompt (G)")

@@ -47,7 +47,7 @@ import numpy as np
 
 from launch import benchlib
 from rljax import models, sampling
-from rljax.train import partial as partial_lib
+from rljax.rollout import partial as partial_lib
 
 _B = flags.DEFINE_integer("prompts", 8, "prompts per batch (B)")
 _G = flags.DEFINE_integer("group_size", 8, "samples per prompt (G)")

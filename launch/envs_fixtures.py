@@ -24,3 +24,29 @@ class SlowTool:
     k = state["k"] + 1
     return Step(observation=" ok ", reward=float(len(action) % 2),
                 done=k >= self.turns, state={"k": k})
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowCalculator:
+  """The calculator (``rljax/envs/calculator.py``) whose every step takes
+  ``delay_s`` more, as a remote tool would: same observations, rewards and
+  episodes. ``env.name='launch.envs_fixtures:SlowCalculator'``."""
+
+  delay_s: float = 0.04
+  max_calls: int = 4
+
+  @property
+  def _env(self):
+    from rljax.envs import calculator  # pylint: disable=import-outside-toplevel
+    return calculator.CalculatorEnv(max_calls=self.max_calls)
+
+  @property
+  def stop_strings(self):
+    return self._env.stop_strings
+
+  def reset(self, example):
+    return self._env.reset(example)
+
+  def step(self, state, action):
+    time.sleep(self.delay_s)
+    return self._env.step(state, action)

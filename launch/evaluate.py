@@ -16,7 +16,8 @@ from absl import flags
 import jax
 
 from launch import cli
-from rljax import envs, sampling
+from rljax import sampling
+from rljax import rollout as rollout_lib
 from rljax.train import build, evaluation, load_policy
 from rljax.train import policy as policy_lib
 
@@ -57,7 +58,7 @@ def main(argv):
       for label, k, greedy in (("greedy_", 1, True), ("", _NUM.value, False)):
         sc = build.sampler_config(config, tok, k, greedy=greedy)
         fn = sampling.make_sampler(policy.model_config, sc)
-        episodes = None if runner is None else envs.MultiTurnSampler(
+        episodes = None if runner is None else rollout_lib.MultiTurnSampler(
             policy.model_config, sc,
             build.turn_config(config, tok, runner.stop_strings), runner, tok,
             sc.prompt_buckets, observation_role=config.env.observation_role)

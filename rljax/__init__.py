@@ -10,9 +10,9 @@ import importlib
 __version__ = "0.1.0"
 
 _SUBMODULES = (
-    "advantages", "checkpoint", "data", "logprobs", "metrics", "models",
-    "objectives", "optim", "rewards", "safetensors", "sampling", "sharding",
-    "tokenizers", "train", "types",
+    "advantages", "checkpoint", "data", "envs", "logprobs", "metrics",
+    "models", "objectives", "optim", "rewards", "rollout", "safetensors",
+    "sampling", "sharding", "tokenizers", "train", "types",
 )
 __all__ = list(_SUBMODULES)
 

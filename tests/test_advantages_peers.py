@@ -34,7 +34,7 @@ from rljax import train
 from rljax.train import algorithm as alg_lib
 from rljax.train import build as build_lib
 from rljax.train import batch_layout
-from rljax.train import rollout as rollout_lib
+from rljax.rollout import collector as rollout_lib
 
 G = 4
 # Three groups of four: mixed binary, constant, mixed; lengths per sample.

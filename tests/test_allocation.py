@@ -1,4 +1,4 @@
-"""Rollout allocation (``rljax/data/allocation.py``, ``train/allocated.py``):
+"""Rollout allocation (``rljax/data/allocation.py``, ``rollout/allocated.py``):
 schedules and choices by hand, a step's rounds on scripted rewards, the
 advantages of groups of unequal size against NumPy, config errors, and a
 stopped and resumed VIGOR run."""
@@ -12,7 +12,8 @@ import pytest
 
 from rljax import sampling
 from rljax.data import allocation as alloc
-from rljax.train import allocated, batch_layout, build
+from rljax.rollout import allocated
+from rljax.train import batch_layout, build
 from tests.test_train import tiny_config
 from tests import subprocess_env
 
@@ -83,7 +84,7 @@ class _ScriptedCollector:
     self.rewards, self.seen = rewards, []
     self.drawn = {}
 
-  def _round(self, params, examples, key, version, on_dispatch, more, *,
+  def sample_round(self, params, examples, key, version, on_dispatch, more, *,
              sampler, samples, longest):
     del params, key, version, on_dispatch, more
     assert sampler == "sampler" and longest == 3
@@ -99,7 +100,7 @@ class _ScriptedCollector:
         valid_N=np.ones(n, bool), lengths=np.full(n, 2),
         result=types.SimpleNamespace(total_N=np.asarray(totals, np.float32)))
 
-  def _merge(self, rounds, plan, group_rows):
+  def merge_rounds(self, rounds, plan, group_rows):
     assert group_rows == self.allocation.sampler_samples
     assert [len(r) for r in plan.rounds] == [
         len(r.lengths) // group_rows for r in rounds]
@@ -339,9 +340,9 @@ def test_sgpo_state_round_trips_and_refuses_bad_arrays():
 class _ScriptedSgpoCollector(_ScriptedCollector):
   """Row ``k`` of prompt ``x`` is right when ``k < CORRECT[x]`` (of 4)."""
 
-  _correct_column = 0
+  correct_column = 0
 
-  def _round(self, params, examples, key, version, on_dispatch, more, *,
+  def sample_round(self, params, examples, key, version, on_dispatch, more, *,
              sampler, samples, longest):
     del params, key, version, on_dispatch, more
     assert sampler == "sampler" and samples == 1 and longest == 7

@@ -12,7 +12,7 @@ import pytest
 
 from rljax import models, objectives, sampling
 from rljax.sampling import continuous as cb
-from rljax.train import partial as partial_lib
+from rljax.rollout import partial as partial_lib
 from tests import compile_count
 
 MC = models.get_preset("tiny")

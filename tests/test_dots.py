@@ -11,7 +11,8 @@ import pytest
 
 from rljax.data import dots as dots_lib
 from rljax.data import selection as sel
-from rljax.train import allocated, build
+from rljax.rollout import allocated
+from rljax.train import build
 from tests.test_train import tiny_config
 
 
@@ -106,14 +107,14 @@ class _Scripted:
 
   samples_per_prompt = 4
   buckets = (8,)
-  _correct_column = 0
+  correct_column = 0
 
   def __init__(self, dots, right):
     self.selection = types.SimpleNamespace(dots=dots)
     self.tokenizer = types.SimpleNamespace(pad_id=0)
     self.right, self.rounds = right, []
 
-  def _round(self, params, examples, key, version, on_dispatch, more):
+  def sample_round(self, params, examples, key, version, on_dispatch, more):
     del params, key, version, on_dispatch, more
     ids = [int(p) for p in examples["prompt"]]
     self.rounds.append(ids)

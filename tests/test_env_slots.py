@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from rljax import envs, models
-from rljax.envs import rollout as mt
+from rljax.rollout import multi_turn as mt
 from tests import env_fixtures
 from tests.test_envs import EXAMPLES, MC, O, SC, TOK
 

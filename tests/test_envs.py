@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from rljax import envs, models, sampling
-from rljax.envs import rollout as mt
+from rljax import rollout as rollout_lib
+from rljax.rollout import multi_turn as mt
 from rljax.train import sft
 from tests import env_fixtures
 # log softmax(logits)[token] from one forward pass without a cache.
@@ -224,9 +225,9 @@ def test_failing_environments_fail_their_episodes_only(params, workers):
 
 def test_an_environment_worker_never_imports_jax():
   """A worker unpickles its calls by importing the environment's module and
-  ``rljax.envs``: neither pulls in JAX (the rollout is imported on first
-  access), so a worker replaced after a timeout starts in a fraction of
-  the time."""
+  ``rljax.envs``: neither pulls in JAX (the multi-turn rollout is
+  ``rljax.rollout``'s), so a worker replaced after a timeout starts in a
+  fraction of the time."""
   runner = envs.EnvRunner(env_fixtures.ReportsImports(), num_workers=1,
                           timeout_s=60.0)
   try:
@@ -235,11 +236,9 @@ def test_an_environment_worker_never_imports_jax():
     runner.close()
   assert out.status == "ok", out.message
   assert out.value["observation"] == "no jax", out.value
-  # Here the rollout's names resolve on access, and only they.
-  assert envs.TurnConfig is mt.TurnConfig and envs.rollout is mt
-  assert "MultiTurnSampler" in dir(envs)
-  with pytest.raises(AttributeError, match="'nope'"):
-    envs.nope  # pylint: disable=pointless-statement
+  # The rollout is the engine's (rljax.rollout), not the environments'.
+  assert not hasattr(envs, "MultiTurnSampler") and "rollout" not in dir(envs)
+  assert rollout_lib.TurnConfig is mt.TurnConfig
 
 
 def test_runner_refuses_what_is_not_an_environment():

@@ -85,6 +85,50 @@ def test_the_cycle_finder_finds_a_cycle():
   assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
+def _reach(graph, start):
+  """Every module ``start`` imports, directly or through others."""
+  seen, todo = set(), [start]
+  while todo:
+    for nxt in graph[todo.pop()] - seen:
+      seen.add(nxt)
+      todo.append(nxt)
+  return seen
+
+
+def _third_party(path: pathlib.Path) -> set[str]:
+  """The top-level names of the modules outside rljax that ``path`` imports
+  (at any depth of the file)."""
+  out = set()
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      out.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+      out.add(node.module.split(".")[0])
+  return out - {"rljax"}
+
+
+def test_the_rollout_engine_is_below_the_trainer_and_envs_free_of_jax():
+  """``rljax.rollout`` imports nothing of ``rljax.train``, directly or
+  through another module (the trainer hands it what it needs), and
+  ``rljax.envs``, which environment workers import, reaches no module that
+  imports JAX (docs/architecture.md, Layers)."""
+  modules = _modules()
+  graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
+  rollout = [m for m in modules if m.split(".")[:2] == ["rljax", "rollout"]]
+  assert len(rollout) >= 8, rollout
+  for m in rollout:
+    up = sorted(n for n in _reach(graph, m) if n.startswith("rljax.train"))
+    assert not up, (m, up)
+  for m in [m for m in modules if m.split(".")[:2] == ["rljax", "envs"]]:
+    with_jax = sorted(n for n in _reach(graph, m) | {m}
+                      if {"jax", "flax", "optax"} & _third_party(modules[n]))
+    assert not with_jax, (m, with_jax)
+
+
+def test_the_reach_finds_an_import_two_steps_away():
+  assert _reach({"a": {"b"}, "b": {"c"}, "c": set()}, "a") == {"b", "c"}
+
+
 # Receivers that hold a config or one of its sections.
 SECTION = re.compile(r"\b(config|rl|opt|optimizer|sampler|critic|teacher|task|"
                      r"tokenizer|model|rewards|eval|checkpoint|sft|mesh)\b")

@@ -149,7 +149,7 @@ def test_nonfinite_gradient_step_is_skipped_and_counted():
 
 @pytest.mark.slow
 def test_consecutive_bad_steps_stop_the_run(tmp_path, monkeypatch):
-  from rljax.train import rollout
+  from rljax import rollout
   original = rollout.Collector.collect
 
   def poisoned(self, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""``rljax.train.rollout``: the Collector turns prompts into an RLBatch.
+"""``rljax.rollout.collector``: the Collector turns prompts into an RLBatch.
 
 Advantages of a real rollout (a tiny model, two reward functions) against
 NumPy formulas written here: GDPO over rewards [N, R], the reward weights
@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rljax import models, train
+from rljax import models, rollout, train
 from rljax import tokenizers as tok_lib
-from rljax.train import rollout as rollout_lib
+from rljax.rollout import collector as rollout_lib
 from tests.test_loop import loop_config, row_advantages
 
 
@@ -27,10 +27,11 @@ def components():
 
 def _collect(components, algorithm, seed=0, evaluator=None):
   c, params = components
-  collector = train.Collector(
+  collector = rollout.Collector(
       sampler=c.sampler(c.settings.group_size + algorithm.extra_samples),
       tokenizer=c.tokenizer, evaluator=evaluator or c.evaluator,
-      algorithm=algorithm, group_size=c.settings.group_size, buckets=c.buckets,
+      postprocess=train.Postprocessor(algorithm),
+      group_size=c.settings.group_size, buckets=c.buckets,
       eos_ids=c.eos_ids, correctness="numeric_match", mesh=c.mesh)
   examples = {k: [e[k] for e in c.train_examples[:8]]
               for k in c.train_examples[0]}

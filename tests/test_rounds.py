@@ -1,4 +1,4 @@
-"""``rljax.train.rounds.merge``: the groups a selection plan keeps from
+"""``rljax.rollout.rounds.merge``: the groups a selection plan keeps from
 several sampled rounds, as one batch, checked against a NumPy construction
 row by row."""
 
@@ -8,7 +8,7 @@ import numpy as np
 from rljax import rewards, sampling
 from rljax.data import selection
 from rljax.rewards import evaluation
-from rljax.train import rounds
+from rljax.rollout import rounds
 
 G, T, PAD = 2, 5, 7
 FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens",

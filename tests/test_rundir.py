@@ -187,7 +187,7 @@ def test_rewards_failing_for_many_steps_stop_the_run(tmp_path):
 @pytest.mark.slow
 def test_non_finite_stop_names_a_complete_checkpoint(tmp_path, monkeypatch):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from rljax.train import rollout  # pylint: disable=import-outside-toplevel
+  from rljax import rollout  # pylint: disable=import-outside-toplevel
   original = rollout.Collector.collect
   calls = []
 

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from rljax import checkpoint, metrics, train
-from rljax.train import build, schedules
+from rljax import rollout
+from rljax.rollout import schedules
+from rljax.train import build
 from tests.test_loop import assert_stop_and_resume_matches, loop_config, rl_rows
 from tests import subprocess_env
 
@@ -135,7 +137,7 @@ def test_rollout_settings_are_checked_before_compiling():
 
 def test_staleness_metrics_by_hand():
   versions = np.array([[3, 3, 4, -1], [4, 4, -1, -1]], np.int32)
-  collected = train.Collected(None, None, {}, [], np.zeros((2, 1)), versions)
+  collected = rollout.Collected(None, None, {}, [], np.zeros((2, 1)), versions)
   m = schedules.staleness_metrics(collected, 4, 5)
   assert m["rollout/sampler_lag"] == 1
   stale = np.array([2, 2, 1, 1, 1], np.float64)

@@ -337,7 +337,7 @@ def test_replayed_groups_train_with_their_own_rows_versions_and_is_weights():
   their tokens, rewards (GRPO advantages from their own rewards) and
   sampler logprobs are the stored ones, their tokens carry version 0, and
   TIS weights against the new policy equal min(exp(lp_new - lp_old), 2)."""
-  from rljax import models, objectives, train  # pylint: disable=import-outside-toplevel
+  from rljax import models, objectives, rollout, train  # pylint: disable=import-outside-toplevel
   from rljax.train import build  # pylint: disable=import-outside-toplevel
   from tests.test_loop import loop_config  # pylint: disable=import-outside-toplevel
   config = loop_config()
@@ -347,10 +347,10 @@ def test_replayed_groups_train_with_their_own_rows_versions_and_is_weights():
     g = c.settings.group_size
     buf = sel.ReplayBuffer(fraction=0.25, max_age=2, capacity=64,
                            batch_size=8)
-    collector = train.Collector(
+    collector = rollout.Collector(
         sampler=c.sampler(g), tokenizer=c.tokenizer, evaluator=c.evaluator,
-        algorithm=alg, group_size=g, buckets=c.buckets, eos_ids=c.eos_ids,
-        correctness="numeric_match", mesh=c.mesh, replay=buf)
+        postprocess=train.Postprocessor(alg), group_size=g,
+        buckets=c.buckets, eos_ids=c.eos_ids, correctness="numeric_match", mesh=c.mesh, replay=buf)
     ex = [{k: [e[k] for e in c.train_examples[i:i + 8]]
            for k in c.train_examples[0]} for i in (0, 8, 16)]
     state = alg.advantage.init(jnp.zeros((1, 2)))

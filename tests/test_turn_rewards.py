@@ -17,7 +17,7 @@ import pytest
 
 from rljax import envs, models, train
 from rljax.train import batch_layout, build, critic as critic_lib, steps
-from rljax.envs import rollout as mt
+from rljax.rollout import multi_turn as mt
 from tests import env_fixtures
 from tests.test_advantages_new_peers import (_verl_gae,
                                              _verl_reinforce_plus_plus,

@@ -7,7 +7,7 @@ budget of ``B * G`` rows per step in rounds, each round giving more samples
 to the prompts whose rewards have varied most so far. The trained batch is
 still ``B * G`` rows (static shapes, one train program), but its groups have
 unequal sizes: the advantage chain runs on them through
-``advantages.by_group_ids`` (``rljax/train/rollout.py``).
+``advantages.by_group_ids`` (``rljax/rollout/collector.py``).
 
 * **VIGOR** (``rl.allocation.name="vigor"``; Jiang, Liu and Mirzasoleiman,
   "Learning as Reasoning Unfolds: Progressive Rollout Allocation for

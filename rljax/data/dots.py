@@ -102,7 +102,7 @@ class DotsState(NamedTuple):
 
 
 class Dots:
-  """DOTS's selection rounds and queue (host side; ``train/allocated.py``
+  """DOTS's selection rounds and queue (host side; ``rollout/allocated.py``
   rolls out the reference set and embeds the pool).
 
   Args:

@@ -3,7 +3,7 @@
 In group-relative RL a group whose ``G`` rewards are all equal has zero
 advantage for every row: its samples cost as much as any other and teach
 nothing. Two ways to spend the rollouts better, built from ``rl.selection``
-by ``rljax.train.build`` and used by ``rljax.train.rollout.Collector``:
+by ``rljax.train.build`` and used by ``rljax.rollout.collector.Collector``:
 
 * **Dynamic sampling** (``rl.selection.name="dapo"``; Yu et al., "DAPO: An
   Open-Source LLM Reinforcement Learning System at Scale",

@@ -323,7 +323,7 @@ def env_reward(prompts: list[str], completions: list[str], *,
                **unused: Any) -> list[float | None]:
   """The reward function ``"env"``: each episode's environment reward.
 
-  The multi-turn rollout (``rljax.envs.rollout``) adds the field
+  The multi-turn rollout (``rljax.rollout.multi_turn``) adds the field
   ``env_reward`` to the batch: the sum of the episode's step rewards (0 if
   none gave one), or None for an episode the environment failed (it raised,
   hung or answered malformed output), which the evaluator counts as

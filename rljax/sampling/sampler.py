@@ -261,7 +261,7 @@ def _ended(tokens_NxT, column_N, token_N, eos_V, stop_sequences):
 
 
 # The decode API the samplers share (this module's, continuous.py's,
-# speculative.py's and the multi-turn rollout's, rljax/envs/rollout.py):
+# speculative.py's and the multi-turn rollout's, rljax/rollout/multi_turn.py):
 # decode_setup, pick_logprob, fused_logprobs, row_keys and token_keys.
 
 

@@ -10,8 +10,9 @@ The parts a researcher recomposes (docs/architecture.md):
   one from config names.
 * ``build`` (``build.py``): the only reader of a ConfigDict; ``build(config)``
   returns ``Components``.
-* ``Collector`` (``rollout.py``): prompts -> Rollout -> rewards [N, R] ->
-  advantages -> ``RLBatch``.
+* ``Postprocessor`` (``batch_layout.py``): what the trainer hands the
+  rollout engine's ``rljax.rollout.Collector`` (prompts -> Rollout ->
+  rewards [N, R] -> advantages -> ``RLBatch``).
 * ``make_rl_step`` / ``jit_rl_step`` (``steps.py``): ``prepare_inputs`` and
   a sum of loss terms; ``run_sft`` and ``make_sft_step`` (``sft.py``).
 * ``critic`` (``critic.py``): PPO's value model, GAE's values and the
@@ -37,7 +38,7 @@ from rljax.train.evaluation import evaluate, group_metrics
 from rljax.train.export import Exported, export_policy
 from rljax.train.loop import run
 from rljax.train.policy import Policy, load_policy, load_teacher
-from rljax.train.rollout import Collected, Collector, pivot_rows
+from rljax.train.batch_layout import Postprocessor, pivot_rows
 from rljax.train.sft import SFTConfig, make_sft_step, run_sft
 from rljax.train.steps import (OLD_LOGPROBS, RLBatch, RLStepConfig,
                                StepInputs, TrainState, check_batch,
@@ -52,7 +53,7 @@ __all__ = [
     "algorithm_from_config", "Components", "validate", "evaluate",
     "group_metrics", "Exported", "export_policy", "run", "Policy",
     "load_policy", "load_teacher",
-    "Collected", "Collector", "pivot_rows", "SFTConfig", "make_sft_step",
+    "Postprocessor", "pivot_rows", "SFTConfig", "make_sft_step",
     "run_sft", "OLD_LOGPROBS", "RLBatch", "RLStepConfig", "StepInputs",
     "TrainState", "check_batch", "init_state", "jit_rl_step", "make_rl_step",
     "mismatch_statistics", "prepare_inputs",

@@ -15,7 +15,7 @@ from rljax import sharding
 from rljax.data import allocation as allocation_lib
 from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
-from rljax.train import partial as partial_lib
+from rljax.rollout import partial as partial_lib
 
 
 def _check_sampler_devices(n: int) -> None:

@@ -2,13 +2,15 @@
 
 ``postprocess`` runs the advantage chain, MC-GRPO's pivot drop (or ReMax's
 greedy-row drop) and lays the rows out as ``RLBatch`` (``[N, P + T]``,
-advantages 0 on the prompt); ``rljax.train.rollout`` documents the
+advantages 0 on the prompt); ``rljax.rollout.collector`` documents the
 conventions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,7 @@ from rljax.advantages import advantage_metrics
 from rljax.advantages.gae import terminal_rewards
 from rljax.advantages import grouping
 from rljax.train.algorithm import Algorithm, advantage_extra_args
-from rljax.train.steps import RLBatch
+from rljax.train.steps import RLBatch, batch_shardings
 
 
 def pivot_rows(rewards_N: jax.Array, valid_N: jax.Array,
@@ -180,4 +182,49 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
   return RLBatch(**layout), adv_state, metrics
 
 
-__all__ = ["pivot_rows", "postprocess"]
+@dataclasses.dataclass(frozen=True)
+class Postprocessor:
+  """The trainer's half of a batch, handed to ``rljax.rollout.Collector``
+  (which imports nothing of ``rljax.train``): the algorithm's sampling
+  needs (``extra_samples``, ``failed_rewards``) and, called, the jitted
+  ``postprocess`` with its outputs sharded as ``rl_step`` takes them.
+
+  Attributes:
+    algorithm: its advantage chain, extra samples, pivot or greedy-row drop
+      and critic are used.
+  """
+
+  algorithm: Algorithm
+
+  @property
+  def extra_samples(self) -> int:
+    return self.algorithm.extra_samples
+
+  @property
+  def failed_rewards(self) -> str:
+    return self.algorithm.failed_rewards
+
+  @property
+  def name(self) -> str:
+    return self.algorithm.name
+
+  def __call__(self, *, group_size: int, mesh: jax.sharding.Mesh | None,
+               has_old_logprobs: bool, groups: tuple[int, int] | None,
+               env_column: int | None, episodes: bool) -> Callable:
+    """``fn(rollout, rewards_NxR, valid_N, weights_R, adv_state, trained_N,
+    group_ids_N) -> (RLBatch, adv_state, metrics)``, jitted (``postprocess``
+    documents the arguments; ``episodes``: a multi-turn batch, whose turn
+    rewards reach a critic's GAE)."""
+    fn = functools.partial(postprocess, algorithm=self.algorithm,
+                           group_size=group_size, groups=groups,
+                           env_column=env_column)
+    if mesh is None:
+      return jax.jit(fn)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.jit(fn, out_shardings=(
+        batch_shardings(mesh, has_old_logprobs, self.algorithm.critic,
+                        token_rewards=bool(self.algorithm.critic) and episodes),
+        replicated, replicated))
+
+
+__all__ = ["Postprocessor", "pivot_rows", "postprocess"]

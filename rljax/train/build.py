@@ -39,7 +39,8 @@ from rljax.train import combinations
 from rljax.train import schema, table
 from rljax.train.schema import complete_config  # noqa: F401  (re-exported)
 from rljax.train import critic as critic_lib
-from rljax.train import partial as partial_lib
+from rljax import rollout as rollout_lib
+from rljax.rollout import partial as partial_lib
 # Rewards, data, tokenizer and model: split off for length, public here.
 from rljax.train._build_inputs import (  # noqa: F401  (re-exported)
     DATA_CHECKS, HF_DIR, HF_FILES, HF_OVERRIDES, check_data,
@@ -127,7 +128,7 @@ def env_runner(config: Any) -> envs_lib.EnvRunner | None:
 
 
 def turn_config(config: Any, tokenizer: Any,
-                stop_strings: tuple[str, ...]) -> envs_lib.TurnConfig:
+                stop_strings: tuple[str, ...]) -> rollout_lib.TurnConfig:
   """The ``TurnConfig`` of ``env.*``, the environment's stop strings
   encoded as they occur mid-sequence (``tokenizers.continuation_ids``).
 
@@ -146,7 +147,7 @@ def turn_config(config: Any, tokenizer: Any,
           "be whole pieces of the tokenizer (e.g. a sentencepiece "
           "user-defined symbol).")
     stops.append(tuple(ids))
-  return envs_lib.TurnConfig(
+  return rollout_lib.TurnConfig(
       max_turns=e.max_turns, max_observation_tokens=e.max_observation_tokens,
       max_turn_tokens=e.max_turn_tokens, stop_sequences=tuple(stops),
       step_rows=e.step_rows)
@@ -320,7 +321,7 @@ class Components:
   sample_mesh: jax.sharding.Mesh | None = None
   sample_param_shardings: Any = None
   env: envs_lib.EnvRunner | None = None
-  turns: envs_lib.TurnConfig | None = None
+  turns: rollout_lib.TurnConfig | None = None
 
   def close(self) -> None:
     """Stops the reward and environment worker processes."""
@@ -330,7 +331,7 @@ class Components:
 
   def episodes(self, num_samples: int, *, greedy: bool = False,
                record_policy_logprobs: bool = False, training: bool = False
-               ) -> envs_lib.MultiTurnSampler | None:
+               ) -> rollout_lib.MultiTurnSampler | None:
     """The multi-turn rollout of ``num_samples`` episodes per example
     (``env.name``), sampled as ``sampler``'s rows; None without an
     environment. ``training``: on the sampler's devices
@@ -344,7 +345,7 @@ class Components:
         and num_samples == self.settings.group_size + alg.extra_samples) else 0
     mesh, param_shardings = self._where(training)
     partial = partial_config(self.config) if training else None
-    return envs_lib.MultiTurnSampler(
+    return rollout_lib.MultiTurnSampler(
         self.model_config,
         sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
                        record_policy_logprobs=record_policy_logprobs,

@@ -148,7 +148,7 @@ def evaluate(
     group, mesh: with several processes, each samples and scores its block
       of ``examples`` (the mesh's batch split) and the per-prompt figures
       are gathered, so the metrics are those of all ``examples``.
-    episodes: a multi-turn environment (``envs.MultiTurnSampler`` with
+    episodes: a multi-turn environment (``rollout.MultiTurnSampler`` with
       ``num_samples`` per example) instead of ``sample_fn``: each example is
       an episode, scored as the ``Collector`` scores it (``env_reward``).
 
@@ -216,7 +216,7 @@ def heldout_metrics(params: Any, key: jax.Array, *, sampler: Callable,
                     episodes: bool = False) -> dict[str, float]:
   """The loop's held-out figures: ``evaluate`` at the sampling temperature
   and, with ``greedy_sampler``, ``eval/greedy_accuracy``. ``episodes``: the
-  two samplers are ``envs.MultiTurnSampler``s (a run with an environment)."""
+  two samplers are ``rollout.MultiTurnSampler``s (a run with an environment)."""
   kwargs = dict(buckets=buckets, eos_ids=eos_ids,
                 correctness_reward=correctness_reward, group=group, mesh=mesh)
   with jax.set_mesh(mesh):

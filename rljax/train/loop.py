@@ -31,7 +31,8 @@ import jax
 from rljax import distributed
 from rljax import metrics as metrics_lib
 from rljax.train import build as build_lib
-from rljax.train import guards, rundir, schedules, schema, session
+from rljax.rollout import schedules
+from rljax.train import guards, rundir, schema, session
 from rljax.train import packing as packing_lib
 from rljax.train.algorithm import Algorithm
 from rljax.train.steps import jit_rl_step, make_rl_step

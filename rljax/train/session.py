@@ -32,9 +32,10 @@ from rljax.data import allocation as allocation_lib
 from rljax.models import lora as lora_lib
 from rljax.train import build as build_lib
 from rljax.train import evaluation, rundir, sft
+from rljax.train.batch_layout import Postprocessor
 from rljax.train import policy as policy_lib
 from rljax.train import steps as steps_lib
-from rljax.train.rollout import Collector
+from rljax.rollout.collector import Collector
 from rljax.train.steps import TrainState
 
 log = logging.getLogger("rljax")
@@ -179,7 +180,8 @@ def start(c: build_lib.Components, workdir: str) -> Session:
   collector = Collector(
       sampler=c.sampler(s.group_size + alg.extra_samples,
                         record_policy_logprobs=sampler_old, training=True),
-      tokenizer=c.tokenizer, evaluator=c.evaluator, algorithm=alg,
+      tokenizer=c.tokenizer, evaluator=c.evaluator,
+      postprocess=Postprocessor(alg),
       group_size=s.group_size, buckets=c.buckets, eos_ids=c.eos_ids,
       correctness=c.correctness, mesh=c.mesh,
       speculation=speculation, group=c.group,

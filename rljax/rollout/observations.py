@@ -1,5 +1,5 @@
 """The ids an observation adds to an episode after a model turn
-(``rljax.envs.rollout``): plain text, or the chat template's turn as it
+(``rljax.rollout.multi_turn``): plain text, or the chat template's turn as it
 renders an observation message."""
 
 from __future__ import annotations

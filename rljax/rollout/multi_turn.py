@@ -52,8 +52,8 @@ import numpy as np
 from rljax import sharding
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
-from rljax.envs.episodes import EpisodeLog, Episodes, SlotOutputs
-from rljax.envs.observations import ObservationFormat
+from rljax.rollout.episodes import EpisodeLog, Episodes, SlotOutputs
+from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache
 from rljax.sampling.sampler import (Rollout, SamplerConfig, fused_logprobs,

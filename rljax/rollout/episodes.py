@@ -1,5 +1,5 @@
 """What a multi-turn rollout returns, and the host's records while it runs
-(``rljax.envs.rollout``): each episode's rewards, turns and failures, and
+(``rljax.rollout.multi_turn``): each episode's rewards, turns and failures, and
 with slots the episodes that left them."""
 
 from __future__ import annotations

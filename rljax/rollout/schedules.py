@@ -46,7 +46,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import numpy as np
 
-from rljax.train.rollout import Collected, Collector
+from rljax.rollout.collector import Collected, Collector
 
 
 class StepOutput(NamedTuple):

@@ -5,7 +5,9 @@
 host (to be decoded and scored), and only the rewards ``[N, R]`` cross back.
 The advantage chain, MC-GRPO's pivot drop (or ReMax's greedy-row drop) and
 the trainer's ``[N, P + T]`` layout run in one jitted function whose outputs
-are sharded as ``rl_step`` takes them (``batch_layout.postprocess``).
+are sharded as ``rl_step`` takes them: the trainer's, handed in as
+``postprocess`` (``rljax/train/batch_layout.py``), so that this package
+imports nothing of ``rljax.train``.
 Several sampled batches (prompt selection's rounds, replayed groups) are
 merged before it (``rounds.merge``).
 
@@ -25,11 +27,11 @@ critic (``Algorithm.critic``) the chain gives each row's reward, passed as
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import numpy as np
@@ -41,12 +43,9 @@ from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import sharding as sharding_lib
 from rljax import tokenizers as tok_lib
-from rljax.train import allocated
-from rljax.train import rounds as rounds_lib
-from rljax.train.batch_layout import pivot_rows, postprocess
-from rljax.train.algorithm import Algorithm
-from rljax.train.rounds import Sampled, scored_rows
-from rljax.train.steps import RLBatch, batch_shardings
+from rljax.rollout import allocated
+from rljax.rollout import rounds as rounds_lib
+from rljax.rollout.rounds import Sampled, scored_rows
 
 log = logging.getLogger("rljax")
 
@@ -69,7 +68,7 @@ class Collected(NamedTuple):
       ``version`` passed to ``collect``.
   """
 
-  batch: RLBatch
+  batch: Any
   adv_state: Any
   metrics: dict[str, float]
   completions: list[str]
@@ -77,18 +76,44 @@ class Collected(NamedTuple):
   token_versions: np.ndarray | None = None
 
 
+class Postprocess(Protocol):
+  """What the trainer hands the collector (``rljax.train.Postprocessor``):
+  its sampling needs and the jitted function that turns a scored rollout
+  into its batch. This package imports nothing of ``rljax.train``.
+
+  Attributes:
+    extra_samples: rows sampled per prompt beyond the trained ``G`` (a
+      pivot or a greedy row the batch drops).
+    failed_rewards: ``"mask"`` or ``"zero"``: how a row whose every reward
+      failed is scored (``rounds.scored_rows``).
+  """
+
+  extra_samples: int
+  failed_rewards: str
+
+  def __call__(self, *, group_size: int, mesh: jax.sharding.Mesh | None,
+               has_old_logprobs: bool, groups: tuple[int, int] | None,
+               env_column: int | None, episodes: bool) -> Callable:
+    """``fn(rollout, rewards_NxR, valid_N, weights_R, adv_state, trained_N,
+    group_ids_N) -> (batch, adv_state, metrics)``; ``metrics`` has
+    ``nonfinite_rows``. ``groups``: ``(prompts, max_group)`` for groups of
+    unequal size, else None; ``env_column``: the ``"env"`` reward's column."""
+    ...
+
+
 class Collector:
   """Samples, scores and turns one batch of prompts into an ``RLBatch``.
 
   Args:
     sampler: ``fn(params, tokens_BxP, mask_BxP, key) -> Rollout`` drawing
-      ``group_size + algorithm.extra_samples`` samples per prompt
+      ``group_size + postprocess.extra_samples`` samples per prompt
       (``sampling.make_sampler``).
     tokenizer: encodes prompts (through a chat template if it has one) and
       decodes completions.
     evaluator: the reward functions.
-    algorithm: its advantage chain, extra samples and pivot drop are used.
-    group_size: rows per prompt that are trained (``rl.group_size``).
+    postprocess: the trainer's sampling needs and batch
+      (``Postprocess``; ``rljax.train.Postprocessor(algorithm)``).
+    group_size: rows per prompt that are trained (``rl.group_size``, G).
     buckets: prompt length buckets.
     eos_ids: ids that end a completion (removed before decoding).
     correctness: the reward whose value >= 1 counts as correct (``accuracy``).
@@ -110,7 +135,7 @@ class Collector:
     sample_mesh: the mesh ``sampler`` runs on, when it is not ``mesh``
       (``rl.sampler_devices``): the rollout is moved to ``mesh`` before the
       advantage chain.
-    episodes: a multi-turn environment (``envs.MultiTurnSampler``) instead
+    episodes: a multi-turn environment (``rollout.MultiTurnSampler``) instead
       of ``sampler``: each example is an episode (``Environment.reset`` gives
       its prompt), the rows are its ``G`` trajectories, the reward functions
       score their transcripts (model turns and observations, decoded) and
@@ -127,15 +152,16 @@ class Collector:
       version that drew it (``replay/*`` metrics, ``token_versions``).
     allocation: rollout allocation (``rljax.data.allocation.Schedule``):
       the ``B * G`` rows are sampled in rounds, more of them for the
-      prompts whose rewards vary most (``train/allocated.py``); groups
+      prompts whose rewards vary most (``rollout/allocated.py``); groups
       of unequal size reach the advantage chain with their group ids, so
-      ``algorithm.advantage`` must be ``advantages.by_group_ids``-wrapped
+      the algorithm's advantage must be ``advantages.by_group_ids``-wrapped
       (``build`` does it). Needs ``allocation_sampler``, a sampler drawing
       ``allocation.sampler_samples`` per prompt entry.
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
-               algorithm: Algorithm, group_size: int, buckets: Sequence[int],
+               postprocess: Postprocess, group_size: int,
+               buckets: Sequence[int],
                eos_ids: Sequence[int], correctness: str,
                mesh: jax.sharding.Mesh | None = None,
                speculation: sampling.Speculation | None = None,
@@ -168,14 +194,15 @@ class Collector:
       raise ValueError("rollout allocation (rl.allocation) samples its "
                        "rounds with allocation_sampler: pass it.")
     self.allocation, self.allocation_sampler = allocation, allocation_sampler
-    self.algorithm, self.group_size = algorithm, group_size
-    self.samples_per_prompt = group_size + algorithm.extra_samples
+    self.postprocess, self.group_size = postprocess, group_size
+    self.failed_rewards = postprocess.failed_rewards
+    self.samples_per_prompt = group_size + postprocess.extra_samples
     self.buckets, self.eos_ids = tuple(buckets), tuple(eos_ids)
     names = list(evaluator.names)
     if correctness not in names:
       raise ValueError(f"eval.reward={correctness!r} is not one of the reward "
                        f"names {tuple(names)}.")
-    self._correct_column = names.index(correctness)
+    self.correct_column = names.index(correctness)
     self._env_column = names.index("env") if "env" in names else None
     self._weights_R = np.asarray(evaluator.weights, np.float32)
     self.mesh = mesh
@@ -183,24 +210,15 @@ class Collector:
     self._jitted = {}
 
   def _postprocess_fn(self, has_old_logprobs: bool):
-    """The jitted postprocessing, outputs sharded as ``rl_step`` takes them."""
+    """The trainer's jitted postprocessing (``Postprocess``), one per
+    kind of rollout."""
     if has_old_logprobs not in self._jitted:
-      fn = functools.partial(
-          postprocess, algorithm=self.algorithm, group_size=self.group_size,
+      self._jitted[has_old_logprobs] = self.postprocess(
+          group_size=self.group_size, mesh=self.mesh,
+          has_old_logprobs=has_old_logprobs,
           groups=None if self.allocation is None else (
               self.allocation.prompts[0], self.allocation.max_group),
-          env_column=self._env_column)
-      if self.mesh is None:
-        self._jitted[has_old_logprobs] = jax.jit(fn)
-      else:
-        replicated = jax.sharding.NamedSharding(self.mesh,
-                                                jax.sharding.PartitionSpec())
-        self._jitted[has_old_logprobs] = jax.jit(fn, out_shardings=(
-            batch_shardings(self.mesh, has_old_logprobs,
-                            self.algorithm.critic,
-                            token_rewards=bool(self.algorithm.critic)
-                            and self.episodes is not None),
-            replicated, replicated))
+          env_column=self._env_column, episodes=self.episodes is not None)
     return self._jitted[has_old_logprobs]
 
   def _sample(self, params, prompts, tokens, mask, key, sampler=None):
@@ -285,7 +303,7 @@ class Collector:
       sampled, trained_B, metrics = self._sample_selected(
           params, examples, key, version, on_dispatch, more_examples)
     else:
-      sampled = self._round(params, examples, key, version, on_dispatch,
+      sampled = self.sample_round(params, examples, key, version, on_dispatch,
                             more_examples)
     if dots_tokens is not None:  # the reference rollouts' tokens count
       metrics.update(dots_metrics)
@@ -302,7 +320,7 @@ class Collector:
     return self._finish(sampled, adv_state, trained_B=trained_B,
                         extra_metrics=metrics, group_ids_N=group_ids_N)
 
-  def _round(self, params, examples, key, version, on_dispatch,
+  def sample_round(self, params, examples, key, version, on_dispatch,
              more_examples, *, sampler=None, samples: int | None = None,
              longest: int | None = None) -> Sampled:
     """Samples, decodes and scores one batch of prompts (``samples`` per
@@ -367,7 +385,7 @@ class Collector:
     # The chain's inputs: this process's rows, as blocks of global arrays.
     rewards_NxR = group.global_array(result.rewards_NxR, mesh)
     valid_N = group.global_array(
-        scored_rows(result.valid_NxR, self.algorithm.failed_rewards), mesh)
+        scored_rows(result.valid_NxR, self.failed_rewards), mesh)
     # Each row's prompt (counted once per prompt below) and completion tokens.
     prompt_tokens_N = np.repeat(np.asarray(mask).sum(1), g)
     completion_tokens_N = completion_mask.sum(1)
@@ -412,9 +430,10 @@ class Collector:
       log.warning(
           "the advantage chain (Algorithm.advantage of %r) returned non-"
           "finite advantages for %d of %d rows: they are out of this step's "
-          "loss (adv/nonfinite_rows).", self.algorithm.name,
+          "loss (adv/nonfinite_rows).",
+          getattr(self.postprocess, "name", "the trainer"),
           int(adv_metrics["nonfinite_rows"]), len(result.rewards_NxR))
-    correct = np.nan_to_num(result.rewards_NxR[:, self._correct_column],
+    correct = np.nan_to_num(result.rewards_NxR[:, self.correct_column],
                             nan=0.0) >= 1.0
     prompt_tokens_N = sampled.prompt_tokens_N
     completion_tokens_N = sampled.completion_tokens_N
@@ -471,11 +490,11 @@ class Collector:
       # No on_dispatch here: an asynchronous schedule's update donates the
       # params a refill round still samples with; it is dispatched after the
       # last round.
-      sampled = self._round(params, examples, round_key, version, None, None)
+      sampled = self.sample_round(params, examples, round_key, version, None, None)
       rounds.append(sampled)
       kinds.append(selection_lib.group_kinds(
           sampled.result.total_N, np.asarray(sampled.valid_N),
-          np.nan_to_num(sampled.result.rewards_NxR[:, self._correct_column],
+          np.nan_to_num(sampled.result.rewards_NxR[:, self.correct_column],
                         nan=0.0) >= 1.0, g))
       informative = sum(int(np.sum(k == selection_lib.INFORMATIVE))
                         for k in kinds)
@@ -489,7 +508,7 @@ class Collector:
     if sel.greso is not None:
       sel.greso.update([p for r in rounds for p in r.examples["prompt"]],
                        np.concatenate(kinds))
-    merged = self._merge(rounds, plan)
+    merged = self.merge_rounds(rounds, plan)
     first = kinds[0]
     metrics.update({
         "select/zero_variance_before": float(np.mean(first != 0)),
@@ -508,7 +527,7 @@ class Collector:
   def _kinds(self, sampled: Sampled) -> np.ndarray:
     """Each group's ``selection.group_kinds``."""
     correct = np.nan_to_num(
-        sampled.result.rewards_NxR[:, self._correct_column], nan=0.0) >= 1.0
+        sampled.result.rewards_NxR[:, self.correct_column], nan=0.0) >= 1.0
     return selection_lib.group_kinds(sampled.result.total_N,
                                      np.asarray(sampled.valid_N), correct,
                                      self.samples_per_prompt)
@@ -536,13 +555,13 @@ class Collector:
     groups, versions = replayed
     old = rounds_lib.from_groups(
         groups, sampled, pad_id=self.tokenizer.pad_id,
-        failed_rewards=self.algorithm.failed_rewards)
+        failed_rewards=self.failed_rewards)
     r = len(groups)
     trained = (np.ones(n_fresh, bool) if trained_B is None
                else np.asarray(trained_B, bool))
     plan = selection_lib.Plan((np.arange(n_fresh), np.arange(r)),
                               np.concatenate([trained, np.ones(r, bool)]))
-    merged = self._merge([sampled, old], plan)
+    merged = self.merge_rounds([sampled, old], plan)
     row_version = np.concatenate([np.full(n_fresh * g, version),
                                   np.repeat(versions, g)]).astype(np.int32)
     mask = np.asarray(merged.rollout.sampled_mask())
@@ -553,13 +572,13 @@ class Collector:
                         version - np.asarray(versions)))})
     return merged, plan.trained, metrics
 
-  def _merge(self, rounds: Sequence[Sampled], plan: selection_lib.Plan,
+  def merge_rounds(self, rounds: Sequence[Sampled], plan: selection_lib.Plan,
              group_rows: int | None = None) -> Sampled:
     """``rounds.merge`` with this collector's group rows and pad id."""
     return rounds_lib.merge(rounds, plan,
                             group_rows=group_rows or self.samples_per_prompt,
                             pad_id=self.tokenizer.pad_id,
-                            failed_rewards=self.algorithm.failed_rewards)
+                            failed_rewards=self.failed_rewards)
 
 
-__all__ = ["Collector", "Collected", "pivot_rows", "scored_rows"]
+__all__ = ["Collected", "Collector", "Postprocess", "scored_rows"]

@@ -19,7 +19,7 @@ from rljax import tokenizers as tok_lib
 from rljax.data import allocation as allocation_lib
 from rljax.data import dots as dots_lib
 from rljax.data import selection as selection_lib
-from rljax.train import rounds as rounds_lib
+from rljax.rollout import rounds as rounds_lib
 
 
 def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
@@ -53,7 +53,7 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
                                      active, count)
     entries = allocation_lib.entries(active, samples, per_entry)
     round_examples = {f: [v[i] for i in entries] for f, v in examples.items()}
-    sampled = collector._round(  # pylint: disable=protected-access
+    sampled = collector.sample_round(
         params, round_examples, jax.random.fold_in(key, t) if t else key,
         version, None, None, sampler=collector.allocation_sampler,
         samples=per_entry, longest=longest)
@@ -71,7 +71,7 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
   plan = selection_lib.Plan(
       tuple(np.arange(len(r.lengths) // per_entry) for r in rounds),
       np.ones(sum(len(r.lengths) for r in rounds) // per_entry, bool))
-  merged = collector._merge(rounds, plan, group_rows=per_entry)  # pylint: disable=protected-access
+  merged = collector.merge_rounds(rounds, plan, group_rows=per_entry)
   group_ids = np.concatenate(ids).astype(np.int32)
   sizes = np.bincount(group_ids, minlength=batch_size)
   zero = allocation_lib.variances(totals) == 0
@@ -92,7 +92,7 @@ def _columns(pool: Sequence[Mapping[str, Any]], idx: Sequence[int]
 
 
 def _correct(collector: Any, sampled: rounds_lib.Sampled) -> np.ndarray:
-  column = collector._correct_column  # pylint: disable=protected-access
+  column = collector.correct_column
   return np.nan_to_num(sampled.result.rewards_NxR[:, column], nan=0.0) >= 1.0
 
 
@@ -112,7 +112,7 @@ def profile(collector: Any, params: Any, key: jax.Array, version: int
     entries = np.repeat(idx, k)
     real = len(entries)
     entries = np.resize(entries, sgpo.rows)  # the step's shape, repeats cut
-    sampled = collector._round(  # pylint: disable=protected-access
+    sampled = collector.sample_round(
         params, _columns(pool, entries), jax.random.fold_in(key, call),
         version, None, None, sampler=collector.allocation_sampler, samples=1,
         longest=sgpo.longest)
@@ -136,7 +136,7 @@ def _sample_sgpo(collector, params, key, version, on_dispatch):
         "alloc/pool": float(len(sgpo.state.order))})
   idx, sizes = sgpo.next_prompts()
   entries = np.repeat(np.arange(len(idx)), sizes)
-  sampled = collector._round(  # pylint: disable=protected-access
+  sampled = collector.sample_round(
       params, _columns(sgpo.pool, idx[entries]), key, version, on_dispatch,
       None, sampler=collector.allocation_sampler, samples=1,
       longest=sgpo.longest)
@@ -185,7 +185,7 @@ def dots_examples(collector: Any, params: Any, key: jax.Array, version: int
     success = np.zeros(len(reference))
     for call, start in enumerate(range(0, len(reference), b)):
       part = reference[start:start + b]
-      sampled = collector._round(  # pylint: disable=protected-access
+      sampled = collector.sample_round(
           params, _columns(dots.pool, part),
           jax.random.fold_in(jax.random.fold_in(key, 0x444f5453), call),
           version, None, None)
