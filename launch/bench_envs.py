@@ -18,21 +18,60 @@ ratio. ``--record_dir`` writes a record.
 
   python -m launch.bench_envs
   python -m launch.bench_envs --delay_ms=0   # no latency: what the rounds cost
+
+``--mode=schedules`` trains the calculator demo (``configs/calculator_grpo.py``)
+with ``--delay_ms`` added to every tool call
+(``launch.envs_fixtures.SlowCalculator``, in ``--workers`` processes) under
+two schedules, for each of ``--seeds`` seeds:
+
+  * ``sync_static``: the static batch, turn by turn, synchronous
+    (``rl.rollout=static``, ``rl.max_staleness=0``): the demo as the README
+    gives it;
+  * ``async_continuous``: episodes on continuous slots, environments stepped
+    in rounds of ``--step_rows`` rows, sampled one update ahead
+    (``rl.rollout=continuous``, ``env.step_rows``, ``rl.max_staleness=1``):
+    the environments' latency overlaps the other slots' decoding and the
+    update.
+
+It prints the episodes per second of the RL steps (after the first
+``--warmup_steps``, which compile; the last step, which samples nothing
+ahead, left out), their ratio, and each seed's held-out success before and
+after RL, and checks that the asynchronous runs' accuracy after RL lies in
+the synchronous runs' seed range.
+
+  python -m launch.bench_envs --mode=schedules
 """
 
 from __future__ import annotations
 
 import time
 
+import os
+import tempfile
+
 from absl import app, flags
 import jax
 import numpy as np
 
+from configs import calculator_grpo
 from launch import benchlib
 from launch import envs_fixtures
-from rljax import envs, models, sampling
+from rljax import envs, metrics, models, sampling, train
 from rljax.rollout import multi_turn as mt
 
+_MODE = flags.DEFINE_enum("mode", "rounds", ["rounds", "schedules"],
+                          "rounds: one rollout, environments stepped in "
+                          "rounds vs turn by turn; schedules: the calculator "
+                          "demo trained sync-static vs async-continuous")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "schedules: seeds 0..n-1 each")
+_RL_STEPS = flags.DEFINE_integer("rl_steps", None, "schedules: RL steps "
+                                 "(None: the demo's)")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", None, "schedules: SFT steps "
+                                  "(None: the demo's)")
+_WARMUP = flags.DEFINE_integer("warmup_steps", 6, "schedules: first RL steps "
+                               "left out of the episodes per second")
+_EVAL = flags.DEFINE_integer("eval_examples", None, "schedules: held-out "
+                             "examples (None: the demo's)")
 _B = flags.DEFINE_integer("prompts", 8, "prompts per batch (B)")
 _G = flags.DEFINE_integer("group_size", 8, "episodes per prompt (G)")
 _T = flags.DEFINE_integer("max_new_tokens", 96, "episode budget (T)")
@@ -40,8 +79,10 @@ _TURNS = flags.DEFINE_integer("turns", 4, "environment steps per episode")
 _EOS = flags.DEFINE_integer("eos_every", 12, "one token in this many ends a "
                             "turn")
 _DELAY = flags.DEFINE_integer("delay_ms", 40, "latency of one step call")
-_WORKERS = flags.DEFINE_integer("workers", 4, "environment processes")
-_STEP_ROWS = flags.DEFINE_integer("step_rows", 16, "rows per round")
+_WORKERS = flags.DEFINE_integer("workers", None, "environment processes "
+                                 "(None: 4 for rounds, 16 for schedules)")
+_STEP_ROWS = flags.DEFINE_integer("step_rows", None, "rows per round (None: "
+                                  "16 for rounds, 8 for schedules)")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs (best of)")
 _RECORD = flags.DEFINE_string("record_dir", "benchmarks/results",
                               "where the JSON record goes ('' for none)")
@@ -58,7 +99,99 @@ class _Tokens:
     return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
+SCHEDULES = {
+    "sync_static": {"rl.rollout": "static", "rl.max_staleness": 0},
+    "async_continuous": {"rl.rollout": "continuous", "rl.max_staleness": 1},
+}
+
+
+def calculator_config(schedule: str, seed: int, workers: int, step_rows: int,
+                      delay_ms: float):
+  """The calculator demo's config under ``schedule`` with a slow tool."""
+  c = calculator_grpo.get_config()
+  c.seed = seed
+  c.env.name = "launch.envs_fixtures:SlowCalculator"
+  c.env.kwargs = {"delay_s": delay_ms / 1000}
+  c.env.num_workers = workers
+  for field, value in SCHEDULES[schedule].items():
+    section, name = field.split(".")
+    c[section][name] = value
+  if schedule != "sync_static":
+    c.env.step_rows = step_rows
+  if _RL_STEPS.value is not None:
+    c.rl.num_steps = _RL_STEPS.value
+    c.eval.every = c.checkpoint.every = _RL_STEPS.value
+  if _SFT_STEPS.value is not None:
+    c.sft.num_steps = _SFT_STEPS.value
+  if _EVAL.value is not None:
+    c.eval.num_examples = _EVAL.value
+  return c
+
+
+def episodes_per_second(rows: list[dict], episodes: int, warmup: int
+                        ) -> float:
+  """Episodes per second of the RL steps after ``warmup`` (``time/step``
+  is each step's wall time), the last step left out."""
+  steps = [r for r in rows if warmup < r["step"] < rows[-1]["step"]]
+  if not steps:
+    raise SystemExit(f"--warmup_steps={warmup} leaves no step to time.")
+  return episodes * len(steps) / sum(r["time/step"] for r in steps)
+
+
+def schedules_main():
+  workers = _WORKERS.value or 16
+  step_rows = _STEP_ROWS.value or 8
+  figures: dict = {name: {"episodes_per_s": [], "accuracy_before": [],
+                          "accuracy_after": [], "seconds": []}
+                   for name in SCHEDULES}
+  for seed in range(_SEEDS.value):
+    for name in SCHEDULES:
+      c = calculator_config(name, seed, workers, step_rows, _DELAY.value)
+      workdir = tempfile.mkdtemp(prefix=f"bench-envs-{name}-")
+      start = time.perf_counter()
+      summary = train.run(c, workdir)
+      seconds = time.perf_counter() - start
+      rows = [r for r in metrics.read_jsonl(
+          os.path.join(workdir, "metrics.jsonl"))
+              if r.get("step", 0) > 0 and "time/step" in r]
+      eps = episodes_per_second(rows, c.rl.prompts_per_step * c.rl.group_size,
+                                _WARMUP.value)
+      f = figures[name]
+      f["episodes_per_s"].append(eps)
+      f["accuracy_before"].append(summary["before"]["eval/accuracy"])
+      f["accuracy_after"].append(summary["after"]["eval/accuracy"])
+      f["seconds"].append(seconds)
+      print(f"seed {seed} {name:>16}: {eps:6.1f} episodes/s, held-out "
+            f"{summary['before']['eval/accuracy']:.1%} -> "
+            f"{summary['after']['eval/accuracy']:.1%} ({seconds:.0f} s)")
+  sync, fast = figures["sync_static"], figures["async_continuous"]
+  ratio = float(np.mean(fast["episodes_per_s"]) /
+                np.mean(sync["episodes_per_s"]))
+  low, high = min(sync["accuracy_after"]), max(sync["accuracy_after"])
+  within = all(low <= a <= high for a in fast["accuracy_after"])
+  figures.update({"speedup": ratio, "async_within_sync_range": within})
+  for name, f in figures.items():
+    if isinstance(f, dict):
+      print(f"{name:>16}: {np.mean(f['episodes_per_s']):.1f} episodes/s "
+            f"(seeds {', '.join(f'{x:.1f}' for x in f['episodes_per_s'])}); "
+            f"after RL {', '.join(f'{a:.1%}' for a in f['accuracy_after'])}")
+  print(f"async on continuous slots: {ratio:.2f}x the episodes per second of "
+        f"sync on the static batch; its accuracy after RL "
+        f"{'lies' if within else 'does NOT lie'} in the sync seeds' range "
+        f"[{low:.1%}, {high:.1%}]")
+  if _RECORD.value:
+    print("record:", benchlib.write_record(
+        "bench_envs_schedules", figures, _RECORD.value,
+        {"seeds": _SEEDS.value, "delay_ms": _DELAY.value, "workers": workers,
+         "step_rows": step_rows, "rl_steps": _RL_STEPS.value,
+         "sft_steps": _SFT_STEPS.value, "warmup_steps": _WARMUP.value,
+         "eval_examples": _EVAL.value}))
+
+
 def main(_):
+  if _MODE.value == "schedules":
+    schedules_main()
+    return
   mc = models.get_preset("tiny").replace(num_layers=2, d_model=128,
                                          mlp_dim=256, head_dim=32)
   params = models.init_params(mc, jax.random.key(0))
@@ -69,12 +202,12 @@ def main(_):
   env = envs_fixtures.SlowTool(delay_s=_DELAY.value / 1000,
                                turns=_TURNS.value)
   examples = {"prompt": [f"p{i}" for i in range(_B.value)]}
-  runner = envs.EnvRunner(env, num_workers=_WORKERS.value, timeout_s=60)
+  runner = envs.EnvRunner(env, num_workers=_WORKERS.value or 4, timeout_s=60)
   figures = {}
   outs = {}
   try:
     for name, step_rows in (("turn_by_turn", None),
-                            ("rounds", _STEP_ROWS.value)):
+                            ("rounds", _STEP_ROWS.value or 16)):
       turns = mt.TurnConfig(max_turns=_TURNS.value + 1,
                             max_observation_tokens=4, step_rows=step_rows)
       sampler = mt.MultiTurnSampler(mc, config, turns, runner, _Tokens(),
@@ -104,15 +237,15 @@ def main(_):
               and np.array_equal(a.observation_mask, b.observation_mask))
   ratio = figures["turn_by_turn"]["seconds"] / figures["rounds"]["seconds"]
   figures.update({"same_episodes": same, "speedup": ratio})
-  print(f"same episodes: {same}; rounds of {_STEP_ROWS.value} rows: "
+  print(f"same episodes: {same}; rounds of {_STEP_ROWS.value or 16} rows: "
         f"{ratio:.2f}x turn by turn")
   if _RECORD.value:
     print("record:", benchlib.write_record(
         "bench_envs", figures, _RECORD.value,
-        {k: v.value for k, v in flags.FLAGS.__flags.items()
-         if k in ("prompts", "group_size", "max_new_tokens", "turns",
-                  "eos_every", "delay_ms", "workers", "step_rows",
-                  "repeats")}))
+        {**{k: v.value for k, v in flags.FLAGS.__flags.items()
+            if k in ("prompts", "group_size", "max_new_tokens", "turns",
+                     "eos_every", "delay_ms", "repeats")},
+         "workers": _WORKERS.value or 4, "step_rows": _STEP_ROWS.value or 16}))
   if not same:
     raise SystemExit("the rounds changed the episodes")
 

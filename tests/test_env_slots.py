@@ -105,3 +105,42 @@ def test_failing_environments_on_slots_fail_their_episodes_only(params,
     assert got.metrics[k] == want.metrics[k], k
   if workers:
     assert got.metrics["env/timeouts"] == 1
+
+
+class _Stop(Exception):
+  pass
+
+
+def test_async_episodes_dispatch_the_update_first_and_decode_a_copy(params):
+  """Under an asynchronous schedule on one mesh, the collector calls
+  ``on_dispatch`` (which dispatches the update, donating the params) before
+  the episodes start, and the episodes decode with a copy: equal values,
+  other buffers."""
+  from rljax import rollout, rewards  # pylint: disable=import-outside-toplevel
+  events = []
+
+  class Episodes:
+    def run(self, p, examples, key):
+      same = jax.tree.leaves(jax.tree.map(lambda a, b: a is b, p, params))
+      events.append("episodes on " + (
+          "the params" if all(same) else "a copy" if not any(same) else "?"))
+      jax.tree.map(np.testing.assert_array_equal, p, params)
+      raise _Stop
+
+  class Postprocess:
+    extra_samples, failed_rewards = 0, "zero"
+
+  evaluator = rewards.RewardEvaluator(
+      [rewards.RewardSpec("env", lambda *a, **k: 0.0)], num_workers=0)
+  collector = rollout.Collector(
+      sampler=None, tokenizer=TOK, evaluator=evaluator,
+      postprocess=Postprocess(), group_size=2, buckets=(8,), eos_ids=(2,),
+      correctness="env", episodes=Episodes())
+  with pytest.raises(_Stop):
+    collector.collect(params, EXAMPLES, jax.random.key(0), None,
+                      on_dispatch=lambda: events.append("update"))
+  assert events == ["update", "episodes on a copy"]
+  events.clear()
+  with pytest.raises(_Stop):  # synchronous: no update to overlap
+    collector.collect(params, EXAMPLES, jax.random.key(0), None)
+  assert events == ["episodes on the params"]

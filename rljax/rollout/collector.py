@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from rljax import data as data_lib
@@ -333,9 +334,14 @@ class Collector:
     env_reward = None
     scored_examples = examples
     if self.episodes is not None:
-      if self.sample_mesh is not None and on_dispatch is not None:
-        # The sampler's params are a copy on its own devices: the update
-        # runs on the trainer's while the episodes play out.
+      if on_dispatch is not None:
+        # The update runs while the episodes play out: on a split mesh the
+        # sampler's params are a copy on its own devices; on one mesh the
+        # update donates the params, so the episodes decode with a copy
+        # (one more set of params while they play). Their environments'
+        # latency overlaps the update, not only the other rows' decoding.
+        if self.sample_mesh is None:
+          params = jax.tree.map(jnp.copy, params)
         on_dispatch()
         on_dispatch = None
       episodes = self.episodes.run(params, examples, key)
@@ -349,8 +355,6 @@ class Collector:
       if self.sample_mesh is not None:  # to the trainer's devices
         rollout = jax.device_put(rollout, jax.tree.map(
             lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
-      if on_dispatch is not None:
-        on_dispatch()
     elif self.slots is not None:
       rollout, examples, token_versions, spec_metrics = self.slots.sample(
           params, prompts, examples, key, version, self.buckets,
