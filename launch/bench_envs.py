@@ -27,11 +27,11 @@ two schedules, for each of ``--seeds`` seeds:
   * ``sync_static``: the static batch, turn by turn, synchronous
     (``rl.rollout=static``, ``rl.max_staleness=0``): the demo as the README
     gives it;
-  * ``async_continuous``: episodes on continuous slots, environments stepped
-    in rounds of ``--step_rows`` rows, sampled one update ahead
-    (``rl.rollout=continuous``, ``env.step_rows``, ``rl.max_staleness=1``):
-    the environments' latency overlaps the other slots' decoding and the
-    update.
+  * ``async_continuous``: episodes on continuous slots (the default
+    ``rl.rollout_slots``, ``N / 2``), sampled one update ahead
+    (``rl.rollout=continuous``, ``rl.max_staleness=1``; ``--step_rows``
+    sets ``env.step_rows``): the environments' latency overlaps the update
+    (and, in rounds, the other slots' decoding).
 
 It prints the episodes per second of the RL steps (after the first
 ``--warmup_steps``, which compile; the last step, which samples nothing
@@ -80,9 +80,10 @@ _EOS = flags.DEFINE_integer("eos_every", 12, "one token in this many ends a "
                             "turn")
 _DELAY = flags.DEFINE_integer("delay_ms", 40, "latency of one step call")
 _WORKERS = flags.DEFINE_integer("workers", None, "environment processes "
-                                 "(None: 4 for rounds, 16 for schedules)")
+                                 "(None: 4 for rounds, 32 for schedules)")
 _STEP_ROWS = flags.DEFINE_integer("step_rows", None, "rows per round (None: "
-                                  "16 for rounds, 8 for schedules)")
+                                  "16 for rounds; for schedules, "
+                                  "async_continuous's env.step_rows)")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs (best of)")
 _RECORD = flags.DEFINE_string("record_dir", "benchmarks/results",
                               "where the JSON record goes ('' for none)")
@@ -116,7 +117,7 @@ def calculator_config(schedule: str, seed: int, workers: int, step_rows: int,
   for field, value in SCHEDULES[schedule].items():
     section, name = field.split(".")
     c[section][name] = value
-  if schedule != "sync_static":
+  if schedule != "sync_static" and step_rows:
     c.env.step_rows = step_rows
   if _RL_STEPS.value is not None:
     c.rl.num_steps = _RL_STEPS.value
@@ -139,8 +140,8 @@ def episodes_per_second(rows: list[dict], episodes: int, warmup: int
 
 
 def schedules_main():
-  workers = _WORKERS.value or 16
-  step_rows = _STEP_ROWS.value or 8
+  workers = _WORKERS.value or 32
+  step_rows = _STEP_ROWS.value  # None: the slots step as their turns end
   figures: dict = {name: {"episodes_per_s": [], "accuracy_before": [],
                           "accuracy_after": [], "seconds": []}
                    for name in SCHEDULES}
