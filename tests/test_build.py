@@ -228,7 +228,7 @@ def test_training_temperature_must_be_positive(config, value):
 
 @pytest.mark.parametrize("spec,expected", [
     ("mean:3", ("rl.rank_weights preset='mean' is unknown", "'median'")),
-    ("median:4", ("rl.rank_weights='median:4'", "k=4", "= 3]")),
+    ("median:4", ("rl.rank_weights='median:4'", "k=4", "[1, 3]")),
     ("median:0", ("rl.rank_weights='median:0'", "k=0")),
     ("median", ("rl.rank_weights='median'", "'median:k'")),
     ("cvar:2", ("rl.rank_weights='cvar:2'", "'cvar:k:alpha'")),
@@ -241,6 +241,22 @@ def test_bad_rank_weights(config, spec, expected):
   config.rl.rank_weights = spec
   assert config.rl.group_size == 4
   with raises(*expected):
+    build_lib.validate(config)
+
+
+@pytest.mark.parametrize("pass_k,refused", [(4, False), (5, True)])
+def test_pass_k_is_bounded_by_the_group_size_on_both_sides(config, pass_k,
+                                                           refused):
+  """``rl.group_size`` is G everywhere: pass@k's k may be G, not G + 1, and
+  the error names G as the config gives it."""
+  config.rl.advantage = "pass_at_k"
+  config.rl.pass_k = pass_k
+  assert config.rl.group_size == 4
+  if not refused:
+    build_lib.validate(config)
+    return
+  with raises("rl.pass_k=5", "the 4 samples per prompt",
+              "rl.group_size=4"):
     build_lib.validate(config)
 
 

@@ -18,15 +18,22 @@ class Context(NamedTuple):
   """What a factory needs besides the ``rl`` section.
 
   Attributes:
-    group_size: samples per prompt the advantage chain sees (``G + 1``
-      when an entry samples an extra row).
+    group_size: ``G``, the trained rows per prompt (``rl.group_size``).
     max_new_tokens: the generation budget (``sampler.max_new_tokens``).
     seed: the run's seed (Clip-Cov's token draw).
+    extra_samples: rows sampled per prompt beyond ``G`` (a pivot or a greedy
+      row, dropped after the advantages).
   """
 
   group_size: int
   max_new_tokens: int | None = None
   seed: int | None = None
+  extra_samples: int = 0
+
+  @property
+  def samples_per_prompt(self) -> int:
+    """``G + extra_samples``: the rows of a group the advantage chain sees."""
+    return self.group_size + self.extra_samples
 
 
 @dataclasses.dataclass(frozen=True)

@@ -64,9 +64,9 @@ def _validate_algorithm(config: Any) -> None:
                "rl.aggregation"):
     table.check_choice(axis, rl[axis.split(".")[1]], table.AXES[axis])
   obj_lib.parse_rejection(rl.rejection)
-  sampled = rl.group_size + alg_lib.sampling_needs(rl.advantage)[
-      "extra_samples"]
-  ctx = table.Context(sampled, config.sampler.max_new_tokens, config.seed)
+  ctx = table.Context(rl.group_size, config.sampler.max_new_tokens,
+                      config.seed, alg_lib.sampling_needs(rl.advantage)[
+                          "extra_samples"])
   entries = ([table.ADVANTAGES[n] for n in links]
              + [table.OBJECTIVES[rl.objective],
                 table.IS_CORRECTIONS[rl.is_correction]])

@@ -16,11 +16,12 @@ from rljax.train._field import Field
 RANK_PRESETS = ("median", "trimmed_mean", "cvar", "best_of_k")
 
 
-def parse_rank_weights(spec: str, group_size: int) -> np.ndarray:
+def parse_rank_weights(spec: str, rows: int) -> np.ndarray:
   """Rank weights from ``"<preset>:<k>[:<param>]"``.
 
   Presets: ``median:k``, ``trimmed_mean:k:trim``, ``cvar:k:alpha``,
-  ``best_of_k:k`` (``advantages.*_rank_weights``); ``k <= group_size - 1``.
+  ``best_of_k:k`` (``advantages.*_rank_weights``); ``k <= rows - 1``, the
+  rows of a group the chain ranks (``Context.samples_per_prompt``).
   """
   field = "rl.rank_weights"
   parts = str(spec).split(":")
@@ -36,9 +37,9 @@ def parse_rank_weights(spec: str, group_size: int) -> np.ndarray:
     k = int(parts[1])
   except ValueError as e:
     raise ValueError(f"{field}={spec!r}: k={parts[1]!r} must be an integer.") from e
-  if not 1 <= k <= group_size - 1:
-    raise ValueError(f"{field}={spec!r}: k={k} must be in [1, rl.group_size - 1 "
-                     f"= {group_size - 1}].")
+  if not 1 <= k <= rows - 1:
+    raise ValueError(f"{field}={spec!r}: k={k} must be in [1, {rows - 1}] "
+                     f"(one less than the {rows} rows of a group).")
   try:
     if preset == "median":
       return adv.median_rank_weights(k)
@@ -90,14 +91,15 @@ def _check_overlong(rl, ctx, eval_num_samples):
 
 def _check_pass_k(rl, ctx, eval_num_samples):
   del eval_num_samples
-  if rl["pass_k"] > ctx.group_size:
+  if rl["pass_k"] > ctx.samples_per_prompt:
     raise ValueError(f"rl.pass_k={rl['pass_k']} with rl.advantage="
-                     f"'pass_at_k': k must be at most rl.group_size="
-                     f"{ctx.group_size}.")
+                     f"'pass_at_k': k must be at most the "
+                     f"{ctx.samples_per_prompt} samples per prompt "
+                     f"(rl.group_size={ctx.group_size}).")
 
 
 def _check_remax(rl, ctx, eval_num_samples):
-  if eval_num_samples == ctx.group_size:  # G + 1, the training sampler's
+  if eval_num_samples == ctx.samples_per_prompt:  # the training sampler's
     raise ValueError(
         f"eval.num_samples={eval_num_samples} with rl.advantage='remax': the "
         "training sampler of rl.group_size + 1 samples per prompt decodes "
@@ -108,12 +110,12 @@ def _check_remax(rl, ctx, eval_num_samples):
 
 def _check_rank_weights(rl, ctx, eval_num_samples):
   del eval_num_samples
-  parse_rank_weights(rl["rank_weights"], ctx.group_size)
+  parse_rank_weights(rl["rank_weights"], ctx.samples_per_prompt)
 
 
 def _rank_weights(rl, ctx):
   return adv.rank_weights(parse_rank_weights(rl["rank_weights"],
-                                             ctx.group_size))
+                                             ctx.samples_per_prompt))
 
 
 def _singleton(rl):

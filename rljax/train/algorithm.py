@@ -225,8 +225,8 @@ def advantage_chain(rl: Mapping[str, Any], group_size: int,
 
   ``rl.advantage`` is a preset or links joined with ``"+"``
   (``table.ADVANTAGES``); with ``rl.advantage_clip`` the advantages are
-  clipped last. ``group_size`` is the number of samples per prompt the chain
-  sees (``G + 1`` for MC-GRPO). Conventions: ``rl.std_eps`` (None: each
+  clipped last. ``group_size`` is ``G`` (``rl.group_size``); the chain sees
+  ``G + extra_samples`` rows per group (``G + 1`` for MC-GRPO and ReMax). Conventions: ``rl.std_eps`` (None: each
   chain's own, 1e-6 as verl, 1e-4 for TRL's ``grpo_batch_std`` and GDPO) is
   added to every std; ``rl.singleton_groups`` is what a group with one valid
   sample gets. ``max_new_tokens`` (the generation budget) is needed by
@@ -236,7 +236,8 @@ def advantage_chain(rl: Mapping[str, Any], group_size: int,
   rl = schema.complete("rl", rl)
   check_choice("rl.singleton_groups", rl["singleton_groups"],
                schema.fields()["rl.singleton_groups"].choices)
-  ctx = table.Context(group_size, max_new_tokens)
+  ctx = table.Context(group_size, max_new_tokens, extra_samples=(
+      sampling_needs(rl["advantage"])["extra_samples"]))
   links = table.advantage_links(rl["advantage"])
   chains = [table.ADVANTAGES[link].build(rl, ctx) for link in links]
   # One reward head, then each link's transforms.
@@ -314,14 +315,13 @@ def from_config(rl: Mapping[str, Any], opt: Mapping[str, Any],
   ``seed``: for ``rl.objective="clip_cov"``; missing fields: defaults)."""
   rl = schema.complete("rl", rl)
   needs = sampling_needs(rl["advantage"])
-  group_size = int(rl["group_size"]) + needs["extra_samples"]
   num_updates = (int(rl["num_steps"]) * int(rl["num_epochs"])
                  * int(rl["num_minibatches"]))
   ess_kl = rl["ess_kl_coef"]
   if ess_kl is None:
     ess_kl = table.OBJECTIVES[rl["objective"]].ess_kl_coef
   return Algorithm(
-      advantage=advantage_chain(rl, group_size, max_new_tokens),
+      advantage=advantage_chain(rl, int(rl["group_size"]), max_new_tokens),
       coefficient=coefficient_chain(rl, seed),
       optimizer=optimizer(opt, num_updates),
       ess_kl_coef=float(ess_kl), ess_pooling=rl["ess_pooling"],
