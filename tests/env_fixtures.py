@@ -158,3 +158,14 @@ class Graded:
     k = state["k"]
     return Step(observation=f"<{k + 1}>", reward=self.rewards[k],
                 done=k + 1 >= len(self.rewards), state={"k": k + 1})
+
+
+@dataclasses.dataclass(frozen=True)
+class Jittery(Graded):
+  """``Graded`` whose steps take 0 to 30 ms, by the action's characters: in
+  worker processes, the steps of one round end in another order than they
+  started."""
+
+  def step(self, state, action):
+    time.sleep(0.005 * (sum(map(ord, action)) % 7))
+    return super().step(state, action)

@@ -144,3 +144,25 @@ def test_async_episodes_dispatch_the_update_first_and_decode_a_copy(params):
   with pytest.raises(_Stop):  # synchronous: no update to overlap
     collector.collect(params, EXAMPLES, jax.random.key(0), None)
   assert events == ["episodes on the params"]
+
+
+@pytest.mark.parametrize("slots,step_rows", [(4, None), (None, 2)])
+def test_steps_in_flight_give_the_same_episodes(params, static, slots,
+                                                step_rows):
+  """With worker processes a round's steps are started without waiting and
+  taken back as they end (``EnvRunner.submit_steps`` / ``poll_steps``), in
+  whatever order their latencies give: on slots and on the static batch in
+  rounds, the episodes are those the in-process environment gives."""
+  turns = mt.TurnConfig(max_turns=4, max_observation_tokens=O,
+                        step_rows=step_rows)
+  got = _run(params, env_fixtures.Jittery((1.0, -0.25, 2.0)), slots=slots,
+             refill_rows=2, turns=turns, workers=3)
+  np.testing.assert_array_equal(got.rollout.completion_tokens,
+                                static.rollout.completion_tokens)
+  np.testing.assert_array_equal(got.rollout.observation_mask,
+                                static.rollout.observation_mask)
+  np.testing.assert_array_equal(got.env_reward, static.env_reward)
+  np.testing.assert_array_equal(got.rollout.turn_rewards,
+                                static.rollout.turn_rewards)
+  assert got.turn_tokens == static.turn_tokens
+  assert not got.failed.any()

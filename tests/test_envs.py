@@ -330,3 +330,33 @@ def test_chat_observations_continue_the_conversation_as_the_template_does(
        {"role": "assistant", "content": "42"},
        {"role": "user", "content": "Sure?"}], add_generation_prompt=True)
   assert ids == tok.encode(want)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_steps_started_without_waiting_come_back_once_each(workers):
+  """``submit_steps`` starts the calls and returns at once;
+  ``poll_steps(wait=True)`` gives back at least one ended call per poll and
+  each exactly once, a hang as a timeout and a worker's death as an error;
+  the same outcomes as ``step``'s."""
+  ways = ["fine", "raise", "fine", "nan_reward"]
+  if workers:
+    ways += ["hang", "exit", "fine"]
+  states = [{"how": w} for w in ways]
+  with envs.EnvRunner(env_fixtures.Misbehaves(), num_workers=workers,
+                      timeout_s=2.0) as runner:
+    tickets = runner.submit_steps(states, ["a"] * len(ways))
+    assert len(set(tickets)) == len(ways)
+    got = {}
+    while len(got) < len(ways):
+      ended = runner.poll_steps(tickets, wait=True)
+      assert ended and not set(ended) & set(got), (ended, got)
+      got.update(ended)
+    assert runner.poll_steps(tickets, wait=True) == {}  # nothing left: no wait
+    want = runner.step(states[:4], ["a"] * 4)  # the blocking call's answers
+  status = [got[t].status for t in tickets]
+  assert status[:4] == [o.status for o in want] == ["ok", "error", "ok",
+                                                    "error"]
+  if workers:
+    assert status[4:] == ["timeout", "error", "ok"], status
+    assert got[tickets[5]].message.startswith("the worker died")
+  assert got[tickets[0]].value == want[0].value

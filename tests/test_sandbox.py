@@ -44,8 +44,32 @@ def _needs_root():
                 "host's files readable by this user stay readable")
 
 
+def _parent(pid: int) -> int:
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      return int(f.read().rpartition(")")[2].split()[1])
+  except (OSError, IndexError, ValueError):
+    return 0
+
+
+def _another_workers(pid: int) -> bool:
+  """Whether ``pid`` descends from this process's parent through another
+  child of it (a test running beside this one under pytest-xdist), not
+  through this process."""
+  me, parent = os.getpid(), os.getppid()
+  while pid > 1:
+    up = _parent(pid)
+    if pid == me or up == me:
+      return False
+    if up == parent:
+      return True
+    pid = up
+  return False  # orphaned: left behind, whoever started it
+
+
 def _sandbox_processes() -> list[str]:
-  """Command lines of live processes started by the sandbox's bootstrap."""
+  """Command lines of live processes started by the sandbox's bootstrap
+  (those of a test running beside this one in another worker aside)."""
   out = []
   for pid in os.listdir("/proc"):
     if not pid.isdigit():
@@ -55,7 +79,7 @@ def _sandbox_processes() -> list[str]:
         cmd = f.read().decode("utf-8", "replace")
     except OSError:
       continue
-    if "rljax-sandbox-" in cmd:
+    if "rljax-sandbox-" in cmd and not _another_workers(int(pid)):
       out.append(f"{pid}: {cmd[:80]}")
   return out
 

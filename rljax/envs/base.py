@@ -194,6 +194,16 @@ def _identity(payload: bytes) -> bytes:
   return payload
 
 
+def _outcome(raw: pool_lib.Outcome, check) -> EnvOutcome:
+  """A worker's (or an inline call's) outcome, its JSON checked."""
+  if raw.status != "ok":
+    return EnvOutcome(raw.status, None, raw.message)
+  try:
+    return EnvOutcome("ok", _decode(raw.value, check), "")
+  except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+    return EnvOutcome("error", None, f"malformed result: {exc}")
+
+
 class EnvRunner:
   """Runs an environment's ``reset`` and ``step`` calls, batched.
 
@@ -229,6 +239,8 @@ class EnvRunner:
     self.stop_strings = tuple(stops)
     self.num_workers = num_workers
     self._pool = None
+    self._next_ticket = 0  # inline calls' tickets, and their outcomes
+    self._inline_done: dict[int, pool_lib.Outcome] = {}
     if num_workers:
       self._pool = pool_lib.KillingPool(
           [functools.partial(_call_reset, env),
@@ -255,31 +267,50 @@ class EnvRunner:
     """Workers replaced so far (after a timeout or a crash)."""
     return self._pool.restarts if self._pool else 0
 
+  def _inline(self, index: int, args: tuple) -> pool_lib.Outcome:
+    try:
+      return pool_lib.Outcome("ok", (_call_reset, _call_step)[index](
+          self.env, *args), "")
+    except KeyboardInterrupt:
+      raise
+    except BaseException as exc:  # pylint: disable=broad-exception-caught
+      return pool_lib.Outcome("error", None, pool_lib.describe_exception(exc))
+
   def _run(self, index: int, calls: Sequence[tuple], check) -> list[EnvOutcome]:
-    fn = (_call_reset, _call_step)[index]
     if self._pool is not None:
       raw = self._pool.run([pool_lib.Task(index, tuple(args), {})
                             for args in calls])
     else:
-      raw = []
-      for args in calls:
-        try:
-          raw.append(pool_lib.Outcome("ok", fn(self.env, *args), ""))
-        except KeyboardInterrupt:
-          raise
-        except BaseException as exc:  # pylint: disable=broad-exception-caught
-          raw.append(pool_lib.Outcome("error", None,
-                                   pool_lib.describe_exception(exc)))
-    out = []
-    for outcome in raw:
-      if outcome.status != "ok":
-        out.append(EnvOutcome(outcome.status, None, outcome.message))
-        continue
-      try:
-        out.append(EnvOutcome("ok", _decode(outcome.value, check), ""))
-      except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        out.append(EnvOutcome("error", None, f"malformed result: {exc}"))
-    return out
+      raw = [self._inline(index, tuple(args)) for args in calls]
+    return [_outcome(r, check) for r in raw]
+
+  def submit_steps(self, states: Sequence[Any], actions: Sequence[str]
+                   ) -> list[int]:
+    """Starts ``step`` of each (state, action) without waiting (in the
+    workers; without workers the calls run here, now) and returns their
+    tickets for ``poll_steps``."""
+    if len(states) != len(actions):
+      raise ValueError(f"{len(states)} states for {len(actions)} actions.")
+    calls = list(zip(states, actions))
+    if self._pool is not None:
+      return self._pool.submit([pool_lib.Task(1, args, {}) for args in calls])
+    tickets = list(range(self._next_ticket, self._next_ticket + len(calls)))
+    self._next_ticket += len(calls)
+    self._inline_done.update(
+        (t, self._inline(1, args)) for t, args in zip(tickets, calls))
+    return tickets
+
+  def poll_steps(self, tickets: Sequence[int], *, wait: bool
+                 ) -> dict[int, EnvOutcome]:
+    """The outcomes of the ``submit_steps`` calls ``tickets`` that have
+    ended, by ticket, each once; with ``wait``, at least one when any is
+    left (their timeouts still apply)."""
+    if self._pool is not None:
+      raw = self._pool.poll(tickets, None if wait else 0.0)
+    else:
+      raw = {t: self._inline_done.pop(t) for t in tickets
+             if t in self._inline_done}
+    return {t: _outcome(r, check_step) for t, r in raw.items()}
 
   def reset(self, examples: Sequence[Mapping[str, Any]]) -> list[EnvOutcome]:
     """``reset`` of each example (``value``: ``{"prompt", "state"}``)."""

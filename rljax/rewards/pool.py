@@ -392,6 +392,10 @@ class KillingPool:
     self._finalizer = weakref.finalize(self, _kill_groups, self._groups)
     self._startup_failures = 0
     self._next_task_id = 0
+    # Submitted tasks not yet sent, in order, and ended ones not yet taken.
+    self._queue: collections.deque[tuple[int, tuple]] = collections.deque()
+    self._done: dict[int, Outcome] = {}
+    self._outstanding: set[int] = set()  # submitted, not yet given back
     self._closed = False
     self.restarts = 0  # Workers replaced after a timeout or a crash.
     for _ in range(num_workers):
@@ -470,66 +474,107 @@ class KillingPool:
     ``"error"`` or ``"timeout"`` outcome. Raises RuntimeError only if workers
     cannot start at all.
     """
-    if self._closed:
-      raise RuntimeError("run() on a closed KillingPool.")
-    outcomes: list[Outcome | None] = [None] * len(tasks)
-    first_id = self._next_task_id
-    self._next_task_id += len(tasks)
-    pending = collections.deque(range(len(tasks)))
-    while pending or any(w.task_id is not None for w in self._workers):
-      for worker in list(self._workers):
-        if pending and worker.ready and worker.task_id is None:
-          if _has_exited(worker.process.pid):  # Died idle (a stray thread?).
-            self._replace(worker, during_startup=False)
-            continue
-          i = pending.popleft()
-          try:
-            worker.conn.send((first_id + i, tuple(tasks[i])))
-          except (OSError, ValueError) as exc:
-            outcomes[i] = Outcome(
-                "error", None,
-                f"could not send the task: {describe_exception(exc)}")
-            self._replace(worker, during_startup=False)
-            continue
-          worker.task_id = first_id + i
-          worker.deadline = time.monotonic() + self._timeout_s
-      waiting = [w for w in self._workers if w.task_id is not None
-                 or (not w.ready and pending)]
-      if not waiting:
-        continue
-      wait_s = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
-      # A dead worker's pipe and sentinel stay open while a process it forked
-      # holds their other ends, so deaths are also polled for.
-      readable = multiprocessing.connection.wait(
-          [w.conn for w in waiting] + [w.process.sentinel for w in waiting],
-          timeout=min(wait_s, _DEATH_POLL_S))
-      for worker in waiting:
-        if worker.conn in readable:
-          self._receive(worker, first_id, outcomes)
-        elif (worker.process.sentinel in readable
-              or _has_exited(worker.process.pid)):
-          self._fail(worker, first_id, outcomes, "the worker died")
-        elif time.monotonic() >= worker.deadline:
-          if worker.task_id is not None:
-            outcomes[worker.task_id - first_id] = Outcome(
-                "timeout", None,
-                f"no result after {self._timeout_s}s; worker killed")
-          self._replace(worker, during_startup=not worker.ready)
-    return outcomes  # type: ignore[return-value]
+    ids = self.submit(tasks)
+    while any(i not in self._done for i in ids):
+      self._advance(None)
+    self._outstanding -= set(ids)
+    return [self._done.pop(i) for i in ids]
 
-  def _fail(self, worker: _Worker, first_id: int,
-            outcomes: list[Outcome | None], what: str) -> None:
+  def submit(self, tasks: Sequence[Task]) -> list[int]:
+    """Queues ``tasks`` and starts them on idle workers without waiting;
+    returns their ids for ``poll``. Workers take queued tasks in order."""
+    if self._closed:
+      raise RuntimeError("submit() on a closed KillingPool.")
+    ids = list(range(self._next_task_id, self._next_task_id + len(tasks)))
+    self._next_task_id += len(tasks)
+    self._queue.extend(zip(ids, (tuple(t) for t in tasks)))
+    self._outstanding.update(ids)
+    self._dispatch()
+    return ids
+
+  def poll(self, ids: Sequence[int], timeout_s: float | None = 0.0
+           ) -> dict[int, Outcome]:
+    """The outcomes of the tasks ``ids`` (from ``submit``) that have ended,
+    by id; each is returned once. Waits up to ``timeout_s`` (None: as long
+    as it takes) for at least one when none has ended; 0 only looks."""
+    if self._closed:
+      raise RuntimeError("poll() on a closed KillingPool.")
+    wanted = set(ids) & self._outstanding  # those not yet given back
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+      ended = wanted & self._done.keys()
+      left = None if deadline is None else deadline - time.monotonic()
+      if ended or not wanted or (left is not None and left <= 0):
+        if not ended and wanted:
+          self._advance(0.0)  # one look: answers already in the pipes
+          ended = wanted & self._done.keys()
+        self._outstanding -= ended
+        return {i: self._done.pop(i) for i in sorted(ended)}
+      self._advance(left)
+
+  def _dispatch(self) -> None:
+    """Sends queued tasks to idle, ready workers."""
+    for worker in list(self._workers):
+      if self._queue and worker.ready and worker.task_id is None:
+        if _has_exited(worker.process.pid):  # Died idle (a stray thread?).
+          self._replace(worker, during_startup=False)
+          continue
+        task_id, task = self._queue.popleft()
+        try:
+          worker.conn.send((task_id, task))
+        except (OSError, ValueError) as exc:
+          self._done[task_id] = Outcome(
+              "error", None,
+              f"could not send the task: {describe_exception(exc)}")
+          self._replace(worker, during_startup=False)
+          continue
+        worker.task_id = task_id
+        worker.deadline = time.monotonic() + self._timeout_s
+
+  def _advance(self, timeout_s: float | None) -> None:
+    """One round: queued tasks to idle workers, then a wait of at most
+    ``timeout_s`` (None: until the next event) for answers, deaths and
+    deadlines, each handled."""
+    self._dispatch()
+    waiting = [w for w in self._workers if w.task_id is not None
+               or (not w.ready and self._queue)]
+    if not waiting:
+      return
+    wait_s = max(0.0, min(w.deadline for w in waiting) - time.monotonic())
+    if timeout_s is not None:
+      wait_s = min(wait_s, max(timeout_s, 0.0))
+    # A dead worker's pipe and sentinel stay open while a process it forked
+    # holds their other ends, so deaths are also polled for.
+    readable = multiprocessing.connection.wait(
+        [w.conn for w in waiting] + [w.process.sentinel for w in waiting],
+        timeout=min(wait_s, _DEATH_POLL_S))
+    for worker in waiting:
+      if worker.conn in readable:
+        self._receive(worker)
+      elif (worker.process.sentinel in readable
+            or _has_exited(worker.process.pid)):
+        self._fail(worker, "the worker died")
+      elif time.monotonic() >= worker.deadline:
+        if worker.task_id is not None:
+          self._done[worker.task_id] = Outcome(
+              "timeout", None,
+              f"no result after {self._timeout_s}s; worker killed")
+          worker.task_id = None
+        self._replace(worker, during_startup=not worker.ready)
+    self._dispatch()
+
+  def _fail(self, worker: _Worker, what: str) -> None:
     """Records an error for the worker's task and replaces the worker."""
     kill_group(worker.process.pid)
     worker.process.join(timeout=1.0)
     if worker.task_id is not None:
-      outcomes[worker.task_id - first_id] = Outcome(
+      self._done[worker.task_id] = Outcome(
           "error", None,
           f"{what} (exit code {worker.process.exitcode})"[:_MAX_MESSAGE_CHARS])
+      worker.task_id = None
     self._replace(worker, during_startup=not worker.ready)
 
-  def _receive(self, worker: _Worker, first_id: int,
-               outcomes: list[Outcome | None]) -> None:
+  def _receive(self, worker: _Worker) -> None:
     try:
       data = worker.conn.recv_bytes(_MAX_MESSAGE_BYTES)
     except (EOFError, OSError) as exc:
@@ -537,7 +582,7 @@ class KillingPool:
       # exists: wait for it briefly, so a death reads as one.
       what = ("the worker died" if _exits_soon(worker.process.pid) else
               f"its answer could not be read ({type(exc).__name__}: {exc})")
-      self._fail(worker, first_id, outcomes, what)
+      self._fail(worker, what)
       return
     try:
       task_id, status, message, payload = _parse(data)
@@ -549,19 +594,17 @@ class KillingPool:
                          f"{worker.task_id}")
     except ValueError as exc:  # json.JSONDecodeError is a ValueError.
       # Only the worker's own code writes there, so its stream is corrupt.
-      self._fail(worker, first_id, outcomes,
-                 f"the worker sent a malformed answer ({exc})")
+      self._fail(worker, f"the worker sent a malformed answer ({exc})")
       return
     if status == _READY:
       worker.ready = True
       worker.containment = message
       self._startup_failures = 0
       return
-    index = task_id - first_id
     if status == "ok":
-      outcomes[index] = Outcome("ok", payload, "")
+      self._done[task_id] = Outcome("ok", payload, "")
     else:
-      outcomes[index] = Outcome("error", None, message)
+      self._done[task_id] = Outcome("error", None, message)
     worker.task_id = None
 
   def close(self) -> None:

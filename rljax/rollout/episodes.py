@@ -26,8 +26,9 @@ class Episodes(NamedTuple):
       none gave one); NaN for a failed episode.
     failed: ``[N]`` bool, the environment raised, hung or answered malformed
       output (or its reset did).
-    metrics: ``env/*`` host floats, and ``time/env`` (seconds in the
-      environments' calls).
+    metrics: ``env/*`` host floats, and ``time/env`` (seconds the host
+      spent in the environments' resets and waiting for their steps: a
+      step's latency hidden behind decoding is not counted).
     turn_tokens: each row's turns as ``(start, end, kind)`` column spans,
       ``kind`` ``"model"`` or ``"observation"`` (tests and debugging).
   """

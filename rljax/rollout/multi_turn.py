@@ -358,13 +358,18 @@ class MultiTurnSampler:
 
     Rounds: a decode (until every live row has ended its turn, or until
     ``TurnConfig.step_rows`` rows wait) is dispatched to the devices; while
-    it runs, the host steps the environments of the rows that ended a turn
-    in the previous round; their observations are inserted after it. So an
-    environment's latency overlaps the other rows' decoding, and with
-    ``step_rows`` a row waiting on its environment does not wait for the
-    batch's slowest turn. The draws do not depend on the rounds (each
-    token's key is its row's and column's), so every ``step_rows`` gives the
-    same episodes.
+    it runs, the host starts the environment steps of the rows that ended a
+    turn in the previous round (``EnvRunner.submit_steps``: in the workers,
+    without waiting) and takes back those that have ended
+    (``poll_steps``), whose observations are inserted after the decode.
+    The host waits only when no row decodes, and then for every step in
+    flight. So an environment's latency overlaps the other rows' decoding
+    and the other steps, and with ``step_rows`` a row waiting on its
+    environment does not wait for the batch's slowest turn. The draws do not depend on the rounds (each
+    token's key is its row's and column's), nor on when a step ends, so
+    every ``step_rows`` and every timing gives the same episodes; with
+    workers the number of rounds (``rollout/decode_steps``) depends on
+    when the steps end.
 
     Args:
       params: the policy params.
@@ -417,13 +422,22 @@ class MultiTurnSampler:
                                done=state.done | ~decoding)
       taken = np.zeros(0, np.int64)  # slots whose turn waits for its env
       taken_turns = None
-      while decoding.any() or len(taken) or queue:
+      calls: dict[int, _Call] = {}  # environment calls in flight, by ticket
+      while decoding.any() or len(taken) or calls or queue:
         state = self._decode(params, state, _mask(m, taken), min_waiting,
                              prompt_width=p)
         resumed = np.zeros(m, bool)
         if len(taken):  # overlaps the decode just dispatched
-          inserts, resumed = self._step(taken, slot_row, taken_turns, states,
-                                        ep)
+          self._submit(taken, slot_row, taken_turns, states, calls, ep)
+        # Steps that have ended go back in now. When nothing decodes
+        # meanwhile the host waits for every step in flight, so the rows
+        # resume together (one decode for them, not one per step).
+        arrived = ep.timed(lambda: self._collect(calls,
+                                                 wait=not decoding.any()))
+        if arrived:
+          inserts, resumed = self._apply(
+              [(calls.pop(t), o) for t, o in sorted(arrived.items())],
+              states, ep, m)
           state = self._insert(params, state, *inserts, prompt_width=p)
         host = jax.device_get((state.column, state.turn_start,
                                state.ended_turn, state.done))
@@ -451,25 +465,38 @@ class MultiTurnSampler:
         ep.slot_metrics = out.metrics(int(jax.device_get(state.steps)), m)
     return ep.episodes(rollout, prompts, self.runner.restarts)
 
-  def _step(self, taken, slot_row, turns, states, ep: "EpisodeLog"):
-    """Steps the environments of the ``taken`` slots' episodes: the arrays
-    of ``_insert`` (one row per slot) and the slots that go on."""
+  def _submit(self, taken, slot_row, turns, states, calls, ep) -> None:
+    """Starts the environment steps of the ``taken`` slots' episodes
+    (their actions decoded from ``turns``), recorded in ``calls``."""
     toks, column, start = turns
-    n, t = toks.shape
-    o = self.turns.max_observation_tokens
     eos = set(self.config.eos_ids)
-    actions, ended_eos = [], []
+    actions, pending = [], []
     for s in taken:
       ids = [int(x) for x in toks[s, start[s]:column[s]]]
-      ended_eos.append(bool(ids) and ids[-1] in eos)
       actions.append(self.tokenizer.decode([x for x in ids if x not in eos]))
-    outcomes = ep.timed(lambda: self.runner.step(
-        [states[slot_row[s]] for s in taken], actions))
-    obs = np.full((n, o), self.config.pad_id, np.int32)
-    obs_len = np.zeros(n, np.int32)
-    resume, end, env_done = (np.zeros(n, bool) for _ in range(3))
-    for s, outcome, eos_end in zip(taken, outcomes, ended_eos):
-      r = slot_row[s]
+      pending.append(_Call(int(s), int(slot_row[s]), int(column[s]),
+                           bool(ids) and ids[-1] in eos))
+    tickets = ep.timed(lambda: self.runner.submit_steps(
+        [states[c.row] for c in pending], actions))
+    calls.update(zip(tickets, pending))
+
+  def _collect(self, calls, *, wait: bool):
+    """The steps in flight that have ended (all of them with ``wait``)."""
+    got = self.runner.poll_steps(list(calls), wait=False)
+    while wait and len(got) < len(calls):
+      got.update(self.runner.poll_steps(
+          [t for t in calls if t not in got], wait=True))
+    return got
+
+  def _apply(self, ended, states, ep: "EpisodeLog", m: int):
+    """The ended steps ``[(call, outcome)]``: the arrays of ``_insert``
+    (one row per slot) and the slots that go on."""
+    o, t = self.turns.max_observation_tokens, self.config.max_new_tokens
+    obs = np.full((m, o), self.config.pad_id, np.int32)
+    obs_len = np.zeros(m, np.int32)
+    resume, end, env_done = (np.zeros(m, bool) for _ in range(3))
+    for call, outcome in ended:
+      s, r, column = call.slot, call.row, call.column
       if outcome.status != "ok":
         ep.fail(r, outcome)
         end[s] = True
@@ -479,7 +506,7 @@ class MultiTurnSampler:
       if value["reward"] is not None:
         ep.reward[r] += value["reward"]
         # The turn the step answered ends at column - 1.
-        ep.rewards_at[r].append((int(column[s]) - 1, value["reward"]))
+        ep.rewards_at[r].append((column - 1, value["reward"]))
       for k, v in value["info"].items():
         ep.info[k] = ep.info.get(k, 0.0) + v
       if value["done"]:
@@ -489,8 +516,8 @@ class MultiTurnSampler:
         end[s] = True
         ep.turn_limit += 1
         continue
-      ids = self.format.encode(value["observation"], eos_end)
-      room = min(o, t - int(column[s]) - 1)  # keep one model token
+      ids = self.format.encode(value["observation"], call.ended_eos)
+      room = min(o, t - column - 1)  # keep one model token
       if room < len(ids):
         ep.truncated_obs += 1
       if room <= 0 and ids:
@@ -502,8 +529,7 @@ class MultiTurnSampler:
       ep.obs_tokens += len(ids)
       resume[s] = True
       if ids:
-        ep.spans[r].append((int(column[s]), int(column[s]) + len(ids),
-                            "observation"))
+        ep.spans[r].append((column, column + len(ids), "observation"))
     return (obs, obs_len, resume, end, env_done), resume
 
   def _turnover(self, params, state, out: "SlotOutputs", slot_row, queue,
@@ -535,6 +561,16 @@ class MultiTurnSampler:
                              done=state.done | failed)
     out.prefills += len(slots)
     return state, decoding | (refill & ~failed)
+
+
+class _Call(NamedTuple):
+  """An environment step in flight: the slot that waits for it, the episode
+  row it plays, the column where the observation goes, and whether the
+  turn ended on an EOS id."""
+  slot: int
+  row: int
+  column: int
+  ended_eos: bool
 
 
 def _mask(n: int, rows: np.ndarray) -> np.ndarray:
