@@ -43,7 +43,7 @@ QUICK = {"sft.num_steps": 0, "eval.greedy": False, "eval.num_examples": 8}
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["calculator", "guess_number", "python"])
 def test_every_environment_trains_from_the_config(name, tmp_path):
-  summary = train.run(env_config(name), str(tmp_path))
+  summary = train.run(env_config(name, **QUICK), str(tmp_path))
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
   for r in rows:

@@ -94,8 +94,6 @@ REFUSED = {
     frozenset(("env", "spec_rl")): "episodes-with-spec-rl",
     frozenset(("sampler_devices", "spec_rl")):
         "static-spec-rl-on-split-devices",
-    frozenset(("partial", "dapo")): "selection-on-slots",
-    frozenset(("continuous", "dapo")): "selection-on-slots",
 }
 
 MAX_FEATURES = 6  # per run

@@ -4,6 +4,7 @@ row by row."""
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from rljax import rewards, sampling
 from rljax.data import selection
@@ -110,3 +111,36 @@ def test_a_new_plan_over_rounds_of_the_same_sizes_compiles_nothing():
   for name in FIELDS:
     np.testing.assert_array_equal(np.asarray(getattr(merged.rollout, name)),
                                   want[name], err_msg=name)
+
+
+def test_merge_keeps_each_tokens_version_and_replay_stores_them():
+  """Rounds decoded on slots carry each token's policy version: the merged
+  batch takes the kept rows' versions (a NumPy construction), a group
+  stored for replay keeps them through ``host_groups`` / ``from_groups``,
+  and rounds that disagree on having them are refused; counts of work add
+  up over the rounds, states are the last round's."""
+  a, _ = _round(1, 3, 4, jnp)
+  b, _ = _round(2, 2, 6, jnp)
+  rng = np.random.RandomState(0)
+  va = rng.randint(-1, 5, (6, T)).astype(np.int32)
+  vb = rng.randint(-1, 5, (4, T)).astype(np.int32)
+  a = a._replace(token_versions=va, spec_metrics={
+      "rollout/decode_steps": 3.0, "rollout/slot_utilization": 0.5})
+  b = b._replace(token_versions=vb, spec_metrics={
+      "rollout/decode_steps": 4.0, "rollout/slot_utilization": 0.75})
+  plan = selection.Plan((np.array([2, 0]), np.array([1])),
+                        np.ones(3, bool))
+  merged = rounds.merge([a, b], plan, group_rows=G, pad_id=PAD,
+                        failed_rewards="zero")
+  want = np.concatenate([va[4:6], va[0:2], vb[2:4]])
+  np.testing.assert_array_equal(merged.token_versions, want)
+  assert merged.spec_metrics == {"rollout/decode_steps": 7.0,
+                                 "rollout/slot_utilization": 0.75}
+  stored = rounds.host_groups(merged, [2], G)
+  np.testing.assert_array_equal(stored[0]["token_versions"], vb[2:4])
+  back = rounds.from_groups(stored, merged, pad_id=PAD,
+                            failed_rewards="zero")
+  np.testing.assert_array_equal(back.token_versions, vb[2:4])
+  with pytest.raises(ValueError, match="token_versions"):
+    rounds.merge([a, b._replace(token_versions=None)], plan, group_rows=G,
+                 pad_id=PAD, failed_rewards="zero")

@@ -197,3 +197,26 @@ def test_spec_rl_drafts_verified_in_slots_from_the_previous_epoch(tmp_path,
   assert all(r["grad_norm"] > 0 for r in rows)
   split = tmp_path / "split"
   assert_stop_and_resume_matches(config, rows, split, 1)
+
+
+@pytest.mark.slow
+def test_selection_and_replay_on_partial_slots_train_one_update_ahead(
+    tmp_path):
+  """DAPO's dynamic sampling and replay on partial rollouts, sampled one
+  update ahead: each selection round is decoded on the slots (carried
+  groups included), replayed groups join the batch, and every trained token
+  is at most the sampler lag plus the carried and replayed ages old."""
+  config = loop_config(**{
+      "rl.rollout": "partial", "rl.selection.name": "dapo",
+      "rl.selection.max_rounds": 2, "rl.replay.fraction": 0.25,
+      "rl.max_staleness": 1, "rl.num_steps": 4})
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  assert all(r["select/rounds"] >= 1 for r in rows), rows
+  assert any(r["replay/fraction"] > 0 for r in rows), rows
+  assert "rollout/carried_groups" in rows[0]
+  bound = 1 + config.rl.partial_max_age + config.rl.replay.max_age
+  for r in rows:
+    assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0, r
+    assert 0 <= r["rollout/staleness/max"] <= bound, r

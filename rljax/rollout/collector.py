@@ -565,12 +565,11 @@ class Collector:
                else np.asarray(trained_B, bool))
     plan = selection_lib.Plan((np.arange(n_fresh), np.arange(r)),
                               np.concatenate([trained, np.ones(r, bool)]))
+    # Each token's version: the rows' own where they carry them (slots,
+    # partial rollouts' carried tokens), else the version that drew the row.
+    sampled = _with_versions(sampled, np.full(n_fresh * g, version))
+    old = _with_versions(old, np.repeat(versions, g))
     merged = self.merge_rounds([sampled, old], plan)
-    row_version = np.concatenate([np.full(n_fresh * g, version),
-                                  np.repeat(versions, g)]).astype(np.int32)
-    mask = np.asarray(merged.rollout.sampled_mask())
-    merged = merged._replace(token_versions=np.where(
-        mask, row_version[:, None], -1).astype(np.int32))
     metrics.update({"replay/fraction": r / (n_fresh + r),
                     "replay/mean_age": float(np.mean(
                         version - np.asarray(versions)))})
@@ -583,6 +582,16 @@ class Collector:
                             group_rows=group_rows or self.samples_per_prompt,
                             pad_id=self.tokenizer.pad_id,
                             failed_rewards=self.failed_rewards)
+
+
+def _with_versions(sampled: Sampled, row_version_N: np.ndarray) -> Sampled:
+  """``sampled`` with ``token_versions``: its own, or each sampled token
+  tagged with its row's ``row_version_N`` (-1 elsewhere)."""
+  if sampled.token_versions is not None:
+    return sampled
+  mask = np.asarray(sampled.rollout.sampled_mask())
+  return sampled._replace(token_versions=np.where(
+      mask, np.asarray(row_version_N)[:, None], -1).astype(np.int32))
 
 
 __all__ = ["Collected", "Collector", "Postprocess", "scored_rows"]

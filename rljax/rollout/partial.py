@@ -155,7 +155,12 @@ class SlotRollouts:
     (partial rollouts over-provision: the queue holds ``B + max_carried``
     groups; the prompts a step does not start wait for the next one).
     """
-    sc, p_cfg, b = self.config, self.partial, self.num_prompts
+    # As many groups end as prompts are asked for (B, or fewer where replay
+    # fills the rest of the batch).
+    sc, p_cfg, b = self.config, self.partial, len(prompts)
+    if not 1 <= b <= self.num_prompts:
+      raise ValueError(f"{b} prompts for slots built for at most "
+                       f"{self.num_prompts} (rl.prompts_per_step).")
     names = list(examples)
     groups = self.carried + self._new_groups(prompts, examples, key)
     draws = 0

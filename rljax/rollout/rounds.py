@@ -103,16 +103,27 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
   completions = [r.completions[j] for r, idx in zip(rounds, rows)
                  for j in idx]
   spec: dict[str, float] = {}
-  for r in rounds:  # SPEC-RL's row counts add up over the rounds
+  for r in rounds:  # counts add up over the rounds; states are the last's
     for k, v in r.spec_metrics.items():
-      spec[k] = spec.get(k, 0.0) + v if k == "spec/drafted_rows" else v
+      spec[k] = spec.get(k, 0.0) + v if k in _SUMMED else v
+  has_versions = [r.token_versions is not None for r in rounds]
+  if any(has_versions) and not all(has_versions):
+    raise ValueError("rounds.merge: some rounds carry token_versions and "
+                     "others do not; give each round's (the collector fills "
+                     "a round of one version).")
   return Sampled(
       sampling.Rollout(**fields), examples, completions, result,
       result.rewards_NxR, scored_rows(result.valid_NxR, failed_rewards),
       cat(lambda r: r.lengths), cat(lambda r: r.finished),
       cat(lambda r: r.prompt_tokens_N), cat(lambda r: r.completion_tokens_N),
-      None, spec, sum(r.seconds_sample for r in rounds),
+      cat(lambda r: r.token_versions) if all(has_versions) else None, spec,
+      sum(r.seconds_sample for r in rounds),
       sum(r.seconds_reward for r in rounds))
+
+
+# Metrics of a round that count its work: a merged batch's are the sums.
+_SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
+           "rollout/generated_tokens")
 
 
 # The Rollout fields a batch may lack; a replayed group has those of its
@@ -135,6 +146,8 @@ def host_groups(sampled: Sampled, groups: Sequence[int],
   for name in _OPTIONAL:  # recorded logprobs, an environment's fields
     if getattr(r, name) is not None:
       rows[name] = getattr(r, name)
+  if sampled.token_versions is not None:  # each token's policy version
+    rows["token_versions"] = sampled.token_versions
   host = {k: np.asarray(v) for k, v in rows.items()}
   g = group_rows
   return [{k: v[i * g:(i + 1) * g] for k, v in host.items()} for i in groups]
@@ -171,7 +184,9 @@ def from_groups(groups: Sequence[Mapping[str, np.ndarray]], like: Sampled, *,
       result, result.rewards_NxR,
       scored_rows(result.valid_NxR, failed_rewards), stack("lengths"),
       stack("finished"), stack("prompt_tokens_N"),
-      stack("completion_tokens_N"), None, {}, 0.0, 0.0)
+      stack("completion_tokens_N"),
+      stack("token_versions") if "token_versions" in groups[0] else None,
+      {}, 0.0, 0.0)
 
 
 __all__ = ["Sampled", "from_groups", "host_groups", "left_pad", "merge",

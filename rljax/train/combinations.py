@@ -51,12 +51,6 @@ def _slots(c: Any) -> bool:
   return c.rl.rollout != "static"
 
 
-def _row_slots(c: Any) -> bool:
-  """Single-turn rows on slots (``sampling/continuous.py``); episodes on
-  slots stay whole batches to selection, replay and allocation."""
-  return _slots(c) and not c.env.name
-
-
 def _extra_samples(c: Any) -> int:
   from rljax.train import algorithm  # pylint: disable=g-import-not-at-top
   return algorithm.sampling_needs(c.rl.advantage)["extra_samples"]
@@ -97,16 +91,6 @@ RULES: tuple[Rule, ...] = (
          and c.sampler.shrink_batch_to is not None,
          "the multi-turn rollout decodes every row of the batch; it has no "
          "shrinking levels", "sampler.shrink_batch_to=None, or env.name=''",
-         "missing"),
-    Rule("selection-on-slots", ("rl.selection.name", "rl.rollout"),
-         lambda c, p: c.rl.selection.name != "none" and _row_slots(c),
-         "prompt selection refills the static batch with more rounds; slots "
-         "refill rows, not rounds", "rl.rollout='static', or "
-         "rl.selection.name='none'", "missing"),
-    Rule("replay-on-slots", ("rl.replay.fraction", "rl.rollout"),
-         lambda c, p: bool(c.rl.replay.fraction) and _row_slots(c),
-         "replay mixes stored groups into the static batch; slots carry "
-         "their own rows", "rl.rollout='static', or rl.replay.fraction=0",
          "missing"),
     Rule("allocation-on-slots", (_ALLOCATION, "rl.rollout"),
          lambda c, p: c.rl.allocation.name != "none" and _slots(c),
