@@ -82,12 +82,14 @@ def test_rounds_and_turn_caps_train_from_the_config(tmp_path):
 
 @pytest.mark.slow
 def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
-  """Steps that raise, hang past the timeout or answer garbage, sampled one
-  update ahead (the synchronous schedule's episodes fail the same way:
-  tests/test_envs.py)."""
+  """Steps that raise, hang past the timeout or answer garbage, in flight in
+  two workers while other slots decode, on continuous slots sampled one
+  update ahead (the static batch's episodes fail the same way:
+  tests/test_envs.py, tests/test_env_slots.py)."""
   config = env_config("guess_number", **QUICK, **{
       "env.name": "tests.env_fixtures:FlakyGuess", "env.num_workers": 2,
-      "env.timeout_s": 0.5, "eval.every": 100, "rl.max_staleness": 1})
+      "env.timeout_s": 0.5, "eval.every": 100, "rl.max_staleness": 1,
+      "rl.rollout": "continuous"})
   summary = train.run(config, str(tmp_path))
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
