@@ -96,7 +96,7 @@ REFUSED = {
         "static-spec-rl-on-split-devices",
 }
 
-MAX_FEATURES = 6  # per run
+MAX_FEATURES = 7  # per run
 
 
 def config(features, rm_dir="/rm", teacher_dir="/teacher"):
