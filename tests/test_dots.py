@@ -167,14 +167,14 @@ def test_a_scripted_round_rolls_out_the_reference_and_draws_near_half(
   assert d.needs_round()
 
 
-def test_config_accepts_dots_and_refuses_it_with_slots():
+@pytest.mark.parametrize("rollout", ["static", "continuous", "partial"])
+def test_config_accepts_dots_on_every_rollout_plan(rollout):
+  """DOTS's reference rounds and the batch are sampled by whichever plan
+  runs (tests/test_pairs.py trains DAPO on slots; docs/selection.md)."""
   c = tiny_config()
   c.rl.selection.name = "dots"
+  c.rl.rollout = rollout
   build.validate(c)
-  c.rl.rollout = "continuous"
-  with pytest.raises(ValueError, match=r"rl.selection.name='dots' with "
-                     r"rl.rollout='continuous'"):
-    build.validate(c)
 
 
 @pytest.mark.slow
@@ -195,3 +195,18 @@ def test_dots_and_replay_run_stopped_after_step_2_resumes_exactly(tmp_path):
   assert ["dots/reference_success" in r for r in rows] == [
       True, False, True, False]
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 2)
+
+
+@pytest.mark.slow
+def test_dots_on_partial_slots_trains(tmp_path):
+  """DOTS's reference round and the batch on partial rollouts' slots."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import loop_config, rl_rows  # pylint: disable=import-outside-toplevel
+  config = loop_config(**{"rl.selection.name": "dots", "rl.rollout": "partial",
+                          "rl.selection.dots_reference": 8})
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  assert "dots/reference_success" in rows[0] and rows[0]["dots/round"] == 1
+  assert "rollout/carried_groups" in rows[0]
+  assert all(np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0 for r in rows)
