@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from rljax import rewards
-from rljax.rewards import pool as _pool
+from rljax.rewards import pool_worker
 from rljax.rewards import evaluation
 from tests import reward_fixtures as rf
 
@@ -187,7 +187,7 @@ def test_wire_formats_refuse_malformed_bytes():
   for data in (b"", b"\x04\x00\x00\x00null", b"\x05\x00\x00\x00[[[[[",
                b"\x02\x00\x00\x00{}"):
     with pytest.raises(ValueError):
-      _pool._parse(data)
+      pool_worker.parse_message(data)
 # pylint: enable=protected-access
 
 
