@@ -202,7 +202,8 @@ def _vigor_config(**overrides):
     ({"rl.selection.name": "dapo"}, r"rl.allocation.name='vigor' with "
      r"rl.selection.name='dapo'"),
     ({"rl.replay.fraction": 0.25}, r"with rl.replay.fraction=0.25"),
-    ({"rl.rollout": "continuous"}, r"with rl.rollout='continuous'"),
+    ({"rl.rollout": "partial"}, r"with rl.rollout='partial': allocation "
+     r"chooses each round's prompts"),
     ({"sampler.speculative": True}, r"with sampler.speculative=True"),
     ({"rl.advantage": "mc_grpo"}, r"with rl.advantage='mc_grpo': the "
      r"advantage samples a pivot or greedy row"),
@@ -241,6 +242,44 @@ def test_a_run_stopped_after_step_1_resumes_exactly(tmp_path, name):
   else:  # profiled once, at the first step
     assert ["alloc/pool" in r for r in rows] == [True, False, False]
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
+
+
+@pytest.mark.slow
+def test_allocation_runs_on_every_plan_of_the_training_rows(tmp_path):
+  """VIGOR's rounds on continuous slots allocate and train the rows of the
+  static batch (each row's draws are its own): the same alloc/* and reward
+  figures, the same loss to float rounding; on an environment's episodes
+  on slots the rounds are episodes, and their slot figures cover every
+  round."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_env_loop import QUICK, env_config  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import loop_config, rl_rows  # pylint: disable=import-outside-toplevel
+  rows = {}
+  for plan in ("static", "continuous"):
+    config = loop_config(**{"rl.allocation.name": "vigor", "rl.num_steps": 1,
+                            "rl.rollout": plan, "rl.rollout_slots":
+                                None if plan == "static" else 8})
+    train.run(config, str(tmp_path / plan))
+    [rows[plan]] = rl_rows(tmp_path / plan)
+  static, slots = rows["static"], rows["continuous"]
+  assert static["alloc/rounds"] == 4 and static["alloc/max_group"] > 4
+  for key, value in static.items():
+    if key.startswith(("alloc/", "reward/")) and "seconds" not in key:
+      assert slots[key] == value, key
+  assert slots["num_generated_tokens"] == static["num_generated_tokens"]
+  assert slots["pg_loss"] == pytest.approx(static["pg_loss"], abs=1e-5)
+  assert slots["rollout/prefills"] == 4  # one per round of 8 entries
+  config = env_config("calculator", **QUICK, **{
+      "rl.num_steps": 1, "eval.every": 100, "rl.rollout": "continuous",
+      "rl.rollout_slots": 8})
+  config.rl.allocation.name, config.rl.allocation.rounds = "vigor", 2
+  train.run(config, str(tmp_path / "episodes"))
+  [row] = rl_rows(tmp_path / "episodes")
+  assert row["alloc/rounds"] == 2 and row["env/turns/mean"] >= 1
+  assert row["env/failed_episodes"] == 0 and np.isfinite(row["pg_loss"])
+  # 8 x 2 episodes, then 4 x 4: 32 rows, each prefilled at least once.
+  assert row["rollout/prefills"] >= 32 and row["rollout/slots"] == 8
+  assert 0 < row["rollout/slot_utilization"] <= 1
 
 
 @pytest.mark.slow

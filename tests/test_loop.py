@@ -116,12 +116,13 @@ TABLE_FIXUPS[("rl.advantage", table.EXAMPLE_CHAIN)] = {
 
 
 def _allocation_fits(case):
-  """Rollout allocation samples the static batch in rounds of its own: no
-  selection, replay, SPEC-RL or slots, no pivot or greedy row."""
+  """Rollout allocation samples rounds of its own: no selection, replay,
+  SPEC-RL or partial rollouts, no pivot or greedy row
+  (``rljax/train/combinations.py``)."""
   return (case.get("rl.selection.name", "none") == "none"
           and not case.get("rl.replay.fraction")
           and not case.get("sampler.speculative")
-          and case.get("rl.rollout", "static") == "static"
+          and case.get("rl.rollout", "static") != "partial"
           and not alg_lib.sampling_needs(case["rl.advantage"])[
               "extra_samples"])
 

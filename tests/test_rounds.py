@@ -118,7 +118,7 @@ def test_merge_keeps_each_tokens_version_and_replay_stores_them():
   batch takes the kept rows' versions (a NumPy construction), a group
   stored for replay keeps them through ``host_groups`` / ``from_groups``,
   and rounds that disagree on having them are refused; counts of work add
-  up over the rounds, states are the last round's."""
+  up over the rounds, means are weighted."""
   a, _ = _round(1, 3, 4, jnp)
   b, _ = _round(2, 2, 6, jnp)
   rng = np.random.RandomState(0)
@@ -134,8 +134,9 @@ def test_merge_keeps_each_tokens_version_and_replay_stores_them():
                         failed_rewards="zero")
   want = np.concatenate([va[4:6], va[0:2], vb[2:4]])
   np.testing.assert_array_equal(merged.token_versions, want)
+  # Utilization over both rounds' decode steps: (0.5 * 3 + 0.75 * 4) / 7.
   assert merged.spec_metrics == {"rollout/decode_steps": 7.0,
-                                 "rollout/slot_utilization": 0.75}
+                                 "rollout/slot_utilization": 4.5 / 7}
   stored = rounds.host_groups(merged, [2], G)
   np.testing.assert_array_equal(stored[0]["token_versions"], vb[2:4])
   back = rounds.from_groups(stored, merged, pad_id=PAD,
@@ -144,3 +145,26 @@ def test_merge_keeps_each_tokens_version_and_replay_stores_them():
   with pytest.raises(ValueError, match="token_versions"):
     rounds.merge([a, b._replace(token_versions=None)], plan, group_rows=G,
                  pad_id=PAD, failed_rewards="zero")
+
+
+def test_merged_sampling_metrics_add_counts_and_weight_means_by_hand():
+  """Two rounds of 4 and 12 rows: counts add up, the turns' mean is
+  weighted by rows, slot utilization by decode steps, the longest episode
+  is the longest of both, and a state (restarts so far) is the last's."""
+  first = {"env/failed_episodes": 1.0, "env/turns/mean": 2.0,
+           "env/turns/max": 5.0, "rollout/decode_steps": 10.0,
+           "rollout/slot_utilization": 0.5, "env/worker_restarts": 1.0,
+           "spec/accept_rate": 0.25}
+  second = {"env/failed_episodes": 2.0, "env/turns/mean": 4.0,
+            "env/turns/max": 3.0, "rollout/decode_steps": 30.0,
+            "rollout/slot_utilization": 0.9, "env/worker_restarts": 2.0}
+  got = rounds.merge_metrics([first, second], [4, 12])
+  assert got["env/failed_episodes"] == 3.0
+  assert got["env/turns/mean"] == pytest.approx((2 * 4 + 4 * 12) / 16)
+  assert got["env/turns/max"] == 5.0
+  assert got["rollout/decode_steps"] == 40.0
+  assert got["rollout/slot_utilization"] == pytest.approx(
+      (0.5 * 10 + 0.9 * 30) / 40)
+  assert got["env/worker_restarts"] == 2.0
+  assert got["spec/accept_rate"] == 0.25  # only the first round has it
+  assert rounds.merge_metrics([first], [4]) == first

@@ -83,6 +83,13 @@ class Schedule(NamedTuple):
     times)."""
     return math.gcd(*self.samples)
 
+  @property
+  def round_entries(self) -> int:
+    """The most prompt entries one round gives the sampler (a plan of
+    fixed capacity, continuous batching's queue, is built for them)."""
+    return max(p * s for p, s in zip(self.prompts, self.samples)
+               ) // self.sampler_samples
+
 
 def vigor(batch_size: int, group_size: int, rounds: int = 4,
           growth: int = 2) -> Schedule:
@@ -215,6 +222,11 @@ class Sgpo:
     return self.batch_size * self.group_size
 
   sampler_samples = 1
+
+  @property
+  def round_entries(self) -> int:
+    """Entries of the step's one round, and of each profiling call."""
+    return self.rows
 
   @property
   def profiled(self) -> bool:

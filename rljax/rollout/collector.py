@@ -156,8 +156,11 @@ class Collector:
       prompts whose rewards vary most (``rollout/allocated.py``); groups
       of unequal size reach the advantage chain with their group ids, so
       the algorithm's advantage must be ``advantages.by_group_ids``-wrapped
-      (``build`` does it). Needs ``allocation_sampler``, a sampler drawing
-      ``allocation.sampler_samples`` per prompt entry.
+      (``build`` does it). Needs ``allocation_sampler``: the training
+      rows' plan drawing ``allocation.sampler_samples`` per prompt entry
+      (a sampler, or with ``slots`` a ``SlotRollouts`` of continuous
+      batching, or with ``episodes`` a ``MultiTurnSampler``), for at least
+      ``allocation.round_entries`` entries a round.
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -324,9 +327,13 @@ class Collector:
   def sample_round(self, params, examples, key, version, on_dispatch,
              more_examples, *, sampler=None, samples: int | None = None,
              longest: int | None = None) -> Sampled:
-    """Samples, decodes and scores one batch of prompts (``samples`` per
-    prompt with ``sampler``, default the training rows'; ``longest``: pad
-    the prompts as if one had this many tokens)."""
+    """Samples, decodes and scores one batch of prompts.
+
+    ``sampler``: the plan of the training rows (``episodes``, ``slots`` or
+    the static sampler) drawing ``samples`` per prompt instead of the
+    training rows' ``samples_per_prompt`` (rollout allocation's rounds);
+    ``longest``: pad the prompts as if one had this many tokens (the
+    static batch; the other plans pad to their buckets)."""
     g, group, mesh = samples or self.samples_per_prompt, self.group, self.mesh
     t_start = time.time()
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
@@ -344,7 +351,7 @@ class Collector:
           params = jax.tree.map(jnp.copy, params)
         on_dispatch()
         on_dispatch = None
-      episodes = self.episodes.run(params, examples, key)
+      episodes = (sampler or self.episodes).run(params, examples, key)
       rollout, spec_metrics = episodes.rollout, episodes.metrics
       # The rewards read the episodes' prompts (Environment.reset's); the
       # batch keeps the data's examples, which selection and replay key by.
@@ -356,7 +363,8 @@ class Collector:
         rollout = jax.device_put(rollout, jax.tree.map(
             lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
     elif self.slots is not None:
-      rollout, examples, token_versions, spec_metrics = self.slots.sample(
+      rollout, examples, token_versions, spec_metrics = (
+          sampler or self.slots).sample(
           params, prompts, examples, key, version, self.buckets,
           on_dispatch=on_dispatch, more=None if more_examples is None
           else lambda: self._encoded(more_examples()))

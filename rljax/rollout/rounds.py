@@ -102,10 +102,8 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
                   for i in groups] for f in rounds[0].examples}
   completions = [r.completions[j] for r, idx in zip(rounds, rows)
                  for j in idx]
-  spec: dict[str, float] = {}
-  for r in rounds:  # counts add up over the rounds; states are the last's
-    for k, v in r.spec_metrics.items():
-      spec[k] = spec.get(k, 0.0) + v if k in _SUMMED else v
+  spec = merge_metrics([r.spec_metrics for r in rounds],
+                       [len(r.lengths) for r in rounds])
   has_versions = [r.token_versions is not None for r in rounds]
   if any(has_versions) and not all(has_versions):
     raise ValueError("rounds.merge: some rounds carry token_versions and "
@@ -123,7 +121,37 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
 
 # Metrics of a round that count its work: a merged batch's are the sums.
 _SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
-           "rollout/generated_tokens")
+           "rollout/generated_tokens", "env/failed_episodes", "env/errors",
+           "env/timeouts", "env/observation_tokens",
+           "env/observation_truncated", "env/turn_limit", "time/env")
+# Means over a round's rows, and over its decode steps; maxima.
+_ROW_MEANS = ("env/turns/mean",)
+_STEP_MEANS = ("rollout/slot_utilization",)
+_MAXIMA = ("env/turns/max",)
+
+
+def merge_metrics(metrics: Sequence[Mapping[str, float]],
+                  rows: Sequence[int]) -> dict[str, float]:
+  """The sampling metrics of rounds of ``rows`` rows each, as one batch's:
+  counts add up, means are weighted by rows (by decode steps for slot
+  utilization), maxima are the largest; anything else (a state, such as
+  the worker restarts so far) is the last round's."""
+  out: dict[str, float] = {}
+  for k in dict.fromkeys(k for m in metrics for k in m):
+    present = [(m[k], n, m.get("rollout/decode_steps", 0.0))
+               for m, n in zip(metrics, rows) if k in m]
+    values = [v for v, _, _ in present]
+    if k in _SUMMED:
+      out[k] = float(sum(values))
+    elif k in _MAXIMA:
+      out[k] = float(max(values))
+    elif k in _ROW_MEANS or k in _STEP_MEANS:
+      weights = [n if k in _ROW_MEANS else steps for _, n, steps in present]
+      out[k] = (float(np.dot(values, weights) / sum(weights)) if sum(weights)
+                else float(values[-1]))
+    else:
+      out[k] = float(values[-1])
+  return out
 
 
 # The Rollout fields a batch may lack; a replayed group has those of its
@@ -190,4 +218,4 @@ def from_groups(groups: Sequence[Mapping[str, np.ndarray]], like: Sampled, *,
 
 
 __all__ = ["Sampled", "from_groups", "host_groups", "left_pad", "merge",
-           "scored_rows"]
+           "merge_metrics", "scored_rows"]

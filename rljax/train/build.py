@@ -450,34 +450,63 @@ class Components:
       return self.sample_mesh, self.sample_param_shardings
     return self.mesh, self.param_shardings
 
-  def _training_sampler_config(self, record_policy_logprobs: bool | None
+  def _training_sampler_config(self, record_policy_logprobs: bool | None,
+                               num_samples: int | None = None
                                ) -> sampling.SamplerConfig:
     """The training rows' ``SamplerConfig`` (``group_size + extra_samples``
-    per prompt, ReMax's greedy row) for the slots and SPEC-RL."""
+    per prompt, ReMax's greedy row; or ``num_samples`` per prompt entry)
+    for the slots and SPEC-RL."""
     alg = self.algorithm
     if record_policy_logprobs is None:
       record_policy_logprobs = self.step_config.old_logprobs == "sampler"
-    num_samples = self.settings.group_size + alg.extra_samples
+    greedy = num_samples is None and alg.greedy_baseline
+    if num_samples is None:
+      num_samples = self.settings.group_size + alg.extra_samples
     return sampler_config(
         self.config, self.tokenizer, num_samples,
         record_policy_logprobs=record_policy_logprobs,
-        greedy_every=num_samples if alg.greedy_baseline else 0)
+        greedy_every=num_samples if greedy else 0)
 
   def slot_rollouts(self, *, record_policy_logprobs: bool | None = None,
-                    drafts: sampling.DraftStore | None = None
+                    drafts: sampling.DraftStore | None = None,
+                    num_samples: int | None = None,
+                    num_prompts: int | None = None
                     ) -> partial_lib.SlotRollouts | None:
     """Continuous batching or partial rollouts of the training rows
     (``rl.rollout``); None for the static sampler. ``record_policy_logprobs``
     as ``sampler``'s; ``drafts``: SPEC-RL's store (``speculation().store``),
-    whose drafts are verified in the slots' prefills."""
+    whose drafts are verified in the slots' prefills. ``num_samples`` rows
+    for each of at most ``num_prompts`` prompts a call (rollout
+    allocation's rounds); default the training rows' of
+    ``rl.prompts_per_step`` prompts."""
     partial = partial_config(self.config)
     if partial is None or self.env is not None:  # episodes have their own
       return None
-    config = self._training_sampler_config(record_policy_logprobs)
+    config = self._training_sampler_config(record_policy_logprobs,
+                                           num_samples)
     return partial_lib.SlotRollouts(
-        self.model_config, config, partial, self.settings.prompts_per_step,
+        self.model_config, config, partial,
+        num_prompts or self.settings.prompts_per_step,
         *self._where(True), drafts=drafts,
         log_lenience=float(self.config.sampler.spec_log_lenience))
+
+  def allocation_rollouts(self, schedule: Any, *,
+                          record_policy_logprobs: bool | None = None) -> Any:
+    """Rollout allocation's rounds (``rl.allocation``) on the training
+    rows' plan: ``schedule.sampler_samples`` rows per prompt entry, as
+    episodes (``env.name``), on continuous-batching slots
+    (``rl.rollout='continuous'``) or on the static batch."""
+    samples = schedule.sampler_samples
+    if self.env is not None:
+      return self.episodes(samples, record_policy_logprobs=bool(
+          record_policy_logprobs), training=True)
+    slots = self.slot_rollouts(record_policy_logprobs=record_policy_logprobs,
+                               num_samples=samples,
+                               num_prompts=schedule.round_entries)
+    if slots is not None:
+      return slots
+    return self.sampler(samples, record_policy_logprobs=record_policy_logprobs,
+                        training=True)
 
   def selection(self) -> Any:
     """``_build_rollouts.selection`` of the config (``rl.selection``)."""

@@ -65,8 +65,8 @@ def _scoring_models(c: Any) -> list[str]:
 
 
 _ALLOCATION = "rl.allocation.name"
-_ROUNDS = ("rollout allocation samples the static batch in rounds of its own "
-           "size and prompts")
+_ROUNDS = ("rollout allocation samples its rounds of its own size and "
+           "prompts")
 
 RULES: tuple[Rule, ...] = (
     # --- one process -------------------------------------------------------
@@ -92,13 +92,13 @@ RULES: tuple[Rule, ...] = (
          "the multi-turn rollout decodes every row of the batch; it has no "
          "shrinking levels", "sampler.shrink_batch_to=None, or env.name=''",
          "missing"),
-    Rule("allocation-on-slots", (_ALLOCATION, "rl.rollout"),
-         lambda c, p: c.rl.allocation.name != "none" and _slots(c),
-         _ROUNDS, "rl.rollout='static'", "missing"),
-    Rule("allocation-with-episodes", (_ALLOCATION, "env.name"),
-         lambda c, p: c.rl.allocation.name != "none" and bool(c.env.name),
-         _ROUNDS + " with the static sampler, not episodes", "env.name=''",
-         "missing"),
+    Rule("allocation-with-partial", (_ALLOCATION, "rl.rollout"),
+         lambda c, p: (c.rl.allocation.name != "none"
+                       and c.rl.rollout == "partial"),
+         "allocation chooses each round's prompts from the rewards of every "
+         "row of the rounds before, within the step; a row carried "
+         "unfinished to the next step has no reward to choose by",
+         "rl.rollout='continuous' or 'static'", "meaningless"),
     Rule("allocation-with-selection", (_ALLOCATION, "rl.selection.name"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and c.rl.selection.name != "none"),

@@ -193,8 +193,8 @@ def start(c: build_lib.Components, workdir: str) -> Session:
                           record_policy_logprobs=sampler_old, training=True),
       selection=selection, replay=c.replay(),
       allocation=schedule, allocation_sampler=None if schedule is None
-      else c.sampler(schedule.sampler_samples,
-                     record_policy_logprobs=sampler_old, training=True))
+      else c.allocation_rollouts(schedule,
+                                 record_policy_logprobs=sampler_old))
   if c.env is not None:  # held-out episodes instead of single turns
     samplers = {"eval": c.episodes(s.eval_num_samples),
                 "greedy": c.episodes(1, greedy=True) if s.eval_greedy
