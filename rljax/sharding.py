@@ -252,6 +252,23 @@ def shard_params(params: Any, axes_tree: Any, mesh: Mesh,
   return jax.device_put(params, shardings)
 
 
+def put_global(tree: Any, shardings: Any) -> Any:
+  """``tree``, a value every process holds whole (host arrays, or arrays on
+  one of its own devices), placed as ``shardings`` say, also where they
+  span devices of other processes: each process builds its own shards
+  from its copy (``jax.make_array_from_callback``). ``jax.device_put``
+  refuses such shardings; on one process this is ``jax.device_put``."""
+
+  def put(x, sharding):
+    if sharding.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    host = np.asarray(jax.device_get(x))
+    return jax.make_array_from_callback(host.shape, sharding,
+                                        lambda index: host[index])
+
+  return jax.tree.map(put, tree, shardings)
+
+
 def batch_sharding(mesh: Mesh, ndim: int, rules: Rules = DEFAULT_RULES,
                    ) -> NamedSharding:
   """Sharding of an array whose leading axis is the batch (rest replicated)."""

@@ -154,13 +154,23 @@ def wait_for(predicate, procs, timeout, what):
   raise AssertionError(f"timed out waiting for {what}")
 
 
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, jax_cache):
+  """The default config's run on one process and on two: ``(one, two,
+  return codes, process 0's output)``. The two-process run is also the
+  teacher of the distillation test (a run that several processes wrote)."""
+  root = tmp_path_factory.mktemp("two-runs")
+  want = one_process_run(root / "one", {})
+  workdir = str(root / "two")
+  cluster = Cluster(flags_for({}, workdir), str(root / "logs"), jax_cache)
+  return want, workdir, cluster.wait(), cluster.output(0)
+
+
 @pytest.mark.slow
-def test_two_processes_match_one(tmp_path, jax_cache):
+def test_two_processes_match_one(two_runs):
   """GRPO with KL, two minibatches, SFT and held-out evaluation."""
-  want = one_process_run(tmp_path / "one", {})
-  workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for({}, workdir), str(tmp_path / "logs"), jax_cache)
-  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  want, workdir, codes, output = two_runs
+  assert codes == [0, 0], output[-3000:]
   got_rows = rows(workdir)
   assert_same_metrics(got_rows, rows(want))
   assert any(r["step"] < 0 and "sft/sft_loss" in r for r in got_rows)
@@ -170,6 +180,29 @@ def test_two_processes_match_one(tmp_path, jax_cache):
   # run record), written once.
   files = [f for f in os.listdir(workdir) if not f.startswith("train_seed")]
   assert sorted(files) == sorted(os.listdir(want))
+
+
+@pytest.mark.slow
+def test_distillation_on_two_processes_matches_one(two_runs, tmp_path,
+                                                   jax_cache):
+  """On-policy distillation from a teacher run that two processes wrote:
+  the teacher is placed on the global mesh (each process builds its own
+  shards; ``jax.device_put`` refuses devices of another process), and the
+  two-process student logs the one-process student's metrics."""
+  teacher, codes = two_runs[1], two_runs[2]
+  assert codes == [0, 0]
+  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
+               "checkpoint.every": 100, "rl.distill_coef": 0.1,
+               "teacher.path": teacher}
+  want = one_process_run(tmp_path / "one", overrides)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
+                    jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  distill = [r["distill/reverse_kl"] for r in got_rows if r["step"] > 0]
+  assert len(distill) == 2 and all(k > 0 for k in distill), distill
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ import ml_collections
 
 from rljax import checkpoint as ckpt_lib
 from rljax import models
+from rljax import sharding as sharding_lib
 from rljax.train import _build_inputs as inputs_lib
 from rljax.train import schema
 
@@ -248,8 +249,9 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
       check_same_tokenizer(tokenizer, getattr(loaded.tokenizer, "tokenizer",
                                               loaded.tokenizer), path)
     model_config = loaded.model_config
-    params = jax.device_put(loaded.params,
-                            models.param_shardings(model_config, mesh))
+    # Onto the global mesh, whichever process count wrote or reads it.
+    params = sharding_lib.put_global(
+        loaded.params, models.param_shardings(model_config, mesh))
   elif os.path.isfile(os.path.join(path, "config.json")):
     if step is not None:
       raise ValueError(f"teacher.step={step} with teacher.path={path!r}, a "
@@ -280,7 +282,7 @@ def load_judge(path: str, mesh: jax.sharding.Mesh | None
     loaded = load_policy(path)
     params = loaded.params
     if mesh is not None:
-      params = jax.device_put(params, models.param_shardings(
+      params = sharding_lib.put_global(params, models.param_shardings(
           loaded.model_config, mesh))
     return loaded.model_config, params, loaded.tokenizer
   model_config, params = models.load_hf_pretrained(path, mesh)
