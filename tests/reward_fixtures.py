@@ -177,3 +177,8 @@ def starts_marked_subprocess(prompts, completions, **fields):
   """Starts a 300 s sleeper whose argv holds $RLJAX_TEST_MARKER."""
   _start_sleeper(os.environ["RLJAX_TEST_MARKER"])
   return [1.0] * len(completions)
+
+
+def verdict_length(text):
+  """A judge parser that reads every verdict: its length in characters."""
+  return float(len(text))

@@ -40,8 +40,6 @@ TRIGGERS = {
     "selection-on-processes": ({"rl.selection.name": "greso"}, 2),
     "replay-on-processes": ({"rl.replay.fraction": 0.25}, 2),
     "allocation-on-processes": ({"rl.allocation.name": "vigor"}, 2),
-    "reward-models-on-processes": ({"rewards.names": ("model:/nowhere",),
-                                    "rewards.weights": (1.0,)}, 2),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 
@@ -70,11 +68,7 @@ def test_each_rule_applies_to_its_settings_and_to_nothing_less(name):
   assert rule.applies(config, processes)
   # Each setting is needed: without it (or on one process) the rule is off.
   for key in overrides:
-    if key == "rewards.weights":
-      continue
-    less = {k: v for k, v in overrides.items()
-            if k != key and not (key == "rewards.names"
-                                 and k == "rewards.weights")}
+    less = {k: v for k, v in overrides.items() if k != key}
     assert not rule.applies(_config(less), processes), (name, key)
   if processes > 1:
     assert not rule.applies(config, 1)

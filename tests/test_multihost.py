@@ -52,8 +52,11 @@ _CLOCKS = ("time/", "tokens_per_s/", "reward/eval_seconds")
 def config_for(overrides):
   c = tiny_config()
   for key, value in {**COMMON, **overrides}.items():
-    section, field = key.split(".")
-    c[section][field] = value
+    *path, field = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[field] = value
   return c
 
 
@@ -203,6 +206,51 @@ def test_distillation_on_two_processes_matches_one(two_runs, tmp_path,
   assert_same_metrics(got_rows, rows(want))
   distill = [r["distill/reverse_kl"] for r in got_rows if r["step"] > 0]
   assert len(distill) == 2 and all(k > 0 for k in distill), distill
+
+
+def _reward_model_dir(path):
+  """A tiny random reward model on the tiny config's tokenizer (it reads
+  the policy's tokens)."""
+  from rljax import models  # pylint: disable=import-outside-toplevel
+  from rljax.models import reward_model as rm  # pylint: disable=import-outside-toplevel
+  from rljax.train import build  # pylint: disable=import-outside-toplevel
+  c = config_for({})
+  task, examples, _ = build.load_task(c)
+  tokenizer = build.make_tokenizer(c, task, examples)
+  rm_config = rm.RewardModelConfig(models.get_preset("tiny").replace(
+      vocab_size=tokenizer.vocab_size))
+  params = rm.init_params(rm_config, jax.random.key(0))
+  kernel = jax.random.normal(jax.random.key(1), (rm_config.decoder.d_model, 1))
+  rm.save_hf_reward_model(path, rm_config, {"decoder": params["decoder"],
+                                            "score": {"kernel": kernel}})
+  (path / "tokenizer.model").write_bytes(tokenizer.serialized)
+  return str(path)
+
+
+@pytest.mark.slow
+def test_a_reward_model_and_a_judge_on_two_processes_match_one(
+    two_runs, tmp_path, jax_cache):
+  """A reward model reading the policy's tokens (the global rollout) and a
+  generative judge (an rljax run; each process's rows judged in one global
+  sampler call, keyed by the whole batch) score as on one process."""
+  judge, codes = two_runs[1], two_runs[2]
+  assert codes == [0, 0]
+  rm_dir = _reward_model_dir(tmp_path / "rm")
+  names = ("numeric_match", f"model:{rm_dir}", f"judge:{judge}")
+  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
+               "checkpoint.every": 100, "rewards.names": names,
+               "rewards.weights": (1.0, 0.5, 0.1),
+               "rewards.judges.parser": "tests.reward_fixtures:verdict_length"}
+  want = one_process_run(tmp_path / "one", overrides)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
+                    jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  for r in (r for r in got_rows if r["step"] > 0):
+    assert r["reward/rm/valid_frac"] == 1 and r["reward/rm/mean"] != 0
+    assert r["reward/two/valid_frac"] == 1 and r["reward/two/mean"] > 0
 
 
 @pytest.mark.slow

@@ -393,7 +393,7 @@ class Collector:
       fields["env_reward"] = env_reward
     result = self.evaluator.evaluate(  # a reward model reads the tokens
         fields["prompt"], completions, fields,
-        tokens=rollout if group.single else None)
+        tokens=rollout)
     # The chain's inputs: this process's rows, as blocks of global arrays.
     rewards_NxR = group.global_array(result.rewards_NxR, mesh)
     valid_N = group.global_array(

@@ -98,7 +98,7 @@ def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
                          "load_judge)).")
       fn = judges.load(name, model=load_judge(judges.check(name), mesh),
                        mesh=mesh, seed=config.seed,
-                       settings=config.rewards.judges)
+                       settings=config.rewards.judges, group=group)
       log.info("judge %s: %s params", label,
                f"{models.count_params(fn.params):,}")
       specs.append(rewards_lib.RewardSpec(label, fn, weight=float(weight),
@@ -111,7 +111,7 @@ def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
     fn = model_rewards.load(
         name, policy_tokenizer=tokenizer, policy_dir=config.model.path,
         mesh=mesh, tokens=m.tokens, chat_template=m.chat_template,
-        param_dtype=m.param_dtype or None)
+        param_dtype=m.param_dtype or None, group=group)
     log.info("reward model %s: %s params, reads the %s", label,
              f"{models.count_params(fn.params):,}",
              "policy's tokens" if fn.reads_tokens else "text")

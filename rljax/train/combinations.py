@@ -56,14 +56,6 @@ def _extra_samples(c: Any) -> int:
   return algorithm.sampling_needs(c.rl.advantage)["extra_samples"]
 
 
-def _scoring_models(c: Any) -> list[str]:
-  """The reward names that are reward models or judges (they score on the
-  devices, not in reward workers)."""
-  from rljax.train import judges, model_rewards  # pylint: disable=g-import-not-at-top
-  return [name for name in c.rewards.names
-          if model_rewards.is_model_reward(name) or judges.is_judge(name)]
-
-
 _ALLOCATION = "rl.allocation.name"
 _ROUNDS = ("rollout allocation samples its rounds of its own size and "
            "prompts")
@@ -157,10 +149,6 @@ RULES: tuple[Rule, ...] = (
          lambda c, p: p > 1 and c.rl.allocation.name != "none",
          "allocation's rounds are one process's", "rl.allocation.name="
          "'none'", "missing"),
-    Rule("reward-models-on-processes", ("rewards.names", "processes"),
-         lambda c, p: p > 1 and bool(_scoring_models(c)),
-         "a reward model or judge scores the rows on one process's devices",
-         "reward functions only", "missing"),
 )
 
 

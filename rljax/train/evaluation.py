@@ -186,7 +186,7 @@ def evaluate(
   if env_reward is not None:
     fields["env_reward"] = env_reward
   result = evaluator.evaluate(fields["prompt"], completions, fields,
-                              tokens=rollout if group.single else None)
+                              tokens=rollout)
   column = list(result.names).index(correctness_reward)
   scores = np.nan_to_num(result.rewards_NxR[:, column], nan=0.0)
   correct = (scores >= 1.0).reshape(len(examples), num_samples)

@@ -39,7 +39,7 @@ from typing import Any
 
 import jax
 
-from rljax import models, sampling
+from rljax import distributed, models, sampling
 from rljax import tokenizers as tok_lib
 
 PREFIX = "judge:"
@@ -122,6 +122,12 @@ class JudgeReward:
     mesh: the params' mesh; None: the default device.
     chat_template: render the template as a user turn when the tokenizer has
       a chat template.
+    group: the run's processes (``distributed.ProcessGroup``). With
+      several, each process is called with its own rows: their prompts are
+      padded to the longest bucket of any process and judged in one global
+      sampler call on ``mesh``, keyed by every process's prompts (so the
+      verdicts are those of one process judging the whole batch), and each
+      process takes back its rows' verdicts.
   """
 
   def __init__(self, model_config: models.ModelConfig, params: Any,
@@ -130,7 +136,8 @@ class JudgeReward:
                temperature: float = 1.0,
                parser: Callable[[str], float | None] = parse_verdict,
                seed: int = 0, mesh: jax.sharding.Mesh | None = None,
-               chat_template: bool = True):
+               chat_template: bool = True,
+               group: distributed.ProcessGroup | None = None):
     try:
       template.format(prompt="", completion="")
     except (KeyError, IndexError, ValueError) as e:
@@ -144,6 +151,9 @@ class JudgeReward:
                                            None) is not None
     self._key = jax.random.key(seed)
     self._mesh = mesh
+    self._group = group or distributed.ProcessGroup()
+    if not self._group.single and mesh is None:
+      raise ValueError("JudgeReward with several processes needs the mesh.")
     method = (sampling.SamplingMethod(greedy=True) if num_samples == 1
               else sampling.SamplingMethod(temperature=temperature))
     self._sampler = functools.partial(
@@ -175,14 +185,20 @@ class JudgeReward:
                ) -> list[list[str]]:
     """The judge's ``num_samples`` verdict texts for each completion."""
     ids = [self.encode(p, c) for p, c in zip(prompts, completions)]
-    bucket = max(16, 1 << (max(len(i) for i in ids) - 1).bit_length())
+    group, mesh = self._group, self._mesh
+    bucket = group.max_int(max(16, 1 << (max(len(i) for i in ids) - 1
+                                         ).bit_length()))
     tokens, mask = sampling.pad_prompts(ids, (bucket,), self.tokenizer.pad_id)
-    key = jax.random.fold_in(self._key, zlib.crc32(tokens.tobytes()))
+    # The key of the whole batch's prompts, the same on every process.
+    key = jax.random.fold_in(self._key, zlib.crc32(
+        group.gather_rows(tokens, mesh).tobytes()))
     fn, config = self._sample_fn(bucket)
-    rollout = jax.device_get(fn(self.params, tokens, mask, key))
-    texts = tok_lib.decode_completions(self.tokenizer,
-                                       rollout.completion_tokens,
-                                       rollout.completion_mask, config.eos_ids)
+    rollout = fn(self.params, group.global_array(tokens, mesh),
+                 group.global_array(mask, mesh), key)
+    completion_tokens, completion_mask = distributed.local_rows_many(
+        group, rollout.completion_tokens, rollout.completion_mask)
+    texts = tok_lib.decode_completions(self.tokenizer, completion_tokens,
+                                       completion_mask, config.eos_ids)
     k = self.num_samples
     return [texts[i * k:(i + 1) * k] for i in range(len(ids))]
 
@@ -195,8 +211,8 @@ class JudgeReward:
 
 
 def load(name: str, *, model: tuple[models.ModelConfig, Any, Any],
-         mesh: jax.sharding.Mesh | None, seed: int, settings: Any
-         ) -> JudgeReward:
+         mesh: jax.sharding.Mesh | None, seed: int, settings: Any,
+         group: distributed.ProcessGroup | None = None) -> JudgeReward:
   """The ``JudgeReward`` of a ``rewards.names`` entry ``"judge:<path>"``.
 
   Args:
@@ -207,6 +223,7 @@ def load(name: str, *, model: tuple[models.ModelConfig, Any, Any],
     mesh: where its params are.
     seed: the run's seed.
     settings: ``rewards.judges.*``.
+    group: the run's processes (``JudgeReward``).
   """
   path = check(name)
   model_config, params, tokenizer = model
@@ -216,4 +233,4 @@ def load(name: str, *, model: tuple[models.ModelConfig, Any, Any],
       max_new_tokens=settings.max_new_tokens,
       num_samples=settings.num_samples, temperature=settings.temperature,
       parser=get_parser(settings.parser), seed=seed, mesh=mesh,
-      chat_template=settings.chat_template)
+      chat_template=settings.chat_template, group=group)

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rljax import distributed
 from rljax import sampling
 from rljax import tokenizers as tok_lib
 from rljax.models import reward_model as rm_lib
@@ -153,11 +154,17 @@ class ModelReward:
       has one.
     mesh: the params' mesh (text-path inputs are replicated on it); None:
       the default device.
+    group: the run's processes (``distributed.ProcessGroup``). With
+      several, each process is called with its own rows (its block of the
+      batch): their ids are padded to the longest of every process's
+      bucket, scored as one global batch on ``mesh`` and each process takes
+      back its rows; a rollout handed over is the global one.
   """
 
   def __init__(self, config: rm_lib.RewardModelConfig, params: Any,
                tokenizer: Any, *, score_tokens: bool,
-               chat_template: bool = True, mesh: Mesh | None = None):
+               chat_template: bool = True, mesh: Mesh | None = None,
+               group: distributed.ProcessGroup | None = None):
     if config.num_labels != 1:
       raise ValueError(f"ModelReward: num_labels={config.num_labels}; a "
                        "reward model has one score (accepted: 1).")
@@ -166,24 +173,28 @@ class ModelReward:
     self._chat = chat_template and getattr(tokenizer, "chat_template",
                                            None) is not None
     self._mesh = mesh
+    self._group = group or distributed.ProcessGroup()
+    if not self._group.single and mesh is None:
+      raise ValueError("ModelReward with several processes needs the mesh.")
 
-  def _values(self, tokens_BxT: Any, mask_BxT: Any, n: int) -> np.ndarray:
-    out = np.asarray(jax.device_get(_score(self.params, config=self.config,
-                                           tokens_BxT=tokens_BxT,
-                                           input_mask_BxT=mask_BxT)),
-                     np.float64)[:n, 0]
+  def _values(self, tokens_BxT: Any, mask_BxT: Any) -> np.ndarray:
+    """This process's rows' scores (float64; a non-finite one is inf)."""
+    out = np.asarray(self._group.local_rows(_score(
+        self.params, config=self.config, tokens_BxT=tokens_BxT,
+        input_mask_BxT=mask_BxT)), np.float64)[:, 0]
     # Non-finite is a failed score (counted invalid), never "no reward".
     return np.where(np.isfinite(out), out, np.inf)
 
   def score_tokens(self, rollout: Any) -> np.ndarray:
     """``[N]`` scores of a rollout's ``prompt_tokens + completion_tokens``
     (``prompt_mask``, ``completion_mask``); what the evaluator calls when
-    ``reads_tokens`` and it has the rollout."""
+    ``reads_tokens`` and it has the rollout. With several processes the
+    rollout is the global batch and this process's rows come back."""
     tokens = jax.numpy.concatenate([rollout.prompt_tokens,
                                     rollout.completion_tokens], 1)
     mask = jax.numpy.concatenate([rollout.prompt_mask,
                                   rollout.completion_mask], 1)
-    return self._values(tokens, mask, tokens.shape[0])
+    return self._values(tokens, mask)
 
   def encode(self, prompt: str, completion: str) -> list[int]:
     """The reward model's ids of one (prompt, completion): ``encode``."""
@@ -195,19 +206,24 @@ class ModelReward:
     if not n:
       return np.zeros(0)
     ids = [self.encode(p, c) for p, c in zip(prompts, completions)]
-    bucket = max(16, 1 << (max(len(i) for i in ids) - 1).bit_length())
+    group = self._group
+    bucket = group.max_int(max(16, 1 << (max(len(i) for i in ids) - 1
+                                         ).bit_length()))
     tokens, mask = sampling.pad_prompts(ids, (bucket,),
                                         self.tokenizer.pad_id)
-    if self._mesh is not None:
+    if not group.single:  # one global batch, each process's rows its block
+      tokens, mask = (group.global_array(x, self._mesh) for x in (tokens,
+                                                                  mask))
+    elif self._mesh is not None:
       replicated = NamedSharding(self._mesh, PartitionSpec())
       tokens, mask = jax.device_put((tokens, mask), replicated)
-    return self._values(tokens, mask, n)
+    return self._values(tokens, mask)
 
 
 def load(name: str, *, policy_tokenizer: Any, policy_dir: str = "",
          mesh: Mesh | None = None, tokens: str = "auto",
-         chat_template: bool = True, param_dtype: str | None = None
-         ) -> ModelReward:
+         chat_template: bool = True, param_dtype: str | None = None,
+         group: distributed.ProcessGroup | None = None) -> ModelReward:
   """The ``ModelReward`` of a ``rewards.names`` entry ``"model:<path>"``.
 
   Args:
@@ -221,6 +237,7 @@ def load(name: str, *, policy_tokenizer: Any, policy_dir: str = "",
       policy's); ``"text"`` always the text.
     chat_template: the text path renders through the chat template.
     param_dtype: the params' dtype (None: the checkpoint's).
+    group: the run's processes (``ModelReward``).
   """
   if tokens not in TOKEN_MODES:
     raise ValueError(f"rewards.models.tokens={tokens!r}: accepted "
@@ -240,4 +257,4 @@ def load(name: str, *, policy_tokenizer: Any, policy_dir: str = "",
     tok_lib.check_tokenizer_vocab(tokenizer, config.decoder.vocab_size,
                                   directory)
   return ModelReward(config, params, tokenizer, score_tokens=same,
-                     chat_template=chat_template, mesh=mesh)
+                     chat_template=chat_template, mesh=mesh, group=group)
