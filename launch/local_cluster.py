@@ -8,7 +8,10 @@ Starts ``--num_processes`` copies of ``python -m <--module>`` (default
 ``--coordinator_address=127.0.0.1:<port>``, ``--num_processes`` and
 ``--process_id``, each simulating ``--devices_per_process`` CPU devices
 (``XLA_FLAGS=--xla_force_host_platform_device_count=D``). Every line a process
-prints comes out here prefixed ``[p<i>] ``. When one process fails the others
+prints comes out here prefixed ``[p<i>] ``, except the chatter of the libraries
+below rljax (Gloo's connection lines, XLA's C++ info and warning lines), which
+goes only to each process's whole log, ``<--log_dir>/process_<i>.log`` (a
+temporary directory, named at start, without ``--log_dir``). When one process fails the others
 get SIGTERM (they save and exit), then SIGKILL after ``--grace_s``; Ctrl-C or a
 SIGTERM to this launcher is passed on the same way (a second one SIGKILLs).
 The exit code is the failed process's (a signal ``s`` as ``128 + s``, like a
@@ -22,10 +25,12 @@ detects the coordinator, process count and process id by itself.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -48,8 +53,8 @@ _PLATFORM = flags.DEFINE_string(
     "platform", "cpu", "JAX_PLATFORMS for the processes ('': keep the inherited "
     "value, if any)")
 # --log_dir is absl.logging's flag (it only names a directory unless a program
-# asks absl to log to files; none here does): with it, each process's output is
-# also written to <log_dir>/process_<i>.log.
+# asks absl to log to files; none here does): each process's whole output is
+# written to <log_dir>/process_<i>.log (a temporary directory without it).
 
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 # Set by the launcher for each process; a second copy in the forwarded
@@ -57,6 +62,22 @@ _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _RESERVED = ("process_id", "num_processes", "coordinator_address", "distributed")
 _POLL_S = 0.2
 _LOG_PREFIX = "local_cluster:"
+
+
+# Gloo's connection lines, and the C++ info and warning lines of XLA and
+# the libraries below it (glog's "I1205 09:15:06.502495  19960 file.cc:656] "
+# prefix); errors ("E", "F") are shown.
+_CHATTER = re.compile(r"\[Gloo\] |[IW]\d{4} \d\d:\d\d:\d+\.\d+ +\d+ "
+                      r"[\w.\-]+:\d+\] ")
+
+
+def is_chatter(line: str) -> bool:
+  """Whether a process's output ``line`` is library chatter, which goes to
+  its log only: Gloo's connection lines and glog-style info and warning
+  lines (XLA's)."""
+  # Gloo's threads write concurrently, so a line may start mid-message.
+  return (_CHATTER.match(line) is not None
+          or "peer ranks. Expected number of connected peer ranks" in line)
 
 
 def child_env(devices_per_process: int, *, platform: str = "cpu",
@@ -138,21 +159,24 @@ def _check(args: Sequence[str], num_processes: int, devices_per_process: int,
 
 
 def _pump(index: int, stream: BinaryIO, out: TextIO, lock: threading.Lock,
-          log: BinaryIO | None) -> None:
-  """Copies process ``index``'s output to ``out`` line by line, prefixed."""
+          log: BinaryIO, chatter: list[int]) -> None:
+  """Copies process ``index``'s output to its ``log``, and to ``out`` line by
+  line, prefixed, unless it is chatter (``is_chatter``; counted in
+  ``chatter[index]``)."""
   try:
     for line in iter(stream.readline, b""):
-      if log is not None:
-        log.write(line)
-        log.flush()
+      log.write(line)
+      log.flush()
       text = line.decode("utf-8", "replace").rstrip("\r\n")
+      if is_chatter(text):
+        chatter[index] += 1
+        continue
       with lock:
         out.write(f"[p{index}] {text}\n")
         out.flush()
   finally:
     stream.close()
-    if log is not None:
-      log.close()
+    log.close()
 
 
 class _Signals:
@@ -241,9 +265,11 @@ def run(args: Sequence[str], *, num_processes: int, devices_per_process: int,
   """Runs ``num_processes`` processes of ``module`` as one distributed job.
 
   Each process runs in the current directory with ``child_env`` and
-  ``child_command``; its output (stdout and stderr together) is copied to
-  ``out`` line by line as ``[p<i>] <line>``. The launcher's own messages go to
-  stderr. SIGINT/SIGTERM sent to the launcher while this runs (in the main
+  ``child_command``; its output (stdout and stderr together) is written to
+  ``<log_dir>/process_<i>.log`` and copied to ``out`` line by line as
+  ``[p<i>] <line>``, except library chatter (``is_chatter``: Gloo's and
+  XLA's info and warning lines), which stays in the log. The launcher's own
+  messages go to stderr. SIGINT/SIGTERM sent to the launcher while this runs (in the main
   thread) are passed on as SIGTERM; a second one SIGKILLs.
 
   Args:
@@ -255,8 +281,8 @@ def run(args: Sequence[str], *, num_processes: int, devices_per_process: int,
     module: the module each process runs with ``python -m``.
     port: the coordinator's port on 127.0.0.1; 0 picks a free one.
     grace_s: seconds between SIGTERM and SIGKILL when stopping processes.
-    log_dir: if given, each process's raw output also goes to
-      ``<log_dir>/process_<i>.log``.
+    log_dir: where each process's whole output goes
+      (``process_<i>.log``); "": a new temporary directory, named on stderr.
     platform: ``JAX_PLATFORMS`` for the processes; ``""`` keeps the inherited
       value, if any.
     out: where the prefixed output goes (default ``sys.stdout``).
@@ -277,13 +303,18 @@ def run(args: Sequence[str], *, num_processes: int, devices_per_process: int,
   port = port or free_port()
   if log_dir:
     os.makedirs(log_dir, exist_ok=True)
+  else:
+    log_dir = tempfile.mkdtemp(prefix="rljax-local-cluster-")
+  print(f"{_LOG_PREFIX} each process's whole output (Gloo's and XLA's "
+        f"messages too) goes to {os.path.join(log_dir, 'process_<i>.log')}.",
+        file=sys.stderr, flush=True)
   lock = threading.Lock()
   procs, readers = [], []
+  chatter = [0] * num_processes
   signals = _Signals()
   try:
     for i in range(num_processes):
-      log = (open(os.path.join(log_dir, f"process_{i}.log"), "wb")  # pylint: disable=consider-using-with
-             if log_dir else None)
+      log = open(os.path.join(log_dir, f"process_{i}.log"), "wb")  # pylint: disable=consider-using-with
       # Its own process group: a Ctrl-C in the terminal reaches only the
       # launcher, so each process gets one SIGTERM (a second would end
       # launch.train at once, without its checkpoint).
@@ -293,7 +324,8 @@ def run(args: Sequence[str], *, num_processes: int, devices_per_process: int,
           env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT, process_group=0)
       procs.append(proc)
-      reader = threading.Thread(target=_pump, args=(i, proc.stdout, out, lock, log),
+      reader = threading.Thread(target=_pump,
+                                args=(i, proc.stdout, out, lock, log, chatter),
                                 daemon=True, name=f"local_cluster-p{i}")
       reader.start()
       readers.append(reader)
@@ -307,6 +339,10 @@ def run(args: Sequence[str], *, num_processes: int, devices_per_process: int,
   for reader in readers:
     # A helper process that outlived its parent may hold the pipe open.
     reader.join(timeout=5.0)
+  if sum(chatter):
+    print(f"{_LOG_PREFIX} {sum(chatter)} lines of Gloo and XLA messages are "
+          f"in {os.path.join(log_dir, 'process_<i>.log')} only.",
+          file=sys.stderr, flush=True)
   return code
 
 

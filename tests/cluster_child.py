@@ -8,7 +8,8 @@ itself ready in ``--ready_dir`` once its SIGTERM handler is set, then exits
 with ``--fail_code`` if it is ``--fail_process`` (after every process is
 ready, so none is still starting when the launcher sends SIGTERM), else sleeps
 ``--sleep_s`` and exits 0. On SIGTERM it prints "got SIGTERM" and exits 0,
-unless ``--ignore_sigterm``.
+unless ``--ignore_sigterm``. ``--chatter`` also prints lines as Gloo and
+XLA print them (``CHATTER``) and an XLA error line (``ERROR``).
 """
 
 import argparse
@@ -16,6 +17,22 @@ import os
 import signal
 import sys
 import time
+
+
+CHATTER = [
+    "[Gloo] Rank 1 is connected to 7 peer ranks. Expected number of "
+    "connected peer ranks is : 7",
+    "W1205 09:15:06.502495   19960 spmd_partitioner.cc:656] [SPMD] "
+    "Involuntary full rematerialization.",
+    "I0000 00:00:1733390106.502495   19960 cpu_client.cc:12] started",
+    # Two of Gloo's threads writing at once.
+    "[Gloo] Rank [Gloo] Rank 2 is connected to 3 peer ranks. Expected "
+    "number of connected peer ranks is : 3",
+    "1 is connected to 3 peer ranks. Expected number of connected peer ranks "
+    "is : 3",
+]
+ERROR = ("E1205 09:15:07.000001   19960 coordination_service.cc:1] a task "
+         "stopped sending heartbeats")
 
 
 def _on_sigterm(signum, frame):
@@ -35,6 +52,7 @@ def main() -> None:
   parser.add_argument("--sleep_s", type=float, default=0.0)
   parser.add_argument("--ignore_sigterm", action="store_true")
   parser.add_argument("--ready_dir", default="")
+  parser.add_argument("--chatter", action="store_true")
   args, rest = parser.parse_known_args()
   signal.signal(signal.SIGTERM,
                 signal.SIG_IGN if args.ignore_sigterm else _on_sigterm)
@@ -45,6 +63,9 @@ def main() -> None:
         f"coordinator_address={args.coordinator_address} "
         f"distributed={args.distributed} rest={rest}")
   print("to stderr", file=sys.stderr)
+  if args.chatter:  # what Gloo and XLA print, and an XLA error
+    for line in CHATTER + [ERROR]:
+      print(line, file=sys.stderr)
   if args.ready_dir:
     open(os.path.join(args.ready_dir, f"ready_{args.process_id}"), "w").close()
   if args.process_id == args.fail_process:

@@ -189,3 +189,28 @@ def test_a_forwarded_coordination_flag_is_refused(arg):
 def test_a_count_below_one_is_refused(field, kwargs):
   with pytest.raises(ValueError, match=f"{field}=0: give an integer >= 1"):
     local_cluster.run([], module=CHILD, **kwargs)
+
+
+def test_library_chatter_goes_to_the_logs_only(tmp_path, capsys):
+  """Gloo's connection lines and XLA's info and warning lines stay in each
+  process's log; the processes' own lines and an XLA error are shown; the
+  launcher names the log directory and counts the lines it kept back."""
+  from tests import cluster_child  # pylint: disable=import-outside-toplevel
+  out = io.StringIO()
+  log_dir = tmp_path / "logs"
+  code = local_cluster.run(["--chatter"], num_processes=2,
+                           devices_per_process=1, module=CHILD,
+                           log_dir=str(log_dir), out=out)
+  assert code == 0, out.getvalue()
+  for i in range(2):
+    lines = _lines(out, i)
+    assert not set(cluster_child.CHATTER) & set(lines), lines
+    assert cluster_child.ERROR in lines and lines[-1] == "done"
+    logged = (log_dir / f"process_{i}.log").read_text().splitlines()
+    assert [l for l in logged if l not in cluster_child.CHATTER] == lines
+    assert all(l in logged for l in cluster_child.CHATTER)
+  err = capsys.readouterr().err
+  assert str(log_dir) in err and "10 lines of Gloo and XLA messages" in err
+  assert not any(local_cluster.is_chatter(l) for l in (
+      "09:16:14 process 1 of 2: 4 local of 8 devices",
+      cluster_child.ERROR, "[Gloo]no space", "W1205 a warning of rljax"))
