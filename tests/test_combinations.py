@@ -34,7 +34,6 @@ TRIGGERS = {
     "static-spec-rl-on-split-devices": ({"rl.sampler_devices": 2,
                                          "sampler.speculative": True}, 1),
     "slots-on-processes": ({"rl.rollout": "continuous"}, 2),
-    "async-on-processes": ({"rl.max_staleness": 1}, 2),
     "split-devices-on-processes": ({"rl.sampler_devices": 2}, 2),
     "episodes-on-processes": ({"env.name": "calculator"}, 2),
     "selection-on-processes": ({"rl.selection.name": "greso"}, 2),
@@ -97,10 +96,10 @@ def test_validate_raises_the_rule_before_compiling(name):
 
 
 def test_several_processes_check_the_process_rules():
-  config = _config({"rl.max_staleness": 1})
+  config = _config({"rl.replay.fraction": 0.25})
   combinations.check(config, 1)  # one process: fine
-  with pytest.raises(ValueError, match=r"rl.max_staleness=1 with 2 "
-                     r"processes: batches sampled ahead"):
+  with pytest.raises(ValueError, match=r"rl.replay.fraction=0.25 with 2 "
+                     r"processes: the replay buffer"):
     combinations.check(config, 2)
 
 

@@ -214,6 +214,24 @@ def test_distillation_on_two_processes_matches_one(two_runs, tmp_path,
   assert len(distill) == 2 and all(k > 0 for k in distill), distill
 
 
+@pytest.mark.slow
+def test_async_sampling_on_two_processes_matches_one(tmp_path, jax_cache):
+  """rl.max_staleness=1: every process samples the next batch while the
+  update runs, with the same decisions (they follow the step count), and
+  the run logs the one-process run's metrics, staleness included."""
+  overrides = {"rl.num_steps": 3, "sft.num_steps": 0, "eval.every": 100,
+               "checkpoint.every": 100, "rl.max_staleness": 1}
+  want = one_process_run(tmp_path / "one", overrides)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
+                    jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  rl = [r for r in got_rows if r["step"] > 0]
+  assert [r["rollout/sampler_lag"] for r in rl] == [0, 1, 1]
+
+
 def _reward_model_dir(path):
   """A tiny random reward model on the tiny config's tokenizer (it reads
   the policy's tokens)."""
