@@ -229,6 +229,17 @@ class ProcessGroup:
     return [json.loads(bytes(stacked[i, :sizes[i]]).decode())
             for i in range(self.count)]
 
+  def gather_blocks(self, value: Any, mesh: jax.sharding.Mesh) -> list[Any]:
+    """Every process's JSON-able ``value``, in the order of their blocks of
+    rows (``block``): a batch's per-row lists concatenate to the global
+    batch's."""
+    if self.single:
+      return [value]
+    self.block(mesh)
+    gathered = self.gather_json(value)
+    return [gathered[p] for p in self._owners[(mesh,
+                                               sharding_lib.DEFAULT_RULES)]]
+
   def max_int(self, value: int) -> int:
     """The largest of the processes' ``value`` (one collective)."""
     if self.single:

@@ -84,9 +84,14 @@ class _ScriptedCollector:
     self.rewards, self.seen = rewards, []
     self.drawn = {}
 
-  def sample_round(self, params, examples, key, version, on_dispatch, more, *,
-             sampler, samples, longest):
-    del params, key, version, on_dispatch, more
+  failed_rewards = "exclude"
+
+  def gathered(self, examples):  # one process: the batch itself
+    return dict(examples)
+
+  def sample_global(self, params, examples, key, version, on_dispatch=None,
+                    *, sampler, samples, longest):
+    del params, key, version, on_dispatch
     assert sampler == "sampler" and longest == 3
     prompts = [p for p in examples["prompt"] for _ in range(samples)]
     self.seen.append(sorted(set(examples["prompt"])))
@@ -97,8 +102,9 @@ class _ScriptedCollector:
       totals.append(self.rewards[p][k])
     n = len(totals)
     return types.SimpleNamespace(
-        valid_N=np.ones(n, bool), lengths=np.full(n, 2),
-        result=types.SimpleNamespace(total_N=np.asarray(totals, np.float32)))
+        lengths=np.full(n, 2), result=types.SimpleNamespace(
+            total_N=np.asarray(totals, np.float32),
+            valid_NxR=np.ones((n, 1), bool)))
 
   def merge_rounds(self, rounds, plan, group_rows):
     assert group_rows == self.allocation.sampler_samples
@@ -381,9 +387,9 @@ class _ScriptedSgpoCollector(_ScriptedCollector):
 
   correct_column = 0
 
-  def sample_round(self, params, examples, key, version, on_dispatch, more, *,
-             sampler, samples, longest):
-    del params, key, version, on_dispatch, more
+  def sample_global(self, params, examples, key, version, on_dispatch=None,
+                    *, sampler, samples, longest):
+    del params, key, version, on_dispatch
     assert sampler == "sampler" and samples == 1 and longest == 7
     self.seen.append(list(examples["prompt"]))
     right = []

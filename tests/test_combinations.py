@@ -36,9 +36,7 @@ TRIGGERS = {
     "slots-on-processes": ({"rl.rollout": "continuous"}, 2),
     "split-devices-on-processes": ({"rl.sampler_devices": 2}, 2),
     "episodes-on-processes": ({"env.name": "calculator"}, 2),
-    "selection-on-processes": ({"rl.selection.name": "greso"}, 2),
     "replay-on-processes": ({"rl.replay.fraction": 0.25}, 2),
-    "allocation-on-processes": ({"rl.allocation.name": "vigor"}, 2),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 

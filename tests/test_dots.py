@@ -114,8 +114,8 @@ class _Scripted:
     self.tokenizer = types.SimpleNamespace(pad_id=0)
     self.right, self.rounds = right, []
 
-  def sample_round(self, params, examples, key, version, on_dispatch, more):
-    del params, key, version, on_dispatch, more
+  def sample_global(self, params, examples, key, version):
+    del params, key, version
     ids = [int(p) for p in examples["prompt"]]
     self.rounds.append(ids)
     rows = [float(k < self.right[i]) for i in ids for k in range(4)]

@@ -232,6 +232,38 @@ def test_async_sampling_on_two_processes_matches_one(tmp_path, jax_cache):
   assert [r["rollout/sampler_lag"] for r in rl] == [0, 1, 1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("feeder, metric", [
+    ({"rl.selection.name": "greso"}, "select/rounds"),
+    ({"rl.selection.name": "dots", "rl.selection.dots_reference": 8},
+     "dots/round"),
+    ({"rl.allocation.name": "vigor", "rl.allocation.rounds": 2},
+     "alloc/rounds"),
+], ids=["greso", "dots", "vigor"])
+def test_prompt_feeders_on_two_processes_match_one(feeder, metric, tmp_path,
+                                                   jax_cache):
+  """GRESO (skipping prompts, refilling zero-variance groups from more
+  batches), DOTS (reference rollouts, the pool embedded) and VIGOR's
+  rounds decide on the global batch, the same on every process, each
+  sampling its block of a round: the two-process run logs the one-process
+  run's metrics, their own included."""
+  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
+               "checkpoint.every": 100, **feeder}
+  want = one_process_run(tmp_path / "one", overrides)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
+                    jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  rl = [r for r in got_rows if r["step"] > 0]
+  assert all(r[metric] >= 1 for r in rl), [r[metric] for r in rl]
+  if metric != "dots/round":  # more than one round a step
+    assert all(r[metric] >= 2 for r in rl), [r[metric] for r in rl]
+  else:
+    assert "dots/reference_success" in rl[0]
+
+
 def _reward_model_dir(path):
   """A tiny random reward model on the tiny config's tokenizer (it reads
   the policy's tokens)."""

@@ -36,6 +36,9 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
   if isinstance(schedule, allocation_lib.Sgpo):
     return _sample_sgpo(collector, params, key, version, on_dispatch)
   per_entry = schedule.sampler_samples
+  # Decided on the global batch, the same on every process (each samples
+  # its block of a round's entries).
+  examples = collector.gathered(examples)
   batch_size = len(examples["prompt"])
   if batch_size != schedule.prompts[0]:
     raise ValueError(f"rollout allocation: a batch of {batch_size} prompts "
@@ -53,12 +56,13 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
                                      active, count)
     entries = allocation_lib.entries(active, samples, per_entry)
     round_examples = {f: [v[i] for i in entries] for f, v in examples.items()}
-    sampled = collector.sample_round(
+    sampled = collector.sample_global(
         params, round_examples, jax.random.fold_in(key, t) if t else key,
-        version, None, None, sampler=collector.allocation_sampler,
+        version, sampler=collector.allocation_sampler,
         samples=per_entry, longest=longest)
     rows = np.repeat(entries, per_entry)
-    valid = np.asarray(sampled.valid_N, bool)
+    valid = rounds_lib.scored_rows(sampled.result.valid_NxR,
+                                   collector.failed_rewards)
     for prompt, total, ok in zip(rows, sampled.result.total_N, valid):
       if ok:
         totals[prompt].append(float(total))
@@ -112,9 +116,9 @@ def profile(collector: Any, params: Any, key: jax.Array, version: int
     entries = np.repeat(idx, k)
     real = len(entries)
     entries = np.resize(entries, sgpo.rows)  # the step's shape, repeats cut
-    sampled = collector.sample_round(
+    sampled = collector.sample_global(
         params, _columns(pool, entries), jax.random.fold_in(key, call),
-        version, None, None, sampler=collector.allocation_sampler, samples=1,
+        version, sampler=collector.allocation_sampler, samples=1,
         longest=sgpo.longest)
     ok = _correct(collector, sampled)[:real]
     np.add.at(correct, entries[:real], ok)
@@ -136,10 +140,9 @@ def _sample_sgpo(collector, params, key, version, on_dispatch):
         "alloc/pool": float(len(sgpo.state.order))})
   idx, sizes = sgpo.next_prompts()
   entries = np.repeat(np.arange(len(idx)), sizes)
-  sampled = collector.sample_round(
+  sampled = collector.sample_global(
       params, _columns(sgpo.pool, idx[entries]), key, version, on_dispatch,
-      None, sampler=collector.allocation_sampler, samples=1,
-      longest=sgpo.longest)
+      sampler=collector.allocation_sampler, samples=1, longest=sgpo.longest)
   metrics.update({
       "alloc/max_group": float(sizes.max()),
       "alloc/min_group": float(sizes.min()),
@@ -185,10 +188,10 @@ def dots_examples(collector: Any, params: Any, key: jax.Array, version: int
     success = np.zeros(len(reference))
     for call, start in enumerate(range(0, len(reference), b)):
       part = reference[start:start + b]
-      sampled = collector.sample_round(
+      sampled = collector.sample_global(
           params, _columns(dots.pool, part),
           jax.random.fold_in(jax.random.fold_in(key, 0x444f5453), call),
-          version, None, None)
+          version)
       g = collector.samples_per_prompt
       success[start:start + len(part)] = _correct(
           collector, sampled).reshape(-1, g).mean(1)

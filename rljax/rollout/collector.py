@@ -295,6 +295,7 @@ class Collector:
     if self.selection is not None and self.selection.dots is not None:
       examples, dots_metrics, dots_tokens = allocated.dots_examples(
           self, params, key, version)
+      examples = self.block(examples)  # its prompts are the global batch
     replayed = None if self.replay is None else self.replay.take(version)
     if replayed is not None:  # the batch's first B - R prompts are sampled
       fresh = len(examples["prompt"]) - len(replayed[0])
@@ -431,11 +432,12 @@ class Collector:
     t_reward = time.time()
     fn = self._postprocess_fn(sampled.rollout.policy_logprobs is not None)
     trained_N = None if trained_B is None else np.repeat(trained_B, g)
+    rows = self._device_rows
     with (jax.set_mesh(self.mesh) if self.mesh is not None
           else contextlib.nullcontext()):
-      batch, adv_state, adv_metrics = fn(sampled.rollout, sampled.rewards_NxR,
-                                         sampled.valid_N, self._weights_R,
-                                         adv_state, trained_N, group_ids_N)
+      batch, adv_state, adv_metrics = fn(
+          sampled.rollout, rows(sampled.rewards_NxR), rows(sampled.valid_N),
+          self._weights_R, adv_state, rows(trained_N), rows(group_ids_N))
       adv_metrics = jax.device_get(adv_metrics)
     t_advantage = time.time()
     if adv_metrics["nonfinite_rows"]:
@@ -476,7 +478,11 @@ class Collector:
     if "rollout/generated_tokens" in sampled.spec_metrics:  # not carried
       metrics["num_generated_tokens"] = sampled.spec_metrics[
           "rollout/generated_tokens"]
-    return Collected(batch, adv_state, metrics, sampled.completions,
+    completions = sampled.completions
+    if not self.group.single and len(completions) == len(lengths):
+      # Merged rounds hold every process's completions: this one's rows.
+      completions = completions[self.group.rows(self.mesh, len(completions))]
+    return Collected(batch, adv_state, metrics, completions,
                      result.rewards_NxR, sampled.token_versions)
 
   def _sample_selected(self, params, examples, key, version, on_dispatch,
@@ -486,6 +492,11 @@ class Collector:
     groups or ``max_rounds`` ran, and DAPO's plan forms the batch from
     them. Returns ``(merged batch, trained_B, select/* metrics)``."""
     sel, g = self.selection, self.samples_per_prompt
+    # The decisions are made on the global batch, the same on every process
+    # (each samples its block of a round's prompts).
+    examples = self.gathered(examples)
+    more = None if more_examples is None else (
+        lambda: self.gathered(more_examples()))
     batch_size = len(examples["prompt"])
     metrics: dict[str, float] = {}
     skipped = draws = 0.0
@@ -493,7 +504,7 @@ class Collector:
     kinds: list[np.ndarray] = []
     while True:
       if sel.greso is not None:
-        examples, m = sel.greso.select(examples, more_examples,
+        examples, m = sel.greso.select(examples, more,
                                        (version, len(rounds)))
         skipped += m.pop("select/skipped_prompts")
         draws += m.pop("select/prompt_draws")
@@ -502,18 +513,18 @@ class Collector:
       # No on_dispatch here: an asynchronous schedule's update donates the
       # params a refill round still samples with; it is dispatched after the
       # last round.
-      sampled = self.sample_round(params, examples, round_key, version, None, None)
+      sampled = self.sample_global(params, examples, round_key, version)
       rounds.append(sampled)
       kinds.append(selection_lib.group_kinds(
-          sampled.result.total_N, np.asarray(sampled.valid_N),
+          sampled.result.total_N, self._scored(sampled),
           np.nan_to_num(sampled.result.rewards_NxR[:, self.correct_column],
                         nan=0.0) >= 1.0, g))
       informative = sum(int(np.sum(k == selection_lib.INFORMATIVE))
                         for k in kinds)
       if (informative >= batch_size or len(rounds) >= sel.max_rounds
-          or more_examples is None):
+          or more is None):
         break
-      examples = more_examples()
+      examples = more()
     if on_dispatch is not None:
       on_dispatch()
     plan = selection_lib.plan_batch(kinds, batch_size)
@@ -536,12 +547,61 @@ class Collector:
       metrics["select/prompt_draws"] = draws
     return merged, plan.trained, metrics
 
+  # --- several processes: prompt feeding decides on the global batch -------
+
+  def gathered(self, examples: Mapping[str, Sequence[Any]]
+                ) -> dict[str, list[Any]]:
+    """The global batch whose block this process holds as ``examples``
+    (every process's blocks, in order); one process: ``examples``."""
+    if self.group.single:
+      return dict(examples)
+    blocks = self.group.gather_blocks(
+        {f: list(v) for f, v in examples.items()}, self.mesh)
+    return {f: [x for block in blocks for x in block[f]] for f in examples}
+
+  def block(self, examples: Mapping[str, Sequence[Any]]
+             ) -> dict[str, list[Any]]:
+    """This process's block of a global batch of examples."""
+    if self.group.single:
+      return dict(examples)
+    rows = self.group.rows(self.mesh, len(examples["prompt"]))
+    return {f: list(v)[rows] for f, v in examples.items()}
+
+  def sample_global(self, params, examples, key, version, on_dispatch=None,
+                    **kwargs
+                     ) -> Sampled:
+    """``sample_round`` of a global batch of examples: this process samples
+    and scores its block, and the result holds every process's examples
+    and completions (rounds are planned and merged on the global batch;
+    ``_finish`` keeps this process's completions)."""
+    sampled = self.sample_round(params, self.block(examples), key, version,
+                                on_dispatch, None, **kwargs)
+    if self.group.single:
+      return sampled
+    completions = self.group.gather_blocks(sampled.completions, self.mesh)
+    return sampled._replace(examples=dict(examples), completions=[
+        c for block in completions for c in block])
+
+  def _device_rows(self, x: Any) -> Any:
+    """A host array of every row (a merged batch's rewards, its trained
+    rows) as the global array whose blocks the processes hold; a device
+    array, or anything on one process, as it is."""
+    if self.group.single or x is None or not isinstance(x, np.ndarray):
+      return x
+    return self.group.global_array(
+        x[self.group.rows(self.mesh, len(x))], self.mesh)
+
+  def _scored(self, sampled: Sampled) -> np.ndarray:
+    """Every row's ``valid_N`` on the host (``scored_rows`` of the gathered
+    rewards; ``sampled.valid_N`` holds this process's block)."""
+    return scored_rows(sampled.result.valid_NxR, self.failed_rewards)
+
   def _kinds(self, sampled: Sampled) -> np.ndarray:
     """Each group's ``selection.group_kinds``."""
     correct = np.nan_to_num(
         sampled.result.rewards_NxR[:, self.correct_column], nan=0.0) >= 1.0
     return selection_lib.group_kinds(sampled.result.total_N,
-                                     np.asarray(sampled.valid_N), correct,
+                                     self._scored(sampled), correct,
                                      self.samples_per_prompt)
 
   def _store(self, sampled: Sampled, trained_B, version: int) -> None:

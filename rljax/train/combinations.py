@@ -133,18 +133,10 @@ RULES: tuple[Rule, ...] = (
          lambda c, p: p > 1 and bool(c.env.name),
          "each process would need its own environment workers for its rows",
          "env.name=''", "missing"),
-    Rule("selection-on-processes", ("rl.selection.name", "processes"),
-         lambda c, p: p > 1 and c.rl.selection.name != "none",
-         "selection's decisions are one process's", "rl.selection.name="
-         "'none'", "missing"),
     Rule("replay-on-processes", ("rl.replay.fraction", "processes"),
          lambda c, p: p > 1 and bool(c.rl.replay.fraction),
          "the replay buffer is one process's", "rl.replay.fraction=0",
          "missing"),
-    Rule("allocation-on-processes", (_ALLOCATION, "processes"),
-         lambda c, p: p > 1 and c.rl.allocation.name != "none",
-         "allocation's rounds are one process's", "rl.allocation.name="
-         "'none'", "missing"),
 )
 
 

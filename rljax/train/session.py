@@ -228,7 +228,10 @@ def dots_embedder(c: build_lib.Components) -> Any:
     return (jnp.sum(hidden.astype(jnp.float32) * weights, 1)
             / jnp.maximum(jnp.sum(weights, 1), 1.0))
 
-  jitted = jax.jit(embed)
+  # Several processes: every process reads the whole result (replicated).
+  jitted = jax.jit(embed) if c.group.single else jax.jit(
+      embed, out_shardings=jax.sharding.NamedSharding(
+          c.mesh, jax.sharding.PartitionSpec()))
 
   def run(params, tokens, mask):
     with jax.set_mesh(c.mesh):
