@@ -86,9 +86,6 @@ class _ScriptedCollector:
 
   failed_rewards = "exclude"
 
-  def gathered(self, examples):  # one process: the batch itself
-    return dict(examples)
-
   def sample_global(self, params, examples, key, version, on_dispatch=None,
                     *, sampler, samples, longest):
     del params, key, version, on_dispatch

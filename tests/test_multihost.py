@@ -239,14 +239,19 @@ def test_async_sampling_on_two_processes_matches_one(tmp_path, jax_cache):
      "dots/round"),
     ({"rl.allocation.name": "vigor", "rl.allocation.rounds": 2},
      "alloc/rounds"),
-], ids=["greso", "dots", "vigor"])
+    # 8 prompts, 6 fresh: padded to the 8 batch shards, the copies dropped.
+    ({"rl.replay.fraction": 0.25, "rl.num_steps": 3,  # groups that vary
+      "rewards.names": ("numeric_match", "tests.reward_fixtures:parity"),
+      "rewards.weights": (1.0, 0.5)}, "replay/fraction"),
+], ids=["greso", "dots", "vigor", "replay"])
 def test_prompt_feeders_on_two_processes_match_one(feeder, metric, tmp_path,
                                                    jax_cache):
   """GRESO (skipping prompts, refilling zero-variance groups from more
-  batches), DOTS (reference rollouts, the pool embedded) and VIGOR's
-  rounds decide on the global batch, the same on every process, each
-  sampling its block of a round: the two-process run logs the one-process
-  run's metrics, their own included."""
+  batches), DOTS (reference rollouts, the pool embedded), VIGOR's rounds
+  and replay (a buffer every process keeps whole) decide on the global
+  batch, the same on every process, each sampling its block of a round:
+  the two-process run logs the one-process run's metrics, their own
+  included."""
   overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
                "checkpoint.every": 100, **feeder}
   want = one_process_run(tmp_path / "one", overrides)
@@ -257,11 +262,12 @@ def test_prompt_feeders_on_two_processes_match_one(feeder, metric, tmp_path,
   got_rows = rows(workdir)
   assert_same_metrics(got_rows, rows(want))
   rl = [r for r in got_rows if r["step"] > 0]
-  assert all(r[metric] >= 1 for r in rl), [r[metric] for r in rl]
-  if metric != "dots/round":  # more than one round a step
+  if metric == "replay/fraction":  # replayed groups at some step
+    assert any(r[metric] > 0 for r in rl), [r[metric] for r in rl]
+  elif metric == "dots/round":
+    assert all(r[metric] >= 1 for r in rl) and "dots/reference_success" in rl[0]
+  else:  # more than one round a step
     assert all(r[metric] >= 2 for r in rl), [r[metric] for r in rl]
-  else:
-    assert "dots/reference_success" in rl[0]
 
 
 def _reward_model_dir(path):

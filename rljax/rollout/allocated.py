@@ -36,9 +36,8 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
   if isinstance(schedule, allocation_lib.Sgpo):
     return _sample_sgpo(collector, params, key, version, on_dispatch)
   per_entry = schedule.sampler_samples
-  # Decided on the global batch, the same on every process (each samples
-  # its block of a round's entries).
-  examples = collector.gathered(examples)
+  # ``examples`` is the global batch (``Collector.collect``): the rounds are
+  # the same on every process, each sampling its block of a round's entries.
   batch_size = len(examples["prompt"])
   if batch_size != schedule.prompts[0]:
     raise ValueError(f"rollout allocation: a batch of {batch_size} prompts "

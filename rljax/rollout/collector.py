@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from rljax import data as data_lib
 from rljax.data import selection as selection_lib
@@ -292,24 +293,36 @@ class Collector:
         selection refills with it).
     """
     dots_metrics, dots_tokens = {}, None
+    # Prompt feeders decide on the global batch, the same on every process
+    # (with one process it is this batch): each samples its block.
     if self.selection is not None and self.selection.dots is not None:
       examples, dots_metrics, dots_tokens = allocated.dots_examples(
-          self, params, key, version)
-      examples = self.block(examples)  # its prompts are the global batch
+          self, params, key, version)  # the global batch
+    elif (self.selection is not None or self.replay is not None
+          or self.allocation is not None):
+      examples = self.gathered(examples)
+      if more_examples is not None and not self.group.single:
+        more_local = more_examples
+        more_examples = lambda: self.gathered(more_local())  # noqa: E731
     replayed = None if self.replay is None else self.replay.take(version)
     if replayed is not None:  # the batch's first B - R prompts are sampled
       fresh = len(examples["prompt"]) - len(replayed[0])
       examples = {f: list(v)[:fresh] for f, v in examples.items()}
     trained_B, metrics, group_ids_N = None, {}, None
+    feeding = (self.selection is not None or self.replay is not None
+               or self.allocation is not None)
     if self.allocation is not None:
       sampled, group_ids_N, metrics = allocated.sample(
           self, params, examples, key, version, on_dispatch)
     elif self.selection is not None and self.selection.dots is None:
       sampled, trained_B, metrics = self._sample_selected(
           params, examples, key, version, on_dispatch, more_examples)
+    elif feeding and not self.group.single:
+      sampled = self.sample_global(params, examples, key, version,
+                                   on_dispatch)
     else:
       sampled = self.sample_round(params, examples, key, version, on_dispatch,
-                            more_examples)
+                                  more_examples)
     if dots_tokens is not None:  # the reference rollouts' tokens count
       metrics.update(dots_metrics)
       metrics["num_generated_tokens"] = dots_tokens + float(
@@ -492,11 +505,9 @@ class Collector:
     groups or ``max_rounds`` ran, and DAPO's plan forms the batch from
     them. Returns ``(merged batch, trained_B, select/* metrics)``."""
     sel, g = self.selection, self.samples_per_prompt
-    # The decisions are made on the global batch, the same on every process
-    # (each samples its block of a round's prompts).
-    examples = self.gathered(examples)
-    more = None if more_examples is None else (
-        lambda: self.gathered(more_examples()))
+    # ``examples`` and ``more_examples`` are the global batch's (``collect``):
+    # the decisions are the same on every process.
+    more = more_examples
     batch_size = len(examples["prompt"])
     metrics: dict[str, float] = {}
     skipped = draws = 0.0
@@ -573,14 +584,58 @@ class Collector:
     """``sample_round`` of a global batch of examples: this process samples
     and scores its block, and the result holds every process's examples
     and completions (rounds are planned and merged on the global batch;
-    ``_finish`` keeps this process's completions)."""
-    sampled = self.sample_round(params, self.block(examples), key, version,
-                                on_dispatch, None, **kwargs)
+    ``_finish`` keeps this process's completions). The reward failure
+    counts include a padded row's (a copy of the last example's)."""
     if self.group.single:
-      return sampled
+      return self.sample_round(params, examples, key, version, on_dispatch,
+                               None, **kwargs)
+    # Prompt arrays split over the batch's shards: a count that does not
+    # divide is padded with copies of the last example, whose rows are
+    # dropped (as the static sampler pads on one process).
+    n = len(examples["prompt"])
+    pad = -n % sharding_lib.batch_ways(self.mesh)
+    padded = {f: list(v) + [v[-1]] * pad for f, v in examples.items()}
+    sampled = self.sample_round(params, self.block(padded), key, version,
+                                on_dispatch, None, **kwargs)
     completions = self.group.gather_blocks(sampled.completions, self.mesh)
-    return sampled._replace(examples=dict(examples), completions=[
+    sampled = sampled._replace(examples=dict(examples), completions=[
         c for block in completions for c in block])
+    if not pad:
+      return sampled
+    rows = n * (kwargs.get("samples") or self.samples_per_prompt)
+    cut = lambda x: None if x is None else x[:rows]  # noqa: E731
+    r = sampled.result
+    return sampled._replace(
+        rollout=jax.tree.map(cut, sampled.rollout),
+        completions=sampled.completions[:rows],
+        result=rewards_lib.merge_results(
+            r.names, r.rewards_NxR[:rows], r.valid_NxR[:rows],
+            r.total_N[:rows], [r.metrics]),
+        rewards_NxR=cut(sampled.rewards_NxR), valid_N=cut(sampled.valid_N),
+        lengths=cut(sampled.lengths), finished=cut(sampled.finished),
+        prompt_tokens_N=cut(sampled.prompt_tokens_N),
+        completion_tokens_N=cut(sampled.completion_tokens_N),
+        token_versions=cut(sampled.token_versions))
+
+  def _host_rows(self, x: Any) -> np.ndarray:
+    """Every row of a batch array on the host (gathered from the processes'
+    blocks of a global array)."""
+    if (self.group.single or isinstance(x, np.ndarray)
+        or x.is_fully_addressable):
+      return np.asarray(x)
+    # Whatever its sharding (a padded round's cut rows are not split by
+    # process blocks): the global value.
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+  def _with_versions(self, sampled: Sampled, row_version_N: np.ndarray
+                     ) -> Sampled:
+    """``sampled`` with ``token_versions``: its own, or each sampled token
+    tagged with its row's ``row_version_N`` (-1 elsewhere)."""
+    if sampled.token_versions is not None:
+      return sampled
+    mask = self._host_rows(sampled.rollout.sampled_mask())
+    return sampled._replace(token_versions=np.where(
+        mask, np.asarray(row_version_N)[:, None], -1).astype(np.int32))
 
   def _device_rows(self, x: Any) -> Any:
     """A host array of every row (a merged batch's rewards, its trained
@@ -610,9 +665,10 @@ class Collector:
     keep = self._kinds(sampled) == selection_lib.INFORMATIVE
     if trained_B is not None:
       keep &= np.asarray(trained_B, bool)
-    if keep.any():
+    if keep.any():  # every process stores every group (one buffer)
       self.replay.push(rounds_lib.host_groups(
-          sampled, np.flatnonzero(keep), self.samples_per_prompt), version)
+          sampled, np.flatnonzero(keep), self.samples_per_prompt,
+          to_host=self._host_rows), version)
 
   def _with_replay(self, sampled: Sampled, trained_B, replayed,
                    version: int):
@@ -635,8 +691,8 @@ class Collector:
                               np.concatenate([trained, np.ones(r, bool)]))
     # Each token's version: the rows' own where they carry them (slots,
     # partial rollouts' carried tokens), else the version that drew the row.
-    sampled = _with_versions(sampled, np.full(n_fresh * g, version))
-    old = _with_versions(old, np.repeat(versions, g))
+    sampled = self._with_versions(sampled, np.full(n_fresh * g, version))
+    old = self._with_versions(old, np.repeat(versions, g))
     merged = self.merge_rounds([sampled, old], plan)
     metrics.update({"replay/fraction": r / (n_fresh + r),
                     "replay/mean_age": float(np.mean(
@@ -652,14 +708,6 @@ class Collector:
                             failed_rewards=self.failed_rewards)
 
 
-def _with_versions(sampled: Sampled, row_version_N: np.ndarray) -> Sampled:
-  """``sampled`` with ``token_versions``: its own, or each sampled token
-  tagged with its row's ``row_version_N`` (-1 elsewhere)."""
-  if sampled.token_versions is not None:
-    return sampled
-  mask = np.asarray(sampled.rollout.sampled_mask())
-  return sampled._replace(token_versions=np.where(
-      mask, np.asarray(row_version_N)[:, None], -1).astype(np.int32))
 
 
 __all__ = ["Collected", "Collector", "Postprocess", "scored_rows"]

@@ -160,9 +160,11 @@ _OPTIONAL = ("policy_logprobs", "observation_mask", "turn_rewards")
 
 
 def host_groups(sampled: Sampled, groups: Sequence[int],
-                group_rows: int) -> list[dict[str, np.ndarray]]:
+                group_rows: int, to_host: Any = np.asarray
+                ) -> list[dict[str, np.ndarray]]:
   """Host copies of the given groups' rows, the fields a replay buffer
-  keeps (``selection.ReplayBuffer``)."""
+  keeps (``selection.ReplayBuffer``). ``to_host``: every row of a batch
+  array on the host (with several processes, gathered from their blocks)."""
   r, result = sampled.rollout, sampled.result
   rows = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
           "completion_tokens": r.completion_tokens,
@@ -176,7 +178,7 @@ def host_groups(sampled: Sampled, groups: Sequence[int],
       rows[name] = getattr(r, name)
   if sampled.token_versions is not None:  # each token's policy version
     rows["token_versions"] = sampled.token_versions
-  host = {k: np.asarray(v) for k, v in rows.items()}
+  host = {k: to_host(v) for k, v in rows.items()}
   g = group_rows
   return [{k: v[i * g:(i + 1) * g] for k, v in host.items()} for i in groups]
 

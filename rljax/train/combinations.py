@@ -133,10 +133,6 @@ RULES: tuple[Rule, ...] = (
          lambda c, p: p > 1 and bool(c.env.name),
          "each process would need its own environment workers for its rows",
          "env.name=''", "missing"),
-    Rule("replay-on-processes", ("rl.replay.fraction", "processes"),
-         lambda c, p: p > 1 and bool(c.rl.replay.fraction),
-         "the replay buffer is one process's", "rl.replay.fraction=0",
-         "missing"),
 )
 
 
