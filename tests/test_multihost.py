@@ -24,7 +24,7 @@ import pytest
 
 from launch import local_cluster
 from rljax import train
-from tests.test_train import tiny_config
+from tests.test_train import load_config, tiny_config
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -49,8 +49,9 @@ MC_SPEC = {"rl.advantage": "mc_grpo", "sampler.speculative": True,
 _CLOCKS = ("time/", "tokens_per_s/", "reward/eval_seconds")
 
 
-def config_for(overrides):
-  c = tiny_config()
+def config_for(overrides, config_file=None):
+  c = tiny_config() if config_file is None else load_config(
+      os.path.join(ROOT, config_file), "tiny")
   for key, value in {**COMMON, **overrides}.items():
     *path, field = key.split(".")
     node = c
@@ -60,8 +61,8 @@ def config_for(overrides):
   return c
 
 
-def flags_for(overrides, workdir):
-  args = ["--config=configs/arithmetic_grpo.py:tiny", f"--workdir={workdir}"]
+def flags_for(overrides, workdir, config_file="configs/arithmetic_grpo.py"):
+  args = [f"--config={config_file}:tiny", f"--workdir={workdir}"]
   for key, value in {**COMMON, **overrides}.items():
     args.append(f"--config.{key}={value}")
   return args
@@ -141,8 +142,8 @@ def assert_same_params(workdir_a, workdir_b):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-6 * np.abs(y).max())
 
 
-def one_process_run(workdir, overrides):
-  train.run(config_for(overrides), str(workdir))
+def one_process_run(workdir, overrides, config_file=None):
+  train.run(config_for(overrides, config_file), str(workdir))
   return str(workdir)
 
 
@@ -268,6 +269,32 @@ def test_prompt_feeders_on_two_processes_match_one(feeder, metric, tmp_path,
     assert all(r[metric] >= 1 for r in rl) and "dots/reference_success" in rl[0]
   else:  # more than one round a step
     assert all(r[metric] >= 2 for r in rl), [r[metric] for r in rl]
+
+
+@pytest.mark.slow
+def test_calculator_episodes_on_two_processes_match_one(tmp_path, jax_cache):
+  """Multi-turn calculator episodes, each process stepping its own
+  episodes' environments in its own worker: the resets' prompts and the
+  ended steps are gathered each round, so both processes run the same
+  host loop, and the run logs the one-process run's metrics (the
+  held-out episodes' included)."""
+  calc = "configs/calculator_grpo.py"
+  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 2,
+               "checkpoint.every": 100, "env.num_workers": 1,
+               "rewards.names": ("env", "tests.reward_fixtures:parity"),
+               "rewards.weights": (1.0, 0.5)}
+  want = one_process_run(tmp_path / "one", overrides, calc)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(overrides, workdir, calc),
+                    str(tmp_path / "logs"), jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  rl = [r for r in got_rows if r["step"] > 0]
+  assert all(r["env/turns/mean"] > 1 and r["env/failed_episodes"] == 0
+             for r in rl), [(r["env/turns/mean"], r["env/failed_episodes"])
+                            for r in rl]
+  assert "eval/accuracy" in got_rows[-1]
 
 
 def _reward_model_dir(path):

@@ -369,10 +369,15 @@ class Collector:
       rollout, spec_metrics = episodes.rollout, episodes.metrics
       # The rewards read the episodes' prompts (Environment.reset's); the
       # batch keeps the data's examples, which selection and replay key by.
-      scored_examples = dict(examples, prompt=episodes.prompts)
-      env_reward = [None if np.isnan(r) else float(r)
-                    for r in episodes.env_reward]
-      mask = np.asarray(rollout.prompt_mask[::g])
+      # Several processes: every episode's figures, of which this process
+      # scores its block.
+      prompts_B, env_reward_N = episodes.prompts, episodes.env_reward
+      if not group.single:
+        prompts_B = prompts_B[group.rows(mesh, len(prompts_B))]
+        env_reward_N = env_reward_N[group.rows(mesh, len(env_reward_N))]
+      scored_examples = dict(examples, prompt=prompts_B)
+      env_reward = [None if np.isnan(r) else float(r) for r in env_reward_N]
+      mask = group.local_rows(rollout.prompt_mask)[::g]
       if self.sample_mesh is not None:  # to the trainer's devices
         rollout = jax.device_put(rollout, jax.tree.map(
             lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))

@@ -48,7 +48,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
+from rljax import distributed
 from rljax import sharding
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
@@ -317,6 +319,15 @@ class MultiTurnSampler:
       (the static batch).
     refill_rows: with slots, queued episodes take free slots once this many
       are free (or the queue's last ones are).
+    group: the run's processes (``distributed.ProcessGroup``). With
+      several, ``run`` takes this process's block of the examples: each
+      process resets and steps the environments of its own episodes (in
+      its own workers), the resets' prompts and every ended step's outcome
+      (less the environment's state, which stays with its process) are
+      gathered each round, so every process runs the same host loop over
+      all episodes in lockstep; the rollout comes back split by process
+      blocks as the static sampler's. The static batch only (slots are one
+      process's: ``docs/rollouts.md``).
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
@@ -324,7 +335,8 @@ class MultiTurnSampler:
                buckets: Sequence[int], *,
                mesh: jax.sharding.Mesh | None = None,
                param_shardings: Any = None, observation_role: str = "user",
-               slots: int | None = None, refill_rows: int = 1):
+               slots: int | None = None, refill_rows: int = 1,
+               group: distributed.ProcessGroup | None = None):
     for name, value in (("rl.rollout_slots", slots),
                         ("rl.rollout_refill_rows", refill_rows)):
       if value is not None and (isinstance(value, bool)
@@ -332,6 +344,10 @@ class MultiTurnSampler:
         raise ValueError(f"{name}={value!r}: a positive integer is "
                          "required.")
     self.slots, self.refill_rows = slots, refill_rows
+    self.group = group or distributed.ProcessGroup()
+    if not self.group.single and (mesh is None or slots is not None):
+      raise ValueError("MultiTurnSampler with several processes needs the "
+                       "mesh and the static batch (slots=None).")
     self.model_config, self.config, self.turns = model_config, config, turns
     self.runner, self.tokenizer = runner, tokenizer
     self.buckets = tuple(buckets)
@@ -379,21 +395,32 @@ class MultiTurnSampler:
     """
     g = self.config.num_samples
     names = list(examples)
-    b = len(examples[names[0]])
-    rows = [{k: examples[k][i] for k in names} for i in range(b)]
+    b_local = len(examples[names[0]])
+    rows = [{k: examples[k][i] for k in names} for i in range(b_local)]
+    block, blocks = self.group.block(self.mesh)
+    b = b_local * blocks  # every process's examples (one: these)
     n = b * g
+    # The episode rows this process plays (its environments and states).
+    self._own = range(block * b_local * g, (block + 1) * b_local * g)
     ep = EpisodeLog(n)
     resets = ep.timed(lambda: self.runner.reset(rows))
-    prompts, states = [], [None] * n
+    states = [None] * n
     for i, outcome in enumerate(resets):
       if outcome.status == "ok":
-        prompts.append(outcome.value["prompt"])
         for r in range(i * g, (i + 1) * g):
-          states[r] = _state_copy(outcome.value["state"])
-      else:  # the example's prompt stands in; its rows end at once
-        prompts.append(str(rows[i].get("prompt", "")) or " ")
+          states[self._own[r]] = _state_copy(outcome.value["state"])
+    # Every example's prompt (a failed reset's: the example's own stands in,
+    # and its rows end at once), gathered from the processes' blocks.
+    shared = [(o.status, o.value["prompt"] if o.status == "ok"
+               else str(row.get("prompt", "")) or " ", o.message)
+              for o, row in zip(resets, rows)]
+    shared = [x for part in self.group.gather_blocks(shared, self.mesh)
+              for x in part]
+    prompts = [prompt for _, prompt, _ in shared]
+    for i, (status, _, message) in enumerate(shared):
+      if status != "ok":
         for r in range(i * g, (i + 1) * g):
-          ep.fail(r, outcome)
+          ep.fail(r, EnvOutcome(status, None, message))
     encoded = tok_lib.encode_prompts(self.tokenizer, prompts)
     longest = max(self.buckets)
     for i, ids in enumerate(encoded):
@@ -423,7 +450,8 @@ class MultiTurnSampler:
       taken = np.zeros(0, np.int64)  # slots whose turn waits for its env
       taken_turns = None
       calls: dict[int, _Call] = {}  # environment calls in flight, by ticket
-      while decoding.any() or len(taken) or calls or queue:
+      while (decoding.any() or len(taken) or queue
+             or self.group.any(bool(calls))):
         state = self._decode(params, state, _mask(m, taken), min_waiting,
                              prompt_width=p)
         resumed = np.zeros(m, bool)
@@ -434,13 +462,13 @@ class MultiTurnSampler:
         # resume together (one decode for them, not one per step).
         arrived = ep.timed(lambda: self._collect(calls,
                                                  wait=not decoding.any()))
-        if arrived:
-          inserts, resumed = self._apply(
-              [(calls.pop(t), o) for t, o in sorted(arrived.items())],
-              states, ep, m)
+        ended = self._exchange([(calls.pop(t), o)
+                                for t, o in sorted(arrived.items())])
+        if ended:
+          inserts, resumed = self._apply(ended, states, ep, m)
           state = self._insert(params, state, *inserts, prompt_width=p)
-        host = jax.device_get((state.column, state.turn_start,
-                               state.ended_turn, state.done))
+        host = self._host((state.column, state.turn_start,
+                           state.ended_turn, state.done))
         column, start, ended, done = (np.asarray(x) for x in host)
         stopped = decoding & (ended | done)  # their turn is over
         for s in np.flatnonzero(stopped):
@@ -448,26 +476,76 @@ class MultiTurnSampler:
           ep.spans[r].append((int(start[s]), int(column[s]), "model"))
           ep.turns[r] += 1
         taken = np.flatnonzero(stopped & ended & ~done)
-        taken_turns = (jax.device_get(state.tokens), column, start)
+        taken_turns = (self._host(state.tokens), column, start)
         decoding = (decoding & ~stopped) | resumed
         if out is not None:
           state, decoding = self._turnover(
               params, state, out, slot_row, queue, done & ~decoding,
               decoding, tokens_NxP, mask_NxP, key, ep)
       if out is None:
-        rollout = _to_rollout(jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP),
-                              state,
-                              ep.turn_rewards(self.config.max_new_tokens))
+        if self.group.single:
+          tokens_NxP, mask_NxP = jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP)
+        rollout = self._split_by_blocks(_to_rollout(
+            tokens_NxP, mask_NxP, state,
+            ep.turn_rewards(self.config.max_new_tokens)))
       else:
         out.retire(state, slot_row >= 0, slot_row)
         rollout = out.rollout(tokens_NxP, mask_NxP,
                               ep.turn_rewards(self.config.max_new_tokens))
         ep.slot_metrics = out.metrics(int(jax.device_get(state.steps)), m)
-    return ep.episodes(rollout, prompts, self.runner.restarts)
+    return ep.episodes(rollout, prompts,
+                       sum(self.group.gather_json(self.runner.restarts)))
+
+  # --- several processes ----------------------------------------------------
+
+  def _host(self, x: Any) -> Any:
+    """Device arrays on the host, whole (gathered from every process)."""
+    if self.group.single:
+      return jax.device_get(x)
+    return jax.tree.map(lambda a: np.asarray(
+        multihost_utils.process_allgather(a, tiled=True)), x)
+
+  def _exchange(self, ended: list) -> list:
+    """Every process's ended steps ``[(call, outcome)]``, in the order of
+    their blocks (each process's own keep the environment's state; the
+    others' come without it)."""
+    if self.group.single:
+      return ended
+    shared = [(tuple(call), o.status, o.message, None if o.value is None
+               else {k: v for k, v in o.value.items() if k != "state"})
+              for call, o in ended]
+    own = {call.row: o for call, o in ended}
+    out = []
+    for part in self.group.gather_blocks(shared, self.mesh):
+      for call, status, message, value in part:
+        call = _Call(*call)
+        out.append((call, own.get(call.row)
+                    or EnvOutcome(status, value, message)))
+    return out
+
+  def _split_by_blocks(self, rollout: Rollout) -> Rollout:
+    """With several processes, the rollout's arrays split by process
+    blocks over the batch axes (the collector reads each process's rows
+    from them); one process: as it is."""
+    if self.group.single:
+      return rollout
+
+    def put(x):
+      where = sharding.batch_sharding(self.mesh, np.ndim(x))
+      if isinstance(x, np.ndarray):
+        return sharding.put_global(x, where)
+      return jax.jit(lambda y: y, out_shardings=where)(x)
+
+    with self._mesh():
+      return jax.tree.map(put, rollout)
 
   def _submit(self, taken, slot_row, turns, states, calls, ep) -> None:
     """Starts the environment steps of the ``taken`` slots' episodes
-    (their actions decoded from ``turns``), recorded in ``calls``."""
+    (their actions decoded from ``turns``) that this process plays,
+    recorded in ``calls``."""
+    taken = [s for s in taken if slot_row[s] in self._own]
+    if not taken:  # another process's episodes only
+      return
     toks, column, start = turns
     eos = set(self.config.eos_ids)
     actions, pending = [], []
@@ -502,7 +580,8 @@ class MultiTurnSampler:
         end[s] = True
         continue
       value = outcome.value
-      states[r] = value["state"]
+      if "state" in value:  # this process's episode
+        states[r] = value["state"]
       if value["reward"] is not None:
         ep.reward[r] += value["reward"]
         # The turn the step answered ends at column - 1.

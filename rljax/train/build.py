@@ -354,7 +354,8 @@ class Components:
         param_shardings=param_shardings,
         observation_role=self.config.env.observation_role,
         slots=None if partial is None else partial.slots,
-        refill_rows=1 if partial is None else partial.refill_rows)
+        refill_rows=1 if partial is None else partial.refill_rows,
+        group=self.group)
 
   @property
   def split(self) -> bool:

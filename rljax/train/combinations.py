@@ -129,10 +129,6 @@ RULES: tuple[Rule, ...] = (
          lambda c, p: p > 1 and bool(c.rl.sampler_devices),
          "the sampler's devices are taken from one process's",
          "rl.sampler_devices=0", "missing"),
-    Rule("episodes-on-processes", ("env.name", "processes"),
-         lambda c, p: p > 1 and bool(c.env.name),
-         "each process would need its own environment workers for its rows",
-         "env.name=''", "missing"),
 )
 
 

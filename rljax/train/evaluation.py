@@ -166,8 +166,12 @@ def evaluate(
     run = episodes.run(params, {k: [e.get(k) for e in examples]
                                 for k in names}, key)
     rollout = run.rollout
-    examples = [dict(e, prompt=p) for e, p in zip(examples, run.prompts)]
-    env_reward = [None if np.isnan(r) else float(r) for r in run.env_reward]
+    prompts, env_reward_N = run.prompts, run.env_reward  # every process's
+    if not group.single:  # this process's block
+      prompts = prompts[group.rows(mesh, len(prompts))]
+      env_reward_N = env_reward_N[group.rows(mesh, len(env_reward_N))]
+    examples = [dict(e, prompt=p) for e, p in zip(examples, prompts)]
+    env_reward = [None if np.isnan(r) else float(r) for r in env_reward_N]
   else:
     encoded = tok_lib.encode_prompts(tokenizer,
                                      [e["prompt"] for e in examples])
