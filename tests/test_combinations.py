@@ -33,7 +33,8 @@ TRIGGERS = {
                                     "rl.advantage": "mc_grpo"}, 1),
     "static-spec-rl-on-split-devices": ({"rl.sampler_devices": 2,
                                          "sampler.speculative": True}, 1),
-    "slots-on-processes": ({"rl.rollout": "continuous"}, 2),
+    "episode-slots-on-processes": ({"rl.rollout": "continuous",
+                                    "env.name": "calculator"}, 2),
     "split-devices-on-processes": ({"rl.sampler_devices": 2}, 2),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
@@ -92,10 +93,10 @@ def test_validate_raises_the_rule_before_compiling(name):
 
 
 def test_several_processes_check_the_process_rules():
-  config = _config({"rl.rollout": "continuous"})
+  config = _config({"rl.sampler_devices": 2})
   combinations.check(config, 1)  # one process: fine
-  with pytest.raises(ValueError, match=r"rl.rollout='continuous' with 2 "
-                     r"processes: the slots' queue"):
+  with pytest.raises(ValueError, match=r"rl.sampler_devices=2 with 2 "
+                     r"processes: the sampler's devices"):
     combinations.check(config, 2)
 
 

@@ -297,6 +297,33 @@ def test_calculator_episodes_on_two_processes_match_one(tmp_path, jax_cache):
   assert "eval/accuracy" in got_rows[-1]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", [
+    {"rl.rollout": "continuous", "rl.max_staleness": 1},
+    {"rl.rollout": "partial", "rl.num_steps": 3},
+], ids=["continuous-async", "partial"])
+def test_slots_on_two_processes_match_one(plan, tmp_path, jax_cache):
+  """Continuous batching (sampled ahead of the update) and partial rollouts
+  (unfinished groups carried to the next step) on 8 slots: every process
+  holds every group and builds the same queue, the slots decode them on
+  the global mesh, and each process scores its block of the trained
+  groups: the two-process run logs the one-process run's metrics."""
+  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
+               "checkpoint.every": 100, "rl.rollout_slots": 8, **plan}
+  want = one_process_run(tmp_path / "one", overrides)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
+                    jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  rl = [r for r in got_rows if r["step"] > 0]
+  assert all(0 < r["rollout/slot_utilization"] <= 1 for r in rl)
+  if plan["rl.rollout"] == "partial":
+    assert any(r["rollout/carried_groups"] > 0 for r in rl), [
+        r["rollout/carried_groups"] for r in rl]
+
+
 def _reward_model_dir(path):
   """A tiny random reward model on the tiny config's tokenizer (it reads
   the policy's tokens)."""

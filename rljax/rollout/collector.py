@@ -382,12 +382,26 @@ class Collector:
         rollout = jax.device_put(rollout, jax.tree.map(
             lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
     elif self.slots is not None:
+      more = None if more_examples is None else (
+          lambda: self._encoded(more_examples()))
+      if not group.single:  # the slots play every process's groups
+        prompts, examples = self._gathered_prompts(prompts), self.gathered(
+            examples)
+        if more is not None:
+          more_local = more
+
+          def more():
+            ps, ex = more_local()
+            return self._gathered_prompts(ps), self.gathered(ex)
       rollout, examples, token_versions, spec_metrics = (
           sampler or self.slots).sample(
           params, prompts, examples, key, version, self.buckets,
-          on_dispatch=on_dispatch, more=None if more_examples is None
-          else lambda: self._encoded(more_examples()))
-      mask = rollout.prompt_mask[::g]
+          on_dispatch=on_dispatch, more=more)
+      if not group.single:  # the trained groups, split by process blocks
+        rollout = jax.tree.map(lambda x: sharding_lib.put_global(
+            x, sharding_lib.batch_sharding(mesh, x.ndim)), rollout)
+        examples = self.block(examples)
+      mask = group.local_rows(rollout.prompt_mask)[::g]
     else:
       tokens, mask = sampling.pad_prompts(
           prompts, self.buckets, self.tokenizer.pad_id,
@@ -574,6 +588,12 @@ class Collector:
     blocks = self.group.gather_blocks(
         {f: list(v) for f, v in examples.items()}, self.mesh)
     return {f: [x for block in blocks for x in block[f]] for f in examples}
+
+  def _gathered_prompts(self, prompts: Sequence[Sequence[int]]
+                        ) -> list[list[int]]:
+    """Every process's encoded prompts, in block order."""
+    return [p for part in self.group.gather_blocks(
+        [[int(t) for t in p] for p in prompts], self.mesh) for p in part]
 
   def block(self, examples: Mapping[str, Sequence[Any]]
              ) -> dict[str, list[Any]]:

@@ -121,10 +121,13 @@ RULES: tuple[Rule, ...] = (
          "mesh", "rl.rollout='continuous' or 'partial' (drafts verified in "
          "the slots), or rl.sampler_devices=0", "missing"),
     # --- several processes -------------------------------------------------
-    Rule("slots-on-processes", ("rl.rollout", "processes"),
-         lambda c, p: p > 1 and _slots(c),
-         "the slots' queue and carried rows are one process's",
-         "rl.rollout='static'", "missing"),
+    Rule("episode-slots-on-processes", ("rl.rollout", "env.name",
+                                         "processes"),
+         lambda c, p: p > 1 and _slots(c) and bool(c.env.name),
+         "episodes on slots step each slot's environment where its episode "
+         "was reset, and a slot's episode can belong to any process",
+         "rl.rollout='static' (episodes on several processes play on the "
+         "static batch)", "missing"),
     Rule("split-devices-on-processes", ("rl.sampler_devices", "processes"),
          lambda c, p: p > 1 and bool(c.rl.sampler_devices),
          "the sampler's devices are taken from one process's",
