@@ -35,7 +35,6 @@ TRIGGERS = {
                                          "sampler.speculative": True}, 1),
     "episode-slots-on-processes": ({"rl.rollout": "continuous",
                                     "env.name": "calculator"}, 2),
-    "split-devices-on-processes": ({"rl.sampler_devices": 2}, 2),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 
@@ -93,10 +92,11 @@ def test_validate_raises_the_rule_before_compiling(name):
 
 
 def test_several_processes_check_the_process_rules():
-  config = _config({"rl.sampler_devices": 2})
+  config = _config({"rl.rollout": "continuous", "env.name": "calculator"})
   combinations.check(config, 1)  # one process: fine
-  with pytest.raises(ValueError, match=r"rl.sampler_devices=2 with 2 "
-                     r"processes: the sampler's devices"):
+  with pytest.raises(ValueError, match=r"rl.rollout='continuous' with "
+                     r"env.name='calculator' with 2 processes: episodes on "
+                     r"slots"):
     combinations.check(config, 2)
 
 

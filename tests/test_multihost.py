@@ -324,6 +324,30 @@ def test_slots_on_two_processes_match_one(plan, tmp_path, jax_cache):
         r["rollout/carried_groups"] for r in rl]
 
 
+@pytest.mark.slow
+def test_sampler_devices_on_two_processes_match_one(tmp_path, jax_cache):
+  """rl.sampler_devices=2 with rl.max_staleness=1: each process gives the
+  sampler one of its devices (a 2 x 3 trainer mesh, a 2-device sampler
+  mesh), publishes the params to it from its own gathered copy and moves
+  its block of the rollout back; the run logs the one-process run's
+  metrics (one process: the last 2 of its 8 devices sample)."""
+  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
+               "checkpoint.every": 100, "rl.sampler_devices": 2,
+               "rl.max_staleness": 1, "mesh.fsdp": 3,
+               # Rows that split over 6 trainer and 2 sampler devices.
+               "rl.prompts_per_step": 12, "eval.num_examples": 12}
+  want = one_process_run(tmp_path / "one", overrides)
+  workdir = str(tmp_path / "two")
+  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
+                    jax_cache)
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  got_rows = rows(workdir)
+  assert_same_metrics(got_rows, rows(want))
+  rl = [r for r in got_rows if r["step"] > 0]
+  assert [r["rollout/sampler_devices"] for r in rl] == [2, 2]
+  assert [r["rollout/sampler_lag"] for r in rl] == [0, 1]
+
+
 def _reward_model_dir(path):
   """A tiny random reward model on the tiny config's tokenizer (it reads
   the policy's tokens)."""

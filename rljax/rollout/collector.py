@@ -378,9 +378,7 @@ class Collector:
       scored_examples = dict(examples, prompt=prompts_B)
       env_reward = [None if np.isnan(r) else float(r) for r in env_reward_N]
       mask = group.local_rows(rollout.prompt_mask)[::g]
-      if self.sample_mesh is not None:  # to the trainer's devices
-        rollout = jax.device_put(rollout, jax.tree.map(
-            lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
+      rollout = self._to_trainer(rollout)
     elif self.slots is not None:
       more = None if more_examples is None else (
           lambda: self._encoded(more_examples()))
@@ -406,12 +404,11 @@ class Collector:
       tokens, mask = sampling.pad_prompts(
           prompts, self.buckets, self.tokenizer.pad_id,
           longest=longest or group.max_int(max(len(p) for p in prompts)))
+      where = self.sample_mesh or mesh  # the sampler's devices
       rollout, spec_metrics = self._sample(
-          params, prompts, group.global_array(tokens, mesh),
-          group.global_array(mask, mesh), key, sampler)
-      if self.sample_mesh is not None:  # to the trainer's devices
-        rollout = jax.device_put(rollout, jax.tree.map(
-            lambda x: sharding_lib.batch_sharding(mesh, x.ndim), rollout))
+          params, prompts, group.global_array(tokens, where),
+          group.global_array(mask, where), key, sampler)
+      rollout = self._to_trainer(rollout)
       if on_dispatch is not None:
         on_dispatch()
     completion_tokens, completion_mask, lengths, finished = (
@@ -588,6 +585,20 @@ class Collector:
     blocks = self.group.gather_blocks(
         {f: list(v) for f, v in examples.items()}, self.mesh)
     return {f: [x for block in blocks for x in block[f]] for f in examples}
+
+  def _to_trainer(self, rollout: Any) -> Any:
+    """A rollout sampled on the sampler's own devices
+    (``rl.sampler_devices``) moved to the trainer's, split as its batch;
+    else as it is. Several processes: each process's rows are on its own
+    devices in both meshes, so each moves its block (``jax.device_put``
+    cannot move arrays between device sets that span processes)."""
+    if self.sample_mesh is None:
+      return rollout
+    where = lambda x: sharding_lib.batch_sharding(self.mesh, x.ndim)  # noqa: E731
+    if self.group.single:
+      return jax.device_put(rollout, jax.tree.map(where, rollout))
+    return jax.tree.map(lambda x: self.group.global_array(
+        self.group.local_rows(x), self.mesh), rollout)
 
   def _gathered_prompts(self, prompts: Sequence[Sequence[int]]
                         ) -> list[list[int]]:

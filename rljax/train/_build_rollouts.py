@@ -30,15 +30,37 @@ def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
   """``(trainer mesh, sampler mesh)``: one mesh twice, or with
   ``rl.sampler_devices = n`` the first devices laid out as ``config.mesh``
   says for the trainer and the last ``n`` as one data-parallel (``fsdp``)
-  axis for the sampler."""
+  axis for the sampler. With several processes each gives the sampler its
+  last ``n / processes`` devices (so that each process samples, on its
+  own devices, the block of rows it trains)."""
   n = config.rl.sampler_devices
   if not n:
     mesh = sharding.mesh_from_config(config.mesh)
     return mesh, mesh
   devices = jax.devices()
   _check_sampler_devices(n)
-  return (sharding.mesh_from_config(config.mesh, devices=devices[:-n]),
-          sharding.make_mesh(1, -1, 1, devices=devices[-n:]))
+  processes = jax.process_count()
+  if processes == 1:
+    return (sharding.mesh_from_config(config.mesh, devices=devices[:-n]),
+            sharding.make_mesh(1, -1, 1, devices=devices[-n:]))
+  if n % processes:
+    raise ValueError(
+        f"rl.sampler_devices={n} with {processes} processes: each process "
+        "gives the sampler the same number of its devices; accepted: a "
+        f"multiple of {processes}.")
+  own = [[d for d in devices if d.process_index == p]
+         for p in range(processes)]
+  k = n // processes
+  if any(k >= len(local) for local in own):
+    raise ValueError(
+        f"rl.sampler_devices={n} with {processes} processes of "
+        f"{min(len(local) for local in own)} devices: each process's trainer "
+        f"needs one of its devices; accepted: up to "
+        f"{processes * (min(len(local) for local in own) - 1)}.")
+  trainer = [d for local in own for d in local[:-k]]
+  sampler = [d for local in own for d in local[-k:]]
+  return (sharding.mesh_from_config(config.mesh, devices=trainer),
+          sharding.make_mesh(1, -1, 1, devices=sampler))
 
 
 

@@ -369,7 +369,22 @@ class Components:
     ``params`` themselves."""
     if not self.split:
       return params
-    return jax.device_put(params, self.sample_param_shardings)
+    if self.group.single:
+      return jax.device_put(params, self.sample_param_shardings)
+    # Several processes: jax.device_put cannot move arrays between device
+    # sets that span processes. Each process gathers the params whole on
+    # its trainer devices (one all-gather over the trainer's mesh), then
+    # puts its sampler devices' shards from its own copy.
+    whole = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(
+        self.mesh, jax.sharding.PartitionSpec()))(params)
+
+    def put(x, where):
+      local = x.addressable_data(0)
+      return jax.make_array_from_single_device_arrays(x.shape, where, [
+          jax.device_put(local[index], device) for device, index in
+          where.addressable_devices_indices_map(x.shape).items()])
+
+    return jax.tree.map(put, whole, self.sample_param_shardings)
 
   @property
   def lora(self) -> bool:

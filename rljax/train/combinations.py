@@ -128,10 +128,6 @@ RULES: tuple[Rule, ...] = (
          "was reset, and a slot's episode can belong to any process",
          "rl.rollout='static' (episodes on several processes play on the "
          "static batch)", "missing"),
-    Rule("split-devices-on-processes", ("rl.sampler_devices", "processes"),
-         lambda c, p: p > 1 and bool(c.rl.sampler_devices),
-         "the sampler's devices are taken from one process's",
-         "rl.sampler_devices=0", "missing"),
 )
 
 
