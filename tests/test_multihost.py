@@ -192,162 +192,6 @@ def test_two_processes_match_one(two_runs):
   assert sorted(files) == sorted(os.listdir(want))
 
 
-@pytest.mark.slow
-def test_distillation_on_two_processes_matches_one(two_runs, tmp_path,
-                                                   jax_cache):
-  """On-policy distillation from a teacher run that two processes wrote:
-  the teacher is placed on the global mesh (each process builds its own
-  shards; ``jax.device_put`` refuses devices of another process), and the
-  two-process student logs the one-process student's metrics."""
-  teacher, codes = two_runs[1], two_runs[2]
-  assert codes == [0, 0]
-  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
-               "checkpoint.every": 100, "rl.distill_coef": 0.1,
-               "teacher.path": teacher}
-  want = one_process_run(tmp_path / "one", overrides)
-  workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
-                    jax_cache)
-  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
-  got_rows = rows(workdir)
-  assert_same_metrics(got_rows, rows(want))
-  distill = [r["distill/reverse_kl"] for r in got_rows if r["step"] > 0]
-  assert len(distill) == 2 and all(k > 0 for k in distill), distill
-
-
-@pytest.mark.slow
-def test_async_sampling_on_two_processes_matches_one(tmp_path, jax_cache):
-  """rl.max_staleness=1: every process samples the next batch while the
-  update runs, with the same decisions (they follow the step count), and
-  the run logs the one-process run's metrics, staleness included."""
-  overrides = {"rl.num_steps": 3, "sft.num_steps": 0, "eval.every": 100,
-               "checkpoint.every": 100, "rl.max_staleness": 1}
-  want = one_process_run(tmp_path / "one", overrides)
-  workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
-                    jax_cache)
-  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
-  got_rows = rows(workdir)
-  assert_same_metrics(got_rows, rows(want))
-  rl = [r for r in got_rows if r["step"] > 0]
-  assert [r["rollout/sampler_lag"] for r in rl] == [0, 1, 1]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("feeder, metric", [
-    ({"rl.selection.name": "greso"}, "select/rounds"),
-    ({"rl.selection.name": "dots", "rl.selection.dots_reference": 8},
-     "dots/round"),
-    ({"rl.allocation.name": "vigor", "rl.allocation.rounds": 2},
-     "alloc/rounds"),
-    # 8 prompts, 6 fresh: padded to the 8 batch shards, the copies dropped.
-    ({"rl.replay.fraction": 0.25, "rl.num_steps": 3,  # groups that vary
-      "rewards.names": ("numeric_match", "tests.reward_fixtures:parity"),
-      "rewards.weights": (1.0, 0.5)}, "replay/fraction"),
-], ids=["greso", "dots", "vigor", "replay"])
-def test_prompt_feeders_on_two_processes_match_one(feeder, metric, tmp_path,
-                                                   jax_cache):
-  """GRESO (skipping prompts, refilling zero-variance groups from more
-  batches), DOTS (reference rollouts, the pool embedded), VIGOR's rounds
-  and replay (a buffer every process keeps whole) decide on the global
-  batch, the same on every process, each sampling its block of a round:
-  the two-process run logs the one-process run's metrics, their own
-  included."""
-  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
-               "checkpoint.every": 100, **feeder}
-  want = one_process_run(tmp_path / "one", overrides)
-  workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
-                    jax_cache)
-  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
-  got_rows = rows(workdir)
-  assert_same_metrics(got_rows, rows(want))
-  rl = [r for r in got_rows if r["step"] > 0]
-  if metric == "replay/fraction":  # replayed groups at some step
-    assert any(r[metric] > 0 for r in rl), [r[metric] for r in rl]
-  elif metric == "dots/round":
-    assert all(r[metric] >= 1 for r in rl) and "dots/reference_success" in rl[0]
-  else:  # more than one round a step
-    assert all(r[metric] >= 2 for r in rl), [r[metric] for r in rl]
-
-
-@pytest.mark.slow
-def test_calculator_episodes_on_two_processes_match_one(tmp_path, jax_cache):
-  """Multi-turn calculator episodes, each process stepping its own
-  episodes' environments in its own worker: the resets' prompts and the
-  ended steps are gathered each round, so both processes run the same
-  host loop, and the run logs the one-process run's metrics (the
-  held-out episodes' included)."""
-  calc = "configs/calculator_grpo.py"
-  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 2,
-               "checkpoint.every": 100, "env.num_workers": 1,
-               "rewards.names": ("env", "tests.reward_fixtures:parity"),
-               "rewards.weights": (1.0, 0.5)}
-  want = one_process_run(tmp_path / "one", overrides, calc)
-  workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for(overrides, workdir, calc),
-                    str(tmp_path / "logs"), jax_cache)
-  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
-  got_rows = rows(workdir)
-  assert_same_metrics(got_rows, rows(want))
-  rl = [r for r in got_rows if r["step"] > 0]
-  assert all(r["env/turns/mean"] > 1 and r["env/failed_episodes"] == 0
-             for r in rl), [(r["env/turns/mean"], r["env/failed_episodes"])
-                            for r in rl]
-  assert "eval/accuracy" in got_rows[-1]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("plan", [
-    {"rl.rollout": "continuous", "rl.max_staleness": 1},
-    {"rl.rollout": "partial", "rl.num_steps": 3},
-], ids=["continuous-async", "partial"])
-def test_slots_on_two_processes_match_one(plan, tmp_path, jax_cache):
-  """Continuous batching (sampled ahead of the update) and partial rollouts
-  (unfinished groups carried to the next step) on 8 slots: every process
-  holds every group and builds the same queue, the slots decode them on
-  the global mesh, and each process scores its block of the trained
-  groups: the two-process run logs the one-process run's metrics."""
-  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
-               "checkpoint.every": 100, "rl.rollout_slots": 8, **plan}
-  want = one_process_run(tmp_path / "one", overrides)
-  workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
-                    jax_cache)
-  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
-  got_rows = rows(workdir)
-  assert_same_metrics(got_rows, rows(want))
-  rl = [r for r in got_rows if r["step"] > 0]
-  assert all(0 < r["rollout/slot_utilization"] <= 1 for r in rl)
-  if plan["rl.rollout"] == "partial":
-    assert any(r["rollout/carried_groups"] > 0 for r in rl), [
-        r["rollout/carried_groups"] for r in rl]
-
-
-@pytest.mark.slow
-def test_sampler_devices_on_two_processes_match_one(tmp_path, jax_cache):
-  """rl.sampler_devices=2 with rl.max_staleness=1: each process gives the
-  sampler one of its devices (a 2 x 3 trainer mesh, a 2-device sampler
-  mesh), publishes the params to it from its own gathered copy and moves
-  its block of the rollout back; the run logs the one-process run's
-  metrics (one process: the last 2 of its 8 devices sample)."""
-  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
-               "checkpoint.every": 100, "rl.sampler_devices": 2,
-               "rl.max_staleness": 1, "mesh.fsdp": 3,
-               # Rows that split over 6 trainer and 2 sampler devices.
-               "rl.prompts_per_step": 12, "eval.num_examples": 12}
-  want = one_process_run(tmp_path / "one", overrides)
-  workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
-                    jax_cache)
-  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
-  got_rows = rows(workdir)
-  assert_same_metrics(got_rows, rows(want))
-  rl = [r for r in got_rows if r["step"] > 0]
-  assert [r["rollout/sampler_devices"] for r in rl] == [2, 2]
-  assert [r["rollout/sampler_lag"] for r in rl] == [0, 1]
-
-
 def _reward_model_dir(path):
   """A tiny random reward model on the tiny config's tokenizer (it reads
   the policy's tokens)."""
@@ -367,30 +211,113 @@ def _reward_model_dir(path):
   return str(path)
 
 
+def _rl(rows_):
+  return [r for r in rows_ if r["step"] > 0]
+
+
+_PARITY = {"rewards.names": ("numeric_match", "tests.reward_fixtures:parity"),
+           "rewards.weights": (1.0, 0.5)}  # groups whose rewards vary
+
+
+def _teachers(tmp_path, two_runs):
+  """On-policy distillation from a teacher run that two processes wrote,
+  a reward model reading the policy's tokens (the global rollout) and a
+  generative judge (that run again: each process's rows judged in one
+  global sampler call, keyed by the whole batch)."""
+  teacher = two_runs[1]
+  names = ("numeric_match", f"model:{_reward_model_dir(tmp_path / 'rm')}",
+           f"judge:{teacher}")
+  return {"rl.distill_coef": 0.1, "teacher.path": teacher,
+          "rewards.names": names, "rewards.weights": (1.0, 0.5, 0.1),
+          "rewards.judges.parser": "tests.reward_fixtures:verdict_length"}
+
+
+def _check_teachers(rl):
+  assert all(r["distill/reverse_kl"] > 0 for r in rl)
+  assert all(r["reward/rm/valid_frac"] == 1 and r["reward/rm/mean"] != 0
+             for r in rl)
+  assert all(r["reward/two/valid_frac"] == 1 and r["reward/two/mean"] > 0
+             for r in rl)
+
+
+def _check_slots_async_greso(rl):
+  assert all(0 < r["rollout/slot_utilization"] <= 1 for r in rl)
+  assert [r["rollout/sampler_lag"] for r in rl] == [0, 1]
+  assert all(r["select/rounds"] >= 2 for r in rl), [r["select/rounds"]
+                                                    for r in rl]
+
+
+def _check_partial_replay(rl):
+  assert any(r["rollout/carried_groups"] > 0 for r in rl)
+  assert any(r["replay/fraction"] > 0 for r in rl)
+
+
+# Each case: (overrides, or fn(tmp_path, two_runs) -> overrides; config
+# file; a check of the two-process run's RL rows). The cases cover each
+# feature on several processes, paired with others where they combine.
+CASES = {
+    "teachers": (_teachers, None, _check_teachers),
+    # Continuous slots sampled ahead of the update, GRESO refilling groups.
+    "slots-async-greso": ({"rl.rollout": "continuous", "rl.rollout_slots": 8,
+                           "rl.max_staleness": 1, "rl.selection.name": "greso"},
+                          None, _check_slots_async_greso),
+    # Partial rollouts carrying groups, replay (8 prompts, 6 fresh: padded
+    # to the 8 batch shards, the copies dropped).
+    "partial-replay": ({"rl.rollout": "partial", "rl.rollout_slots": 8,
+                        "rl.num_steps": 3, "rl.replay.fraction": 0.25,
+                        **_PARITY}, None, _check_partial_replay),
+    "dots": ({"rl.selection.name": "dots", "rl.selection.dots_reference": 8},
+             None, lambda rl: all(r["dots/round"] >= 1 for r in rl)
+             and "dots/reference_success" in rl[0]),
+    "vigor": ({"rl.allocation.name": "vigor", "rl.allocation.rounds": 2},
+              None, lambda rl: all(r["alloc/rounds"] == 2 for r in rl)),
+    # Calculator episodes, each process stepping its own in its own worker.
+    "calculator": ({"eval.every": 2, "env.num_workers": 1,
+                    "rewards.names": ("env", "tests.reward_fixtures:parity"),
+                    "rewards.weights": (1.0, 0.5)},
+                   "configs/calculator_grpo.py",
+                   lambda rl: all(r["env/turns/mean"] > 1
+                                  and r["env/failed_episodes"] == 0
+                                  for r in rl)),
+    # 2 sampler devices (one per process), a 2 x 3 trainer mesh, sampled
+    # ahead; rows that split over 6 trainer and 2 sampler devices.
+    "sampler-devices-async": ({"rl.sampler_devices": 2, "rl.max_staleness": 1,
+                               "mesh.fsdp": 3, "rl.prompts_per_step": 12,
+                               "eval.num_examples": 12}, None,
+                              lambda rl: [r["rollout/sampler_devices"]
+                                          for r in rl] == [2, 2]
+                              and [r["rollout/sampler_lag"]
+                                   for r in rl] == [0, 1]),
+    "lora-critic-dapo": ({"model.lora.rank": 4, "rl.advantage": "gae",
+                          "rl.selection.name": "dapo"}, None,
+                         lambda rl: all(r["select/rounds"] >= 1 and np.isfinite(
+                             r["critic/value_loss"]) for r in rl)),
+}
+
+
 @pytest.mark.slow
-def test_a_reward_model_and_a_judge_on_two_processes_match_one(
-    two_runs, tmp_path, jax_cache):
-  """A reward model reading the policy's tokens (the global rollout) and a
-  generative judge (an rljax run; each process's rows judged in one global
-  sampler call, keyed by the whole batch) score as on one process."""
-  judge, codes = two_runs[1], two_runs[2]
-  assert codes == [0, 0]
-  rm_dir = _reward_model_dir(tmp_path / "rm")
-  names = ("numeric_match", f"model:{rm_dir}", f"judge:{judge}")
+@pytest.mark.parametrize("case", list(CASES))
+def test_features_on_two_processes_match_one(case, two_runs, tmp_path,
+                                             jax_cache):
+  """Each feature on two processes (2 x 4 devices) logs the same per-step
+  metrics as on one process of 8 devices, to 1e-6, and acts (its own
+  metric). Every decision that changes shapes or the schedule is made on
+  the global batch, the same on every process (docs/multihost.md)."""
+  overrides, config_file, check = CASES[case]
+  if callable(overrides):
+    overrides = overrides(tmp_path, two_runs)
   overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
-               "checkpoint.every": 100, "rewards.names": names,
-               "rewards.weights": (1.0, 0.5, 0.1),
-               "rewards.judges.parser": "tests.reward_fixtures:verdict_length"}
-  want = one_process_run(tmp_path / "one", overrides)
+               "checkpoint.every": 100, **overrides}
+  want = one_process_run(tmp_path / "one", overrides, config_file)
   workdir = str(tmp_path / "two")
-  cluster = Cluster(flags_for(overrides, workdir), str(tmp_path / "logs"),
-                    jax_cache)
+  flags = (flags_for(overrides, workdir) if config_file is None
+           else flags_for(overrides, workdir, config_file))
+  cluster = Cluster(flags, str(tmp_path / "logs"), jax_cache)
   assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
   got_rows = rows(workdir)
   assert_same_metrics(got_rows, rows(want))
-  for r in (r for r in got_rows if r["step"] > 0):
-    assert r["reward/rm/valid_frac"] == 1 and r["reward/rm/mean"] != 0
-    assert r["reward/two/valid_frac"] == 1 and r["reward/two/mean"] > 0
+  rl = _rl(got_rows)
+  assert check(rl) is not False, rl
 
 
 @pytest.mark.slow

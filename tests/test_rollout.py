@@ -179,3 +179,54 @@ def test_a_critic_batch_carries_the_rewards_and_no_advantages(components):
   np.testing.assert_allclose(np.asarray(out.batch.rewards_N), total,
                              rtol=1e-6)
   np.testing.assert_array_equal(np.asarray(out.batch.advantages_NxL), 0.0)
+
+
+def test_slot_plans_score_the_trained_groups_own_examples(components):
+  """Partial rollouts train groups carried from earlier steps: the rewards
+  must read each trained group's own example, not the step's new ones (a
+  plan whose trained groups are the step's examples in reverse order)."""
+  c, params = components
+  g = c.settings.group_size
+  seen = []
+
+  def record(prompts, completions, **fields):
+    seen.append((list(prompts), list(fields["answer"])))
+    return [0.0] * len(prompts)
+
+  class ReversedSlots:
+    """Trains the step's groups in reverse (as carried groups come first)."""
+
+    def sample(self, params, prompts, examples, key, version, buckets,
+               on_dispatch=None, more=None):
+      del params, key, buckets, on_dispatch, more
+      order = list(range(len(prompts)))[::-1]
+      tokens, mask = rollout_lib.sampling.pad_prompts(
+          [prompts[i] for i in order], (16,), c.tokenizer.pad_id)
+      n, t = len(order) * g, c.config.sampler.max_new_tokens
+      rollout_ = rollout_lib.sampling.Rollout(
+          np.repeat(tokens, g, 0), np.repeat(mask, g, 0),
+          np.full((n, t), c.tokenizer.pad_id, np.int32),
+          np.zeros((n, t), bool), np.zeros(n, np.int32), np.ones(n, bool),
+          None, np.zeros((n, t), np.float32))
+      trained = {k: [v[i] for i in order] for k, v in examples.items()}
+      return rollout_, trained, np.full((n, t), version, np.int32), {}
+
+  class Postprocess:
+    extra_samples, failed_rewards = 0, "zero"
+
+  evaluator = rollout_lib.rewards_lib.RewardEvaluator(
+      [rollout_lib.rewards_lib.RewardSpec("numeric_match", record)],
+      num_workers=0)
+  collector = rollout.Collector(
+      sampler=None, tokenizer=c.tokenizer, evaluator=evaluator,
+      postprocess=Postprocess(), group_size=g, buckets=(16,),
+      eos_ids=c.eos_ids, correctness="numeric_match", slots=ReversedSlots())
+  examples = {k: [e[k] for e in c.train_examples[:4]]
+              for k in c.train_examples[0]}
+  sampled = collector.sample_round(params, examples, jax.random.key(0), 0,
+                                   None, None)
+  [(prompts, answers)] = seen
+  want = [(p, a) for p, a in zip(examples["prompt"][::-1],
+                                 examples["answer"][::-1]) for _ in range(g)]
+  assert list(zip(prompts, answers)) == want
+  assert sampled.examples["prompt"] == examples["prompt"][::-1]

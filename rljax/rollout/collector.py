@@ -319,7 +319,7 @@ class Collector:
           params, examples, key, version, on_dispatch, more_examples)
     elif feeding and not self.group.single:
       sampled = self.sample_global(params, examples, key, version,
-                                   on_dispatch)
+                                   on_dispatch, more_examples)
     else:
       sampled = self.sample_round(params, examples, key, version, on_dispatch,
                                   more_examples)
@@ -339,9 +339,13 @@ class Collector:
                         extra_metrics=metrics, group_ids_N=group_ids_N)
 
   def sample_round(self, params, examples, key, version, on_dispatch,
-             more_examples, *, sampler=None, samples: int | None = None,
-             longest: int | None = None) -> Sampled:
+                   more_examples, *, sampler=None, samples: int | None = None,
+                   longest: int | None = None, whole: bool = False
+                   ) -> Sampled:
     """Samples, decodes and scores one batch of prompts.
+
+    ``examples``: this process's block of the batch, or with ``whole``
+    (slots only) every process's, the same on each.
 
     ``sampler``: the plan of the training rows (``episodes``, ``slots`` or
     the static sampler) drawing ``samples`` per prompt instead of the
@@ -382,7 +386,7 @@ class Collector:
     elif self.slots is not None:
       more = None if more_examples is None else (
           lambda: self._encoded(more_examples()))
-      if not group.single:  # the slots play every process's groups
+      if not group.single and not whole:  # slots play every process's groups
         prompts, examples = self._gathered_prompts(prompts), self.gathered(
             examples)
         if more is not None:
@@ -399,6 +403,9 @@ class Collector:
         rollout = jax.tree.map(lambda x: sharding_lib.put_global(
             x, sharding_lib.batch_sharding(mesh, x.ndim)), rollout)
         examples = self.block(examples)
+      # The trained groups' own examples (partial rollouts train carried
+      # groups of earlier steps): the rewards read them.
+      scored_examples = examples
       mask = group.local_rows(rollout.prompt_mask)[::g]
     else:
       tokens, mask = sampling.pad_prompts(
@@ -615,21 +622,33 @@ class Collector:
     return {f: list(v)[rows] for f, v in examples.items()}
 
   def sample_global(self, params, examples, key, version, on_dispatch=None,
-                    **kwargs
+                    more_examples=None, **kwargs
                      ) -> Sampled:
     """``sample_round`` of a global batch of examples: this process samples
     and scores its block, and the result holds every process's examples
     and completions (rounds are planned and merged on the global batch;
     ``_finish`` keeps this process's completions). The reward failure
-    counts include a padded row's (a copy of the last example's)."""
+    counts include a padded row's (a copy of the last example's). Slots
+    play the whole batch on every process (``more_examples``: the next
+    global batch, for partial rollouts' over-provisioning)."""
     if self.group.single:
       return self.sample_round(params, examples, key, version, on_dispatch,
-                               None, **kwargs)
+                               more_examples, **kwargs)
+    if self.slots is not None:  # the slots play the whole batch
+      sampled = self.sample_round(params, examples, key, version,
+                                  on_dispatch, more_examples, whole=True,
+                                  **kwargs)
+      completions = self.group.gather_blocks(sampled.completions, self.mesh)
+      return sampled._replace(examples=dict(examples), completions=[
+          c for block in completions for c in block])
     # Prompt arrays split over the batch's shards: a count that does not
     # divide is padded with copies of the last example, whose rows are
-    # dropped (as the static sampler pads on one process).
+    # dropped (as the static sampler pads on one process). Episodes play
+    # each process's block (a count of examples that does not split into
+    # the process blocks is refused by ProcessGroup.rows).
     n = len(examples["prompt"])
-    pad = -n % sharding_lib.batch_ways(self.mesh)
+    pad = 0 if self.episodes is not None else -n % sharding_lib.batch_ways(
+        self.mesh)
     padded = {f: list(v) + [v[-1]] * pad for f, v in examples.items()}
     sampled = self.sample_round(params, self.block(padded), key, version,
                                 on_dispatch, None, **kwargs)
