@@ -348,15 +348,34 @@ def test_two_processes_killed_after_step_2_resume_to_the_one_process_run(
   assert_same_params(workdir, want)
 
 
+KILLED = {
+    "async": ({"rl.max_staleness": 1}, "configs/arithmetic_grpo.py"),
+    "calculator": ({"env.num_workers": 1,
+                    "rewards.names": ("env", "tests.reward_fixtures:parity"),
+                    "rewards.weights": (1.0, 0.5)},
+                   "configs/calculator_grpo.py"),
+}
+
+
 @pytest.mark.slow
-def test_a_killed_process_stops_the_other_naming_it(tmp_path, jax_cache):
-  workdir = str(tmp_path / "run")
-  cluster = Cluster(flags_for({"rl.num_steps": 50}, workdir),
-                    str(tmp_path / "logs"), jax_cache)
+@pytest.mark.parametrize("case", list(KILLED))
+def test_a_killed_process_stops_the_other_and_the_run_resumes(case, tmp_path,
+                                                             jax_cache):
+  """Process 1 of an asynchronous run (and of an environment run, its
+  workers with it) is SIGKILLed once checkpoint 2 is on disk: process 0
+  stops within 2 minutes with a non-zero code, naming it; relaunched, the
+  run resumes from checkpoint 2 and ends as the uninterrupted one-process
+  run, every step's metrics and the params."""
+  extra, config_file = KILLED[case]
+  overrides = {"rl.num_steps": 4, "sft.num_steps": 0, "eval.every": 100,
+               "checkpoint.every": 2, **extra}
+  want = one_process_run(tmp_path / "one", overrides, config_file)
+  workdir = str(tmp_path / "two")
+  args = flags_for(overrides, workdir, config_file)
+  cluster = Cluster(args, str(tmp_path / "logs"), jax_cache)
   try:
-    metrics = os.path.join(workdir, "metrics.jsonl")
-    wait_for(lambda: os.path.exists(metrics) and any(
-        r["step"] >= 1 for r in rows(workdir)), cluster.procs, 400, "step 1")
+    wait_for(lambda: os.path.isdir(os.path.join(workdir, "checkpoints", "2")),
+             cluster.procs, 400, "checkpoint 2")
     cluster.procs[1].send_signal(signal.SIGKILL)
     start = time.time()
     cluster.procs[0].wait(timeout=120)
@@ -369,6 +388,12 @@ def test_a_killed_process_stops_the_other_naming_it(tmp_path, jax_cache):
   assert "unhealthy (stopped sending heartbeats)" in out, out[-2000:]
   lost = out.split("unhealthy (stopped sending heartbeats):", 1)[1]
   assert lost.split()[0] == "1", lost[:200]
+  assert not os.path.isdir(os.path.join(workdir, "checkpoints", "4"))
+  resumed = Cluster(args, str(tmp_path / "logs"), jax_cache)
+  assert resumed.wait() == [0, 0], resumed.output(0)[-3000:]
+  assert "resumed from step 2" in resumed.output(0)
+  assert_same_metrics(rows(workdir), rows(want))
+  assert_same_params(workdir, want)
 
 
 @pytest.mark.slow
