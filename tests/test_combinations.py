@@ -33,8 +33,6 @@ TRIGGERS = {
                                     "rl.advantage": "mc_grpo"}, 1),
     "static-spec-rl-on-split-devices": ({"rl.sampler_devices": 2,
                                          "sampler.speculative": True}, 1),
-    "episode-slots-on-processes": ({"rl.rollout": "continuous",
-                                    "env.name": "calculator"}, 2),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 
@@ -91,13 +89,20 @@ def test_validate_raises_the_rule_before_compiling(name):
   assert name in [r.name for r in combinations.applying(config)]
 
 
-def test_several_processes_check_the_process_rules():
-  config = _config({"rl.rollout": "continuous", "env.name": "calculator"})
-  combinations.check(config, 1)  # one process: fine
-  with pytest.raises(ValueError, match=r"rl.rollout='continuous' with "
-                     r"env.name='calculator' with 2 processes: episodes on "
-                     r"slots"):
-    combinations.check(config, 2)
+@pytest.mark.parametrize("overrides", [
+    {"rl.rollout": "continuous"}, {"rl.rollout": "partial"},
+    {"rl.max_staleness": 1}, {"rl.sampler_devices": 2},
+    {"env.name": "calculator", "rl.rollout": "continuous"},
+    {"rl.selection.name": "greso"}, {"rl.replay.fraction": 0.25},
+    {"rl.allocation.name": "vigor"},
+    {"rewards.names": ("model:/nowhere",), "rewards.weights": (1.0,)},
+], ids=lambda o: "+".join(f"{k}={v}" for k, v in o.items()))
+def test_several_processes_refuse_nothing_one_process_runs(overrides):
+  """Every feature runs on several processes (tests/test_multihost.py): the
+  rules that apply on two processes are those that apply on one."""
+  config = _config(overrides)
+  assert ([r.name for r in combinations.applying(config, 2)]
+          == [r.name for r in combinations.applying(config, 1)])
 
 
 def test_the_docs_list_every_rule_with_its_kind_and_reason():

@@ -55,33 +55,38 @@ class SlotOutputs:
     self.finished = np.zeros(n, bool)
     self.prefills = 0
 
-  def retire(self, state: Any, slots_M, slot_row) -> None:
+  def retire(self, state: Any, slots_M, slot_row,
+             to_host: Any = jax.device_get) -> None:
     """Copies the ``slots_M`` slots' buffers (``rollout._Turns``) to their
-    episodes' rows ``slot_row``."""
+    episodes' rows ``slot_row`` (``to_host``: device arrays to the host,
+    whole; with several processes, gathered)."""
     slots = np.flatnonzero(slots_M)
     if not len(slots):
       return
     fields = ("tokens", "mask", "observed", "sampler_logp", "policy_logp",
               "finished")
-    host = jax.device_get({f: getattr(state, f) for f in fields
-                           if getattr(state, f) is not None})
+    host = to_host({f: getattr(state, f) for f in fields
+                    if getattr(state, f) is not None})
     rows = slot_row[slots]
     for f, x in host.items():
       getattr(self, f)[rows] = np.asarray(x)[slots]
 
-  def rollout(self, tokens_NxP, mask_NxP, turn_rewards_NxT) -> Rollout:
+  def rollout(self, tokens_NxP, mask_NxP, turn_rewards_NxT, *,
+              xp: Any = jnp) -> Rollout:
+    """The episodes' ``Rollout``: device arrays, or with ``xp=np`` host
+    arrays (several processes place them split by process blocks)."""
     return Rollout(
-        prompt_tokens=jnp.asarray(tokens_NxP),
-        prompt_mask=jnp.asarray(mask_NxP),
-        completion_tokens=jnp.asarray(self.tokens),
-        completion_mask=jnp.asarray(self.mask),
-        lengths=jnp.asarray((self.mask & ~self.observed).sum(1), jnp.int32),
-        finished=jnp.asarray(self.finished),
+        prompt_tokens=xp.asarray(tokens_NxP),
+        prompt_mask=xp.asarray(mask_NxP),
+        completion_tokens=xp.asarray(self.tokens),
+        completion_mask=xp.asarray(self.mask),
+        lengths=xp.asarray((self.mask & ~self.observed).sum(1), xp.int32),
+        finished=xp.asarray(self.finished),
         policy_logprobs=(None if self.policy_logp is None
-                         else jnp.asarray(self.policy_logp)),
-        sampler_logprobs=jnp.asarray(self.sampler_logp),
-        observation_mask=jnp.asarray(self.observed),
-        turn_rewards=jnp.asarray(turn_rewards_NxT))
+                         else xp.asarray(self.policy_logp)),
+        sampler_logprobs=xp.asarray(self.sampler_logp),
+        observation_mask=xp.asarray(self.observed),
+        turn_rewards=xp.asarray(turn_rewards_NxT))
 
   def metrics(self, decode_steps: int, slots: int) -> dict[str, float]:
     model_tokens = float((self.mask & ~self.observed).sum())

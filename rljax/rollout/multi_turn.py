@@ -325,9 +325,9 @@ class MultiTurnSampler:
       its own workers), the resets' prompts and every ended step's outcome
       (less the environment's state, which stays with its process) are
       gathered each round, so every process runs the same host loop over
-      all episodes in lockstep; the rollout comes back split by process
-      blocks as the static sampler's. The static batch only (slots are one
-      process's: ``docs/rollouts.md``).
+      all episodes in lockstep (on slots too: a slot plays any process's
+      episode, and the process that reset it steps it); the rollout comes
+      back split by process blocks as the static sampler's.
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
@@ -345,9 +345,9 @@ class MultiTurnSampler:
                          "required.")
     self.slots, self.refill_rows = slots, refill_rows
     self.group = group or distributed.ProcessGroup()
-    if not self.group.single and (mesh is None or slots is not None):
+    if not self.group.single and mesh is None:
       raise ValueError("MultiTurnSampler with several processes needs the "
-                       "mesh and the static batch (slots=None).")
+                       "mesh.")
     self.model_config, self.config, self.turns = model_config, config, turns
     self.runner, self.tokenizer = runner, tokenizer
     self.buckets = tuple(buckets)
@@ -489,10 +489,11 @@ class MultiTurnSampler:
             tokens_NxP, mask_NxP, state,
             ep.turn_rewards(self.config.max_new_tokens)))
       else:
-        out.retire(state, slot_row >= 0, slot_row)
-        rollout = out.rollout(tokens_NxP, mask_NxP,
-                              ep.turn_rewards(self.config.max_new_tokens))
-        ep.slot_metrics = out.metrics(int(jax.device_get(state.steps)), m)
+        out.retire(state, slot_row >= 0, slot_row, self._host)
+        rollout = self._split_by_blocks(out.rollout(
+            tokens_NxP, mask_NxP, ep.turn_rewards(self.config.max_new_tokens),
+            xp=jnp if self.group.single else np))
+        ep.slot_metrics = out.metrics(int(self._host(state.steps)), m)
     return ep.episodes(rollout, prompts,
                        sum(self.group.gather_json(self.runner.restarts)))
 
@@ -620,7 +621,7 @@ class MultiTurnSampler:
     that decode next."""
     over = over & (slot_row >= 0)
     if over.any():
-      out.retire(state, over, slot_row)
+      out.retire(state, over, slot_row, self._host)
       slot_row[over] = -1
     free = np.flatnonzero(slot_row < 0)
     if not queue or len(free) < min(self.refill_rows, len(queue),

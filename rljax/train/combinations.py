@@ -120,14 +120,6 @@ RULES: tuple[Rule, ...] = (
          "SPEC-RL's static speculative sampler samples on the trainer's "
          "mesh", "rl.rollout='continuous' or 'partial' (drafts verified in "
          "the slots), or rl.sampler_devices=0", "missing"),
-    # --- several processes -------------------------------------------------
-    Rule("episode-slots-on-processes", ("rl.rollout", "env.name",
-                                         "processes"),
-         lambda c, p: p > 1 and _slots(c) and bool(c.env.name),
-         "episodes on slots step each slot's environment where its episode "
-         "was reset, and a slot's episode can belong to any process",
-         "rl.rollout='static' (episodes on several processes play on the "
-         "static batch)", "missing"),
 )
 
 
