@@ -227,17 +227,20 @@ def _teachers(tmp_path, two_runs):
   """On-policy distillation from a teacher run that two processes wrote,
   a reward model reading the policy's tokens (the global rollout) and a
   generative judge (that run again: each process's rows judged in one
-  global sampler call, keyed by the whole batch)."""
+  global sampler call, keyed by the whole batch), with DAPO's dynamic
+  sampling."""
   teacher = two_runs[1]
   names = ("numeric_match", f"model:{_reward_model_dir(tmp_path / 'rm')}",
            f"judge:{teacher}")
   return {"rl.distill_coef": 0.1, "teacher.path": teacher,
           "rewards.names": names, "rewards.weights": (1.0, 0.5, 0.1),
-          "rewards.judges.parser": "tests.reward_fixtures:verdict_length"}
+          "rewards.judges.parser": "tests.reward_fixtures:verdict_length",
+          "rl.selection.name": "dapo"}  # refills scored by all three
 
 
 def _check_teachers(rl):
-  assert all(r["distill/reverse_kl"] > 0 for r in rl)
+  assert all(r["distill/reverse_kl"] > 0 and r["select/rounds"] >= 1
+             for r in rl)
   assert all(r["reward/rm/valid_frac"] == 1 and r["reward/rm/mean"] != 0
              for r in rl)
   assert all(r["reward/two/valid_frac"] == 1 and r["reward/two/mean"] > 0
@@ -271,8 +274,7 @@ CASES = {
          "rl.sampler_devices": 2, "mesh.fsdp": 3, "rl.max_staleness": 1,
          "rl.selection.name": "greso", "rl.prompts_per_step": 12,
          "eval.num_examples": 12}, None, _check_slots_async_greso),
-    # Partial rollouts carrying groups, replay (8 prompts, 6 fresh: padded
-    # to the 8 batch shards, the copies dropped).
+    # Partial rollouts carrying groups, replay (8 prompts, 6 fresh).
     "partial-replay": ({"rl.rollout": "partial", "rl.rollout_slots": 8,
                         "rl.num_steps": 3, "rl.replay.fraction": 0.25,
                         **_PARITY}, None, _check_partial_replay),
