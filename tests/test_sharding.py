@@ -77,33 +77,3 @@ def test_constrain_is_noop_without_mesh_and_applies_with_mesh():
     y = jax.jit(lambda a: sharding.constrain(a * 2, ("batch", None)))(x)
   assert y.sharding.spec == P(("data", "fsdp"),) or y.sharding.spec == P(
       ("data", "fsdp"), None)
-
-
-@pytest.mark.parametrize("sizes, rows", [((2, 4, 1), 8), ((2, 2, 2), 8),
-                                         ((1, 1, 8), 2), ((2, 2, 2), 3)])
-def test_embedding_lookup_and_its_gradient_match_numpy(sizes, rows):
-  """Rows split over data x fsdp (or whole: 3 rows split no way, and the
-  partitioner takes them), the table
-  over fsdp on the model axis and over tensor on the vocabulary (8 of 16
-  rows per part; tensor=8 splits 16 into 2-row parts): every row and the
-  table's gradient are NumPy's gather and scatter-add."""
-  v, d, t = 16, 8, 5
-  rng = np.random.default_rng(0)
-  table = rng.normal(size=(v, d)).astype(np.float32)
-  tokens = rng.integers(0, v, (rows, t)).astype(np.int32)
-  cot = rng.normal(size=(rows, t, d)).astype(np.float32)
-  want_grad = np.zeros_like(table)
-  np.add.at(want_grad, tokens, cot)
-  mesh = sharding.make_mesh(*sizes)
-  with jax.set_mesh(mesh):
-    spec = sharding.logical_to_spec(("vocab", "embed"), shape=table.shape,
-                                    mesh=mesh)
-    placed = jax.device_put(table, jax.sharding.NamedSharding(mesh, spec))
-    fn = jax.jit(lambda w, ids: sharding.embedding_lookup(w, ids))
-    np.testing.assert_array_equal(np.asarray(fn(placed, tokens)),
-                                  table[tokens])
-    grad = jax.jit(jax.grad(lambda w: jax.numpy.sum(
-        sharding.embedding_lookup(w, tokens) * cot)))(placed)
-  np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-5,
-                             atol=1e-6)
-  assert sharding.embedding_lookup(table, tokens).shape == (rows, t, d)

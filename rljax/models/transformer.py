@@ -408,7 +408,7 @@ class Decoder(nn.Module):
     embedding = _param(self, "embedding", nn.initializers.normal(c.d_model ** -0.5),
                        (c.vocab_size, c.d_model), ("vocab", "embed"),
                        c.jnp_param_dtype)
-    x = sharding.embedding_lookup(embedding, tokens_BxT).astype(c.jnp_dtype)
+    x = jnp.take(embedding, tokens_BxT, axis=0).astype(c.jnp_dtype)
     if c.embed_scale:
       x = x * jnp.asarray(math.sqrt(c.d_model), c.jnp_dtype)
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
