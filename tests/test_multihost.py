@@ -219,14 +219,14 @@ _PARITY = {"rewards.names": ("numeric_match", "tests.reward_fixtures:parity"),
 
 
 def _teachers(tmp_path, two_runs):
-  """On-policy distillation from a teacher run that two processes wrote,
-  a reward model reading the policy's tokens (the global rollout) and a
-  generative judge (that run again: each process's rows judged in one
-  global sampler call, keyed by the whole batch), with DAPO's dynamic
-  sampling."""
-  teacher = two_runs[1]
+  """On-policy distillation from a teacher run that one process wrote
+  (that crashed on several processes), a reward model reading the
+  policy's tokens (the global rollout) and a generative judge, a run that
+  two processes wrote (each process's rows judged in one global sampler
+  call, keyed by the whole batch), with DAPO's dynamic sampling."""
+  teacher, judge = two_runs[0], two_runs[1]
   names = ("numeric_match", f"model:{_reward_model_dir(tmp_path / 'rm')}",
-           f"judge:{teacher}")
+           f"judge:{judge}")
   return {"rl.distill_coef": 0.1, "teacher.path": teacher,
           "rewards.names": names, "rewards.weights": (1.0, 0.5, 0.1),
           "rewards.judges.parser": "tests.reward_fixtures:verdict_length",
