@@ -36,7 +36,6 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from rljax import data as data_lib
 from rljax.data import selection as selection_lib
@@ -45,7 +44,7 @@ from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import sharding as sharding_lib
 from rljax import tokenizers as tok_lib
-from rljax.rollout import allocated
+from rljax.rollout import allocated, feeding, process_blocks
 from rljax.rollout import rounds as rounds_lib
 from rljax.rollout.rounds import Sampled, scored_rows
 
@@ -103,7 +102,7 @@ class Postprocess(Protocol):
     ...
 
 
-class Collector:
+class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
   """Samples, scores and turns one batch of prompts into an ``RLBatch``.
 
   Args:
@@ -521,106 +520,6 @@ class Collector:
     return Collected(batch, adv_state, metrics, completions,
                      result.rewards_NxR, sampled.token_versions)
 
-  def _sample_selected(self, params, examples, key, version, on_dispatch,
-                       more_examples):
-    """Prompt selection (``rljax.data.selection``): GRESO picks the
-    prompts, then rounds are sampled until the batch has ``B`` informative
-    groups or ``max_rounds`` ran, and DAPO's plan forms the batch from
-    them. Returns ``(merged batch, trained_B, select/* metrics)``."""
-    sel, g = self.selection, self.samples_per_prompt
-    # ``examples`` and ``more_examples`` are the global batch's (``collect``):
-    # the decisions are the same on every process.
-    more = more_examples
-    batch_size = len(examples["prompt"])
-    metrics: dict[str, float] = {}
-    skipped = draws = 0.0
-    rounds: list[Sampled] = []
-    kinds: list[np.ndarray] = []
-    while True:
-      if sel.greso is not None:
-        examples, m = sel.greso.select(examples, more,
-                                       (version, len(rounds)))
-        skipped += m.pop("select/skipped_prompts")
-        draws += m.pop("select/prompt_draws")
-        metrics.update(m)
-      round_key = key if not rounds else jax.random.fold_in(key, len(rounds))
-      # No on_dispatch here: an asynchronous schedule's update donates the
-      # params a refill round still samples with; it is dispatched after the
-      # last round.
-      sampled = self.sample_global(params, examples, round_key, version)
-      rounds.append(sampled)
-      kinds.append(selection_lib.group_kinds(
-          sampled.result.total_N, self._scored(sampled),
-          np.nan_to_num(sampled.result.rewards_NxR[:, self.correct_column],
-                        nan=0.0) >= 1.0, g))
-      informative = sum(int(np.sum(k == selection_lib.INFORMATIVE))
-                        for k in kinds)
-      if (informative >= batch_size or len(rounds) >= sel.max_rounds
-          or more is None):
-        break
-      examples = more()
-    if on_dispatch is not None:
-      on_dispatch()
-    plan = selection_lib.plan_batch(kinds, batch_size)
-    if sel.greso is not None:
-      sel.greso.update([p for r in rounds for p in r.examples["prompt"]],
-                       np.concatenate(kinds))
-    merged = self.merge_rounds(rounds, plan)
-    first = kinds[0]
-    metrics.update({
-        "select/zero_variance_before": float(np.mean(first != 0)),
-        "select/zero_variance_after": float(np.mean(~plan.trained)),
-        "select/masked_groups": float(np.sum(~plan.trained)),
-        "select/rounds": float(len(rounds)),
-        "select/rollouts": float(sum(len(r.lengths) for r in rounds)),
-        # Every round's sampled tokens, the dropped groups' included.
-        "num_generated_tokens": float(sum(r.lengths.sum() for r in rounds)),
-    })
-    if sel.greso is not None:
-      metrics["select/skipped_prompts"] = skipped
-      metrics["select/prompt_draws"] = draws
-    return merged, plan.trained, metrics
-
-  # --- several processes: prompt feeding decides on the global batch -------
-
-  def gathered(self, examples: Mapping[str, Sequence[Any]]
-                ) -> dict[str, list[Any]]:
-    """The global batch whose block this process holds as ``examples``
-    (every process's blocks, in order); one process: ``examples``."""
-    if self.group.single:
-      return dict(examples)
-    blocks = self.group.gather_blocks(
-        {f: list(v) for f, v in examples.items()}, self.mesh)
-    return {f: [x for block in blocks for x in block[f]] for f in examples}
-
-  def _to_trainer(self, rollout: Any) -> Any:
-    """A rollout sampled on the sampler's own devices
-    (``rl.sampler_devices``) moved to the trainer's, split as its batch;
-    else as it is. Several processes: each process's rows are on its own
-    devices in both meshes, so each moves its block (``jax.device_put``
-    cannot move arrays between device sets that span processes)."""
-    if self.sample_mesh is None:
-      return rollout
-    where = lambda x: sharding_lib.batch_sharding(self.mesh, x.ndim)  # noqa: E731
-    if self.group.single:
-      return jax.device_put(rollout, jax.tree.map(where, rollout))
-    return jax.tree.map(lambda x: self.group.global_array(
-        self.group.local_rows(x), self.mesh), rollout)
-
-  def _gathered_prompts(self, prompts: Sequence[Sequence[int]]
-                        ) -> list[list[int]]:
-    """Every process's encoded prompts, in block order."""
-    return [p for part in self.group.gather_blocks(
-        [[int(t) for t in p] for p in prompts], self.mesh) for p in part]
-
-  def block(self, examples: Mapping[str, Sequence[Any]]
-             ) -> dict[str, list[Any]]:
-    """This process's block of a global batch of examples."""
-    if self.group.single:
-      return dict(examples)
-    rows = self.group.rows(self.mesh, len(examples["prompt"]))
-    return {f: list(v)[rows] for f, v in examples.items()}
-
   def sample_global(self, params, examples, key, version, on_dispatch=None,
                     more_examples=None, **kwargs
                      ) -> Sampled:
@@ -672,87 +571,10 @@ class Collector:
         completion_tokens_N=cut(sampled.completion_tokens_N),
         token_versions=cut(sampled.token_versions))
 
-  def _host_rows(self, x: Any) -> np.ndarray:
-    """Every row of a batch array on the host (gathered from the processes'
-    blocks of a global array)."""
-    if (self.group.single or isinstance(x, np.ndarray)
-        or x.is_fully_addressable):
-      return np.asarray(x)
-    # Whatever its sharding (a padded round's cut rows are not split by
-    # process blocks): the global value.
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-  def _with_versions(self, sampled: Sampled, row_version_N: np.ndarray
-                     ) -> Sampled:
-    """``sampled`` with ``token_versions``: its own, or each sampled token
-    tagged with its row's ``row_version_N`` (-1 elsewhere)."""
-    if sampled.token_versions is not None:
-      return sampled
-    mask = self._host_rows(sampled.rollout.sampled_mask())
-    return sampled._replace(token_versions=np.where(
-        mask, np.asarray(row_version_N)[:, None], -1).astype(np.int32))
-
-  def _device_rows(self, x: Any) -> Any:
-    """A host array of every row (a merged batch's rewards, its trained
-    rows) as the global array whose blocks the processes hold; a device
-    array, or anything on one process, as it is."""
-    if self.group.single or x is None or not isinstance(x, np.ndarray):
-      return x
-    return self.group.global_array(
-        x[self.group.rows(self.mesh, len(x))], self.mesh)
-
   def _scored(self, sampled: Sampled) -> np.ndarray:
     """Every row's ``valid_N`` on the host (``scored_rows`` of the gathered
     rewards; ``sampled.valid_N`` holds this process's block)."""
     return scored_rows(sampled.result.valid_NxR, self.failed_rewards)
-
-  def _kinds(self, sampled: Sampled) -> np.ndarray:
-    """Each group's ``selection.group_kinds``."""
-    correct = np.nan_to_num(
-        sampled.result.rewards_NxR[:, self.correct_column], nan=0.0) >= 1.0
-    return selection_lib.group_kinds(sampled.result.total_N,
-                                     self._scored(sampled), correct,
-                                     self.samples_per_prompt)
-
-  def _store(self, sampled: Sampled, trained_B, version: int) -> None:
-    """Pushes the fresh batch's informative, trained groups to the replay
-    buffer (host copies)."""
-    keep = self._kinds(sampled) == selection_lib.INFORMATIVE
-    if trained_B is not None:
-      keep &= np.asarray(trained_B, bool)
-    if keep.any():  # every process stores every group (one buffer)
-      self.replay.push(rounds_lib.host_groups(
-          sampled, np.flatnonzero(keep), self.samples_per_prompt,
-          to_host=self._host_rows), version)
-
-  def _with_replay(self, sampled: Sampled, trained_B, replayed,
-                   version: int):
-    """The fresh batch followed by the replayed groups, each row's tokens
-    tagged with the policy version that drew them."""
-    g = self.samples_per_prompt
-    n_fresh = len(sampled.lengths) // g
-    metrics = {"replay/stored_groups": float(len(self.replay))}
-    if replayed is None:
-      metrics.update({"replay/fraction": 0.0, "replay/mean_age": 0.0})
-      return sampled, trained_B, metrics
-    groups, versions = replayed
-    old = rounds_lib.from_groups(
-        groups, sampled, pad_id=self.tokenizer.pad_id,
-        failed_rewards=self.failed_rewards)
-    r = len(groups)
-    trained = (np.ones(n_fresh, bool) if trained_B is None
-               else np.asarray(trained_B, bool))
-    plan = selection_lib.Plan((np.arange(n_fresh), np.arange(r)),
-                              np.concatenate([trained, np.ones(r, bool)]))
-    # Each token's version: the rows' own where they carry them (slots,
-    # partial rollouts' carried tokens), else the version that drew the row.
-    sampled = self._with_versions(sampled, np.full(n_fresh * g, version))
-    old = self._with_versions(old, np.repeat(versions, g))
-    merged = self.merge_rounds([sampled, old], plan)
-    metrics.update({"replay/fraction": r / (n_fresh + r),
-                    "replay/mean_age": float(np.mean(
-                        version - np.asarray(versions)))})
-    return merged, plan.trained, metrics
 
   def merge_rounds(self, rounds: Sequence[Sampled], plan: selection_lib.Plan,
              group_rows: int | None = None) -> Sampled:
