@@ -48,12 +48,13 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from rljax import distributed
 from rljax import sharding
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
+from rljax.rollout import env_steps
+from rljax.rollout.env_steps import StepCall
 from rljax.rollout.episodes import EpisodeLog, Episodes, SlotOutputs
 from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig, compute_logits, init_cache
@@ -299,7 +300,7 @@ def _state_copy(state: Any) -> Any:
   return json.loads(json.dumps(state))
 
 
-class MultiTurnSampler:
+class MultiTurnSampler(env_steps.EnvSteps):
   """Runs episodes: ``run(params, examples, key) -> Episodes``.
 
   Args:
@@ -449,7 +450,7 @@ class MultiTurnSampler:
                                done=state.done | ~decoding)
       taken = np.zeros(0, np.int64)  # slots whose turn waits for its env
       taken_turns = None
-      calls: dict[int, _Call] = {}  # environment calls in flight, by ticket
+      calls: dict[int, StepCall] = {}  # environment calls in flight, by ticket
       while (decoding.any() or len(taken) or queue
              or self.group.any(bool(calls))):
         state = self._decode(params, state, _mask(m, taken), min_waiting,
@@ -497,121 +498,6 @@ class MultiTurnSampler:
     return ep.episodes(rollout, prompts,
                        sum(self.group.gather_json(self.runner.restarts)))
 
-  # --- several processes ----------------------------------------------------
-
-  def _host(self, x: Any) -> Any:
-    """Device arrays on the host, whole (gathered from every process)."""
-    if self.group.single:
-      return jax.device_get(x)
-    return jax.tree.map(lambda a: np.asarray(
-        multihost_utils.process_allgather(a, tiled=True)), x)
-
-  def _exchange(self, ended: list) -> list:
-    """Every process's ended steps ``[(call, outcome)]``, in the order of
-    their blocks (each process's own keep the environment's state; the
-    others' come without it)."""
-    if self.group.single:
-      return ended
-    shared = [(tuple(call), o.status, o.message, None if o.value is None
-               else {k: v for k, v in o.value.items() if k != "state"})
-              for call, o in ended]
-    own = {call.row: o for call, o in ended}
-    out = []
-    for part in self.group.gather_blocks(shared, self.mesh):
-      for call, status, message, value in part:
-        call = _Call(*call)
-        out.append((call, own.get(call.row)
-                    or EnvOutcome(status, value, message)))
-    return out
-
-  def _split_by_blocks(self, rollout: Rollout) -> Rollout:
-    """With several processes, the rollout's arrays split by process
-    blocks over the batch axes (the collector reads each process's rows
-    from them); one process: as it is."""
-    if self.group.single:
-      return rollout
-
-    def put(x):
-      where = sharding.batch_sharding(self.mesh, np.ndim(x))
-      if isinstance(x, np.ndarray):
-        return sharding.put_global(x, where)
-      return jax.jit(lambda y: y, out_shardings=where)(x)
-
-    with self._mesh():
-      return jax.tree.map(put, rollout)
-
-  def _submit(self, taken, slot_row, turns, states, calls, ep) -> None:
-    """Starts the environment steps of the ``taken`` slots' episodes
-    (their actions decoded from ``turns``) that this process plays,
-    recorded in ``calls``."""
-    taken = [s for s in taken if slot_row[s] in self._own]
-    if not taken:  # another process's episodes only
-      return
-    toks, column, start = turns
-    eos = set(self.config.eos_ids)
-    actions, pending = [], []
-    for s in taken:
-      ids = [int(x) for x in toks[s, start[s]:column[s]]]
-      actions.append(self.tokenizer.decode([x for x in ids if x not in eos]))
-      pending.append(_Call(int(s), int(slot_row[s]), int(column[s]),
-                           bool(ids) and ids[-1] in eos))
-    tickets = ep.timed(lambda: self.runner.submit_steps(
-        [states[c.row] for c in pending], actions))
-    calls.update(zip(tickets, pending))
-
-  def _collect(self, calls, *, wait: bool):
-    """The steps in flight that have ended (all of them with ``wait``)."""
-    got = self.runner.poll_steps(list(calls), wait=False)
-    while wait and len(got) < len(calls):
-      got.update(self.runner.poll_steps(
-          [t for t in calls if t not in got], wait=True))
-    return got
-
-  def _apply(self, ended, states, ep: "EpisodeLog", m: int):
-    """The ended steps ``[(call, outcome)]``: the arrays of ``_insert``
-    (one row per slot) and the slots that go on."""
-    o, t = self.turns.max_observation_tokens, self.config.max_new_tokens
-    obs = np.full((m, o), self.config.pad_id, np.int32)
-    obs_len = np.zeros(m, np.int32)
-    resume, end, env_done = (np.zeros(m, bool) for _ in range(3))
-    for call, outcome in ended:
-      s, r, column = call.slot, call.row, call.column
-      if outcome.status != "ok":
-        ep.fail(r, outcome)
-        end[s] = True
-        continue
-      value = outcome.value
-      if "state" in value:  # this process's episode
-        states[r] = value["state"]
-      if value["reward"] is not None:
-        ep.reward[r] += value["reward"]
-        # The turn the step answered ends at column - 1.
-        ep.rewards_at[r].append((column - 1, value["reward"]))
-      for k, v in value["info"].items():
-        ep.info[k] = ep.info.get(k, 0.0) + v
-      if value["done"]:
-        end[s] = env_done[s] = True
-        continue
-      if ep.turns[r] >= self.turns.max_turns:
-        end[s] = True
-        ep.turn_limit += 1
-        continue
-      ids = self.format.encode(value["observation"], call.ended_eos)
-      room = min(o, t - column - 1)  # keep one model token
-      if room < len(ids):
-        ep.truncated_obs += 1
-      if room <= 0 and ids:
-        end[s] = True  # no room for the observation and a reply
-        continue
-      ids = ids[:max(room, 0)]
-      obs[s, :len(ids)] = ids
-      obs_len[s] = len(ids)
-      ep.obs_tokens += len(ids)
-      resume[s] = True
-      if ids:
-        ep.spans[r].append((column, column + len(ids), "observation"))
-    return (obs, obs_len, resume, end, env_done), resume
-
   def _turnover(self, params, state, out: "SlotOutputs", slot_row, queue,
                 over, decoding, tokens_NxP, mask_NxP, key, ep):
     """Slots: the episodes that are over leave their slots (``out`` keeps
@@ -641,16 +527,6 @@ class MultiTurnSampler:
                              done=state.done | failed)
     out.prefills += len(slots)
     return state, decoding | (refill & ~failed)
-
-
-class _Call(NamedTuple):
-  """An environment step in flight: the slot that waits for it, the episode
-  row it plays, the column where the observation goes, and whether the
-  turn ended on an EOS id."""
-  slot: int
-  row: int
-  column: int
-  ended_eos: bool
 
 
 def _mask(n: int, rows: np.ndarray) -> np.ndarray:
