@@ -106,6 +106,16 @@ def _base_optimizer(name, learning_rate, weight_decay, b1, b2, eps, momentum):
   return inject(optax.sgd, momentum=momentum)
 
 
+def warmup_cosine(peak: float, num_steps: int) -> optax.Schedule:
+  """The warm-up schedule of SFT and reward-model training: linear from 0
+  over the first tenth of ``num_steps`` (at least one step), then cosine
+  down to ``peak / 10`` at ``num_steps``. Any ``num_steps >= 1`` is
+  accepted (one step is all warm-up)."""
+  warmup = max(1, num_steps // 10)
+  return optax.warmup_cosine_decay_schedule(
+      0.0, peak, warmup, max(num_steps, warmup + 1), peak * 0.1)
+
+
 def make_optimizer(name: str = "adamw", learning_rate: Any = 1e-6, *,
                    weight_decay: float = 0.0, b1: float | None = None,
                    b2: float | None = None, eps: float = 1e-8,

@@ -6,10 +6,12 @@ per-step metrics and final params are compared with one process of 8
 devices (this pytest process, tests/conftest.py) running the same global
 config: the default loop, and each feature (``CASES``: slots, partial
 rollouts, sampling ahead, sampler devices, prompt feeders, replay,
-environments, teachers, reward models, judges, LoRA, a critic). Also: one
-process of a run SIGKILLed after checkpoint 2 (the other stops naming it;
-the relaunched run resumes to the one-process run), processes started
-with different configs, and a mesh that splits no rows by host.
+environments, teachers, reward models, judges, LoRA, a critic, rollout
+allocation: VIGOR and sGPO). Also: one process of a run SIGKILLed after
+checkpoint 2 (the other stops naming it; the relaunched run resumes to the
+one-process run), processes started with different configs, a mesh that
+splits no rows by host, and the main job's programs compiled without XLA
+replicating a tensor whole.
 
 The two-process runs share one persistent compilation cache, so a program
 compiled by one run is loaded by the next.
@@ -20,6 +22,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import jax
@@ -296,6 +299,14 @@ CASES = {
                            "rl.allocation.rounds": 2}, None,
                           lambda rl: all(r["alloc/rounds"] == 2 and np.isfinite(
                               r["critic/value_loss"]) for r in rl)),
+    # sGPO's profiling pass over the pool at the first step, then its
+    # curriculum's group sizes (16 training prompts: a short pass; the
+    # untrained tiny model solves few, so the unsolved ones are kept).
+    "sgpo": ({"rl.allocation.name": "sgpo", "task.num_train": 16,
+              "rl.allocation.unsolved_keep": 1.0}, None,
+             lambda rl: "alloc/profile_trivial" in rl[0]
+             and all(r["alloc/max_group"] >= r["alloc/min_group"] >= 1
+                     and "alloc/curriculum_position" in r for r in rl)),
 }
 
 
@@ -407,3 +418,44 @@ def test_a_mesh_that_splits_no_rows_by_host_is_refused(tmp_path, jax_cache):
     out = cluster.output(i)
     assert "mesh {'data': 1, 'fsdp': 1, 'tensor': 8}" in out, out[-2000:]
     assert "must be a multiple of the process count" in out
+
+
+# XLA's SPMD partitioner prints this when it cannot reshard a tensor with
+# collectives and replicates it whole instead.
+_REMAT = "Involuntary full rematerialization"
+_BAD_RESHARD = """
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from rljax import sharding
+mesh = sharding.make_mesh(data=2, fsdp=4, tensor=1)
+x = jax.device_put(np.ones((8, 4, 8), np.float32),
+                   NamedSharding(mesh, P(("data", "fsdp"))))
+jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P(None, None, "fsdp"))
+        ).lower(x).compile()
+"""
+
+
+@pytest.mark.slow
+def test_the_main_jobs_programs_compile_without_full_rematerialization(
+    tmp_path):
+  """SFT, the sampler, the packed RL step and held-out evaluation of the
+  main job's config, compiled afresh (no cache) by two processes on a
+  2 x 4 mesh: XLA warns of no tensor replicated whole. The control, a
+  reshard XLA cannot do with collectives, shows the warning reaches the
+  captured output."""
+  env = local_cluster.child_env(8)
+  control = subprocess.run([sys.executable, "-c", _BAD_RESHARD], cwd=ROOT,
+                           env=env, capture_output=True, text=True,
+                           timeout=120, check=True)
+  assert _REMAT in control.stderr, control.stderr[-2000:]
+
+  workdir = str(tmp_path / "run")
+  args = ["--config=configs/arithmetic_grpo.py:tiny", f"--workdir={workdir}",
+          "--config.mesh.data=2", "--config.mesh.fsdp=4",
+          "--config.rl.num_steps=2", "--config.sft.num_steps=2",
+          "--config.eval.every=2", "--config.eval.num_examples=8"]
+  cluster = Cluster(args, str(tmp_path / "logs"), str(tmp_path / "cache"))
+  assert cluster.wait() == [0, 0], cluster.output(0)[-3000:]
+  assert any("eval/accuracy" in r for r in rows(workdir))
+  for i in range(2):
+    assert _REMAT not in cluster.output(i), cluster.output(i)[-3000:]

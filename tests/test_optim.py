@@ -167,3 +167,21 @@ def test_bfloat16_params_keep_their_state_dtypes(name):
   assert moved["w"].dtype == jnp.bfloat16 and float(moved["w"][0]) < 1.0
   jax.lax.scan(lambda s, _: (tx.update(grads, s, params)[1], None), state,
                None, length=2)
+
+
+@pytest.mark.parametrize("num_steps", [1, 2, 10, 20, 21])
+def test_warmup_cosine_accepts_any_step_count(num_steps):
+  """SFT's and reward-model training's schedule: 0 at the first step, the
+  peak after max(1, n // 10) warm-up steps, a tenth of it at n (one step,
+  the smallest count, crashed optax before: no steps left to decay)."""
+  peak = 1e-3
+  warmup = max(1, num_steps // 10)
+  fn = optim.warmup_cosine(peak, num_steps)
+  assert float(fn(0)) == 0.0
+  np.testing.assert_allclose(float(fn(warmup)), peak, rtol=1e-6)
+  if num_steps > warmup:
+    np.testing.assert_allclose(float(fn(num_steps)), peak / 10, rtol=1e-5)
+    # Cosine half-way through the decay: between the peak and its tenth.
+    mid = (warmup + num_steps) / 2
+    np.testing.assert_allclose(float(fn(mid)), peak / 10 + (peak - peak / 10)
+                               * 0.5 * (1 + np.cos(np.pi * 0.5)), rtol=1e-4)

@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from rljax import sharding
 from rljax.models.config import ModelConfig
@@ -119,6 +120,39 @@ def _project_fused(x, *ws):
 def _param(module, name, init, shape, axes, dtype):
   return module.param(name, nn.with_logical_partitioning(init, axes), shape,
                       dtype)
+
+
+def _lookup(embedding_VxD, tokens_BxT):
+  """``embedding[tokens]``, its rows handed to the batch's split in steps
+  XLA partitions with collectives.
+
+  The looked-up rows come out split as the table's width is (``embed``) and
+  whole along the batch; left to itself, the partitioner moves the
+  gradient of the batch-split rows back to that layout by replicating it
+  whole ("involuntary full rematerialization", docs/multihost.md). Here
+  the rows go to the batch axes the width does not use (a local slice),
+  then to the batch's own split (an all-to-all over the width's axes); the
+  gradient takes the same steps back: an all-to-all, then an all-gather
+  over the remaining batch axes, and each device sums every row into its
+  slice of the table's width, in the same order on any process layout.
+  """
+  x = jnp.take(embedding_VxD, tokens_BxT, axis=0)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return x
+  width = sharding.logical_to_spec((None, None, "embed"), shape=x.shape,
+                                   mesh=mesh)[2]
+  if width is None:
+    return x
+  batch = sharding.logical_to_spec(("batch",), shape=x.shape[:1],
+                                   mesh=mesh)[0]
+  width_axes = (width,) if isinstance(width, str) else tuple(width)
+  batch_axes = (() if batch is None else (batch,) if isinstance(batch, str)
+                else tuple(batch))
+  rest = tuple(a for a in batch_axes if a not in width_axes)
+  x = jax.lax.with_sharding_constraint(x, P(None, None, width))
+  return jax.lax.with_sharding_constraint(
+      x, P(rest[0] if len(rest) == 1 else rest or None, None, width))
 
 
 def _dense_init(in_axis, out_axis):
@@ -408,7 +442,7 @@ class Decoder(nn.Module):
     embedding = _param(self, "embedding", nn.initializers.normal(c.d_model ** -0.5),
                        (c.vocab_size, c.d_model), ("vocab", "embed"),
                        c.jnp_param_dtype)
-    x = jnp.take(embedding, tokens_BxT, axis=0).astype(c.jnp_dtype)
+    x = _lookup(embedding, tokens_BxT).astype(c.jnp_dtype)
     if c.embed_scale:
       x = x * jnp.asarray(math.sqrt(c.d_model), c.jnp_dtype)
     x = sharding.constrain(x, ("batch", "length", "act_embed"))

@@ -49,7 +49,7 @@ import optax
 from rljax import checkpoint as ckpt_lib
 from rljax import data as data_lib
 from rljax import metrics as metrics_lib
-from rljax import models, sharding
+from rljax import models, optim, sharding
 from rljax import tokenizers as tok_lib
 from rljax.models import reward_model as rm_lib
 from rljax.train import model_rewards, rundir, sft
@@ -390,9 +390,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   train = encode_pairs(tokenizer, train_pairs, r.max_length, chat)
   heldout = encode_pairs(tokenizer, heldout_pairs, r.max_length, chat)
   sharding.check_batch_divisible(r.batch_size, mesh, "reward_model.batch_size")
-  opt = optax.adamw(optax.warmup_cosine_decay_schedule(
-      0.0, r.learning_rate, max(1, r.num_steps // 10), max(1, r.num_steps),
-      r.learning_rate * 0.1), weight_decay=0.0)
+  opt = optax.adamw(optim.warmup_cosine(r.learning_rate, r.num_steps),
+                    weight_decay=0.0)
   opt = optax.chain(optax.clip_by_global_norm(1.0), opt)
   step_fn, _ = make_step(rm_config, opt, r.center_coef)
   manager = ckpt_lib.CheckpointManager(os.path.join(workdir, "checkpoints"),

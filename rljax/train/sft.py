@@ -20,7 +20,7 @@ import optax
 
 from rljax import distributed
 from rljax import metrics as metrics_lib
-from rljax import models, sharding
+from rljax import models, optim, sharding
 from rljax import tokenizers as tok_lib
 from rljax import objectives as obj_lib
 
@@ -197,9 +197,8 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
   tokens, input_mask, loss_mask = sft_arrays(
       tokenizer, [e["prompt"] for e in examples], completions, cfg.max_length,
       segments=[e.get("segments") for e in examples])
-  opt = optax.adamw(optax.warmup_cosine_decay_schedule(
-      0.0, cfg.learning_rate, max(1, cfg.num_steps // 10), cfg.num_steps,
-      cfg.learning_rate * 0.1), weight_decay=0.0)
+  opt = optax.adamw(optim.warmup_cosine(cfg.learning_rate, cfg.num_steps),
+                    weight_decay=0.0)
   step = make_sft_step(model_config, opt)
   rows = sharding.batch_sharding(mesh, 2)
   with jax.set_mesh(mesh):  # unsharded leaves (the step count) replicate
