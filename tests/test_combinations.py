@@ -31,8 +31,6 @@ TRIGGERS = {
                                  "sampler.speculative": True}, 1),
     "allocation-with-extra-rows": ({"rl.allocation.name": "vigor",
                                     "rl.advantage": "mc_grpo"}, 1),
-    "static-spec-rl-on-split-devices": ({"rl.sampler_devices": 2,
-                                         "sampler.speculative": True}, 1),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 

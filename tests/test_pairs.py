@@ -92,8 +92,6 @@ SAME_FIELD = {frozenset(("continuous", "partial"))}
 REFUSED = {
     frozenset(("partial", "env")): "episodes-partial",
     frozenset(("env", "spec_rl")): "episodes-with-spec-rl",
-    frozenset(("sampler_devices", "spec_rl")):
-        "static-spec-rl-on-split-devices",
 }
 
 MAX_FEATURES = 7  # per run

@@ -126,8 +126,6 @@ def test_rollout_settings_are_checked_before_compiling():
       ({"rl.partial_max_carried": 1.5}, "rl.partial_max_carried=1.5"),
       ({"rl.sampler_devices": jax.device_count()},
        f"rl.sampler_devices={jax.device_count()} with"),
-      ({"rl.sampler_devices": 2, "sampler.speculative": True},
-       "SPEC-RL's static speculative sampler samples on the trainer's"),
   ]
   for overrides, message in cases:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(
@@ -177,14 +175,19 @@ def test_sigterm_during_async_partial_run_exits_cleanly_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout", ["continuous", "partial"])
-def test_spec_rl_drafts_verified_in_slots_from_the_previous_epoch(tmp_path,
-                                                                 rollout):
+@pytest.mark.parametrize("rollout", ["continuous", "partial", "static-split"])
+def test_spec_rl_drafts_verified_from_the_previous_epoch(tmp_path, rollout):
   """One epoch per step: from step 2 every prompt has a draft, verified in
-  the slots; the draft store is checkpointed, so a run stopped after step 1
-  and resumed trains exactly as the uninterrupted one."""
-  config = loop_config(**{"sampler.speculative": True, "rl.rollout": rollout,
-                          "rl.rollout_slots": 8})
+  the slots or by the static speculative sampler, here on 4 sampler devices
+  of their own (``static-split``); the draft store is checkpointed, so a run
+  stopped after step 1 and resumed trains exactly as the uninterrupted
+  one."""
+  if rollout == "static-split":
+    config = loop_config(**{"sampler.speculative": True,
+                            "rl.sampler_devices": 4})
+  else:
+    config = loop_config(**{"sampler.speculative": True,
+                            "rl.rollout": rollout, "rl.rollout_slots": 8})
   config.task.num_train = config.rl.prompts_per_step
   config.rl.num_steps = 3
   config.checkpoint.every = 1
@@ -195,6 +198,8 @@ def test_spec_rl_drafts_verified_in_slots_from_the_previous_epoch(tmp_path,
   assert all(r["spec/drafted_rows"] > 0 for r in rows[1:])
   assert 0 < rows[1]["spec/accept_rate"] <= 1
   assert all(r["grad_norm"] > 0 for r in rows)
+  if rollout == "static-split":
+    assert all(r["rollout/sampler_devices"] == 4 for r in rows)
   split = tmp_path / "split"
   assert_stop_and_resume_matches(config, rows, split, 1)
 

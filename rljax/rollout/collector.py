@@ -225,9 +225,12 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
           env_column=self._env_column, episodes=self.episodes is not None)
     return self._jitted[has_old_logprobs]
 
-  def _sample(self, params, prompts, tokens, mask, key, sampler=None):
-    """The rollout, speculative when the store has drafts (SPEC-RL)."""
+  def _sample(self, params, prompts, tokens, mask, key, sampler=None,
+              where=None):
+    """The rollout, speculative when the store has drafts (SPEC-RL), on
+    the mesh ``where`` (the sampler's; default the trainer's)."""
     spec = self.speculation
+    where = where or self.mesh
     if spec is None:
       return (sampler or self.sampler)(params, tokens, mask, key), {}
     g, group = self.samples_per_prompt, self.group
@@ -241,11 +244,11 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
             np.zeros((len(prompts) * g, spec.max_new_tokens), np.int32),
             np.zeros((len(prompts) * g, spec.max_new_tokens), bool),
             np.zeros((len(prompts) * g, spec.max_new_tokens), np.float32))
-      drafted_N = group.gather_rows(draft.mask.sum(1), self.mesh)
-      draft = sampling.Draft(*(group.global_array(np.asarray(x), self.mesh)
+      drafted_N = group.gather_rows(draft.mask.sum(1), where)
+      draft = sampling.Draft(*(group.global_array(np.asarray(x), where)
                                for x in draft))
       rollout, accepted_N = spec.sampler(params, tokens, mask, draft, key)
-      accepted_N = group.gather_rows(group.local_rows(accepted_N), self.mesh)
+      accepted_N = group.gather_rows(group.local_rows(accepted_N), where)
       has = drafted_N > 0
       metrics = {
           "spec/drafted_rows": float(has.sum()),
@@ -263,7 +266,7 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
         group, rollout.completion_tokens, rollout.completion_mask,
         rollout.sampler_logprobs)
     spec.store.update(all_prompts, *distributed.gather_rows_many(
-        group, self.mesh, *rows))
+        group, where, *rows))
     return rollout, metrics
 
   def _encoded(self, examples):
@@ -413,7 +416,7 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
       where = self.sample_mesh or mesh  # the sampler's devices
       rollout, spec_metrics = self._sample(
           params, prompts, group.global_array(tokens, where),
-          group.global_array(mask, where), key, sampler)
+          group.global_array(mask, where), key, sampler, where)
       rollout = self._to_trainer(rollout)
       if on_dispatch is not None:
         on_dispatch()

@@ -535,7 +535,8 @@ class Components:
   def speculation(self, *, record_policy_logprobs: bool | None = None
                   ) -> sampling.Speculation | None:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
-    the speculative twin of ``sampler(group_size + extra_samples)`` and a
+    the speculative twin of ``sampler(group_size + extra_samples)``, on
+    the same devices (the sampler's with ``rl.sampler_devices``), and a
     draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s."""
     s = self.config.sampler
     if not s.speculative:
@@ -543,7 +544,7 @@ class Components:
     config = self._training_sampler_config(record_policy_logprobs)
     return sampling.Speculation(
         sampler=sampling.make_speculative_sampler(
-            self.model_config, config, self.mesh, self.param_shardings,
+            self.model_config, config, *self._where(True),
             log_lenience=float(s.spec_log_lenience)),
         store=sampling.DraftStore(int(s.spec_store_prompts)),
         max_new_tokens=config.max_new_tokens)

@@ -113,13 +113,6 @@ RULES: tuple[Rule, ...] = (
          "the advantage samples a pivot or greedy row per group of G; "
          "groups of unequal size have no such row",
          "an advantage without extra samples", "meaningless"),
-    Rule("static-spec-rl-on-split-devices",
-         ("rl.sampler_devices", "sampler.speculative", "rl.rollout"),
-         lambda c, p: (bool(c.rl.sampler_devices)
-                       and bool(c.sampler.speculative) and not _slots(c)),
-         "SPEC-RL's static speculative sampler samples on the trainer's "
-         "mesh", "rl.rollout='continuous' or 'partial' (drafts verified in "
-         "the slots), or rl.sampler_devices=0", "missing"),
 )
 
 
