@@ -347,6 +347,39 @@ KILLED = {
 }
 
 
+# The multi-process column of tests/test_pairs.py: the two-process run
+# that trains each of its features (and matches one process to 1e-6, or,
+# for the killed runs, resumes to it).
+COLUMN = {
+    "continuous": "slots-devices-async-greso", "partial": "partial-replay",
+    "async": "async-mc-spec", "sampler_devices": "slots-devices-async-greso",
+    "env": "calculator", "spec_rl": "async-mc-spec",
+    "lora": "lora-critic-vigor", "padded": "default",
+    "dapo": "teachers", "critic": "lora-critic-vigor",
+    "reward_model": "teachers", "distillation": "teachers",
+}
+
+
+def test_every_feature_of_the_pairwise_test_runs_on_two_processes():
+  from tests import test_pairs  # pylint: disable=import-outside-toplevel
+  assert set(COLUMN) == set(test_pairs.FEATURES)
+  for feature, case in COLUMN.items():
+    assert case == "default" or case in CASES or case in KILLED, case
+    overrides, config_file = (({}, None) if case == "default"
+                              else (CASES.get(case) or KILLED[case])[:2])
+    if callable(overrides):  # the teachers: names and settings of run dirs
+      continue
+    config = config_for(overrides, config_file)
+    for key, value in test_pairs.FEATURES[feature].settings.items():
+      got = config
+      for part in key.split("."):
+        got = got[part]
+      if feature == "sampler_devices":  # 2 of 8 here, 4 of 8 in the pairs
+        assert got > 0, (feature, case, key, got)
+      else:
+        assert got == value, (feature, case, key, got)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(KILLED))
 def test_a_killed_process_stops_the_other_and_the_run_resumes(case, tmp_path,

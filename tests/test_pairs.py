@@ -16,6 +16,10 @@ own figure (slot utilisation, carried groups, sampler lag, the sampler's
 devices, environment turns, drafted rows, LoRA adapters, no packing,
 selection rounds, the critic's loss, the reward model's scores, the
 distillation KL).
+
+The thirteenth feature, several processes, pairs with each of these in
+``tests/test_multihost.py`` (``COLUMN`` names the two-process run of each,
+which matches one process to 1e-6).
 """
 
 import itertools
