@@ -286,6 +286,25 @@ def test_allocation_runs_on_every_plan_of_the_training_rows(tmp_path):
 
 
 @pytest.mark.slow
+def test_vigor_samples_the_prompts_dots_chooses(tmp_path):
+  """DOTS picks each step's prompts (after its reference round at step 1),
+  VIGOR spends the step's rows on them in its rounds."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import loop_config, rl_rows  # pylint: disable=import-outside-toplevel
+  config = loop_config(**{"rl.allocation.name": "vigor", "rl.num_steps": 2,
+                          "rl.selection.name": "dots",
+                          "rl.selection.dots_reference": 8})
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2]
+  assert "dots/reference_success" in rows[0]
+  for r in rows:
+    assert r["dots/round"] >= 1 and r["alloc/rounds"] == 4
+    assert r["alloc/max_group"] > config.rl.group_size // 4
+    assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
+
+
+@pytest.mark.slow
 def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel

@@ -91,12 +91,23 @@ RULES: tuple[Rule, ...] = (
          "row of the rounds before, within the step; a row carried "
          "unfinished to the next step has no reward to choose by",
          "rl.rollout='continuous' or 'static'", "meaningless"),
-    Rule("allocation-with-selection", (_ALLOCATION, "rl.selection.name"),
-         lambda c, p: (c.rl.allocation.name != "none"
+    Rule("sgpo-with-selection", (_ALLOCATION, "rl.selection.name"),
+         lambda c, p: (c.rl.allocation.name == "sgpo"
                        and c.rl.selection.name != "none"),
+         "sGPO's curriculum chooses each step's prompts and their group "
+         "sizes from its profile of the pool; DOTS and GRESO would choose "
+         "the prompts instead, and DAPO's refills would draw prompts from "
+         "outside the curriculum", "rl.selection.name='none', or "
+         "rl.allocation.name='vigor' or 'pilot_commit'", "meaningless"),
+    Rule("allocation-with-refills", (_ALLOCATION, "rl.selection.name"),
+         lambda c, p: (c.rl.allocation.name in ("vigor", "pilot_commit")
+                       and c.rl.selection.name in ("dapo", "greso")),
          "both decide how many rows each prompt gets: allocation by its "
-         "rounds, selection by refilling groups; nothing arbitrates between "
-         "them", "rl.selection.name='none'", "missing"),
+         "rounds, DAPO's dynamic sampling (GRESO's too) by dropping "
+         "zero-variance groups and refilling them from new prompts; the "
+         "batch's fixed rows hold groups of one size or the other",
+         "rl.selection.name='none' or 'dots' (DOTS chooses the prompts, "
+         "allocation samples them)", "missing"),
     Rule("allocation-with-replay", (_ALLOCATION, "rl.replay.fraction"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(c.rl.replay.fraction)),
