@@ -207,7 +207,6 @@ def _vigor_config(**overrides):
     ({"rl.replay.fraction": 0.25}, r"with rl.replay.fraction=0.25"),
     ({"rl.rollout": "partial"}, r"with rl.rollout='partial': allocation "
      r"chooses each round's prompts"),
-    ({"sampler.speculative": True}, r"with sampler.speculative=True"),
     ({"rl.advantage": "mc_grpo"}, r"with rl.advantage='mc_grpo': the "
      r"advantage samples a pivot or greedy row"),
     ({"rl.allocation.rounds": 3}, r"rl.group_size=4 does not split into "
@@ -283,6 +282,29 @@ def test_allocation_runs_on_every_plan_of_the_training_rows(tmp_path):
   # 8 x 2 episodes, then 4 x 4: 32 rows, each prefilled at least once.
   assert row["rollout/prefills"] >= 32 and row["rollout/slots"] == 8
   assert 0 < row["rollout/slot_utilization"] <= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["static", "continuous"])
+def test_vigor_rounds_draft_from_the_previous_step_and_resume(tmp_path, plan):
+  """SPEC-RL with VIGOR's rounds: one epoch per step, so from step 2 every
+  prompt entry's rows draft from its prompt's last entry (verified by the
+  static speculative sampler, or in the slots' prefills); the draft store
+  is checkpointed: a run stopped after step 1 resumes exactly."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import (  # pylint: disable=import-outside-toplevel
+      assert_stop_and_resume_matches, loop_config, rl_rows)
+  config = loop_config(**{"rl.allocation.name": "vigor", "rl.num_steps": 3,
+                          "sampler.speculative": True, "rl.rollout": plan,
+                          "rl.rollout_slots": None if plan == "static" else 8})
+  config.task.num_train = config.rl.prompts_per_step
+  train.run(config, str(tmp_path / "whole"))
+  rows = rl_rows(tmp_path / "whole")
+  assert rows[0]["spec/drafted_rows"] == 0
+  for r in rows[1:]:
+    assert r["spec/drafted_rows"] > 0 and 0 < r["spec/accept_rate"] <= 1, r
+    assert r["alloc/rounds"] == 4 and r["grad_norm"] > 0
+  assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
 
 
 @pytest.mark.slow

@@ -29,8 +29,6 @@ TRIGGERS = {
                                  "rl.selection.name": "dapo"}, 1),
     "allocation-with-replay": ({"rl.allocation.name": "vigor",
                                 "rl.replay.fraction": 0.25}, 1),
-    "allocation-with-spec-rl": ({"rl.allocation.name": "vigor",
-                                 "sampler.speculative": True}, 1),
     "allocation-with-extra-rows": ({"rl.allocation.name": "vigor",
                                     "rl.advantage": "mc_grpo"}, 1),
 }

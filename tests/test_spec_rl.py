@@ -236,6 +236,49 @@ def test_draft_store_round_trips_through_a_checkpoint(tmp_path):
   assert store.lookup([[8]], 2, 4) is None and again.lookup([[8]], 2, 4) is None
 
 
+
+def test_a_frozen_store_drafts_each_entry_from_rows_of_its_own():
+  """Rollout allocation's step: a prompt sampled in several entries of one
+  row each. Inside ``frozen`` the c-th entry of a prompt drafts its stored
+  rows' c-th block, entries past the stored rows (c + 1 > 3 rows here)
+  get no draft, and the step's own rows are not drafted from until it
+  ends; then the prompt's entry is all its rows of the step, in order, and
+  survives a checkpoint's arrays with entries of other row counts."""
+  store = sampling.DraftStore(max_prompts=4)
+  row = lambda v: (np.full((1, 2), v), np.ones((1, 2), bool),  # noqa: E731
+                   np.full((1, 2), -0.5 * v))
+  # Three rows for prompt [7], stored as one group of G = 3.
+  store.update([[7]], np.array([[1, 1], [2, 2], [3, 3]]),
+               np.ones((3, 2), bool), np.zeros((3, 2)))
+  assert store.lookup([[7]], 1, 2) is None  # outside: [G, T] must match
+  with store.frozen():
+    first = store.lookup([[7], [7]], 1, 2)  # entries 0 and 1
+    np.testing.assert_array_equal(first.tokens, [[1, 1], [2, 2]])
+    store.update([[7], [7]], *(np.concatenate(x) for x in zip(row(8), row(9))))
+    third = store.lookup([[7], [7]], 1, 2)  # entry 2: row 3; entry 3: none
+    np.testing.assert_array_equal(third.tokens, [[3, 3], [0, 0]])
+    np.testing.assert_array_equal(third.mask.any(1), [True, False])
+    assert store.lookup([[7]], 1, 2) is None  # entry 4: past the rows
+    store.update([[7]], *row(10))
+    with pytest.raises(RuntimeError, match="not reentrant"):
+      with store.frozen():
+        pass
+  # The step's rows, in order: 8, 9, 10 (the waiting updates applied).
+  with store.frozen():
+    again = store.lookup([[7], [7], [7], [7]], 1, 2)
+  np.testing.assert_array_equal(again.tokens, [[8, 8], [9, 9], [10, 10],
+                                               [0, 0]])
+  store.update([[4]], np.full((2, 2), 4), np.ones((2, 2), bool),
+               np.zeros((2, 2)))  # another row count
+  loaded = sampling.DraftStore(max_prompts=4)
+  loaded.load_arrays(store.arrays())
+  for s in (store, loaded):
+    np.testing.assert_array_equal(s.lookup([[4]], 2, 2).tokens, [[4, 4]] * 2)
+    with s.frozen():
+      np.testing.assert_array_equal(
+          s.lookup([[7], [7], [7], [7]], 1, 2).tokens,
+          [[8, 8], [9, 9], [10, 10], [0, 0]])
+
 @pytest.mark.slow
 def test_prompt_count_not_dividing_the_mesh_is_padded_and_trimmed(
     params, prompts, samplers, eos):

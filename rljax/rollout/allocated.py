@@ -9,6 +9,7 @@ sizes; ``group_ids_N`` tells the advantage chain which rows share a prompt.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -31,7 +32,14 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
   every round's prompts are padded to the batch's longest, so the rounds of
   a step share the sampler's shapes. sGPO (``allocation.Sgpo``) samples
   one round of its own prompts (``examples`` is not read), after profiling
-  the pool at its first step."""
+  the pool at its first step. With SPEC-RL the rounds draft from earlier
+  steps' rows only (``DraftStore.frozen``)."""
+  spec = collector.speculation
+  with spec.store.frozen() if spec is not None else contextlib.nullcontext():
+    return _sample(collector, params, examples, key, version, on_dispatch)
+
+
+def _sample(collector, params, examples, key, version, on_dispatch):
   schedule = collector.allocation
   if isinstance(schedule, allocation_lib.Sgpo):
     return _sample_sgpo(collector, params, key, version, on_dispatch)

@@ -161,6 +161,10 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
       (a sampler, or with ``slots`` a ``SlotRollouts`` of continuous
       batching, or with ``episodes`` a ``MultiTurnSampler``), for at least
       ``allocation.round_entries`` entries a round.
+    allocation_speculation: with ``speculation`` and a static
+      ``allocation_sampler``, SPEC-RL's speculative twin of it (the same
+      draft store): each prompt entry's rows draft from the prompt's last
+      entry (``allocation.sampler_samples`` rows).
   """
 
   def __init__(self, *, sampler, tokenizer, evaluator: rewards_lib.RewardEvaluator,
@@ -175,7 +179,8 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
                episodes: Any = None,
                selection: selection_lib.Selection | None = None,
                replay: selection_lib.ReplayBuffer | None = None,
-               allocation: Any = None, allocation_sampler: Any = None):
+               allocation: Any = None, allocation_sampler: Any = None,
+               allocation_speculation: sampling.Speculation | None = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     # Which features combine is train/combinations.py's (build.validate
     # checks a config against it); these are the arguments' own contracts.
@@ -198,6 +203,12 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
       raise ValueError("rollout allocation (rl.allocation) samples its "
                        "rounds with allocation_sampler: pass it.")
     self.allocation, self.allocation_sampler = allocation, allocation_sampler
+    if allocation_speculation is not None and (
+        speculation is None
+        or allocation_speculation.store is not speculation.store):
+      raise ValueError("allocation_speculation drafts from speculation's "
+                       "store: pass both, with one store.")
+    self.allocation_speculation = allocation_speculation
     self.postprocess, self.group_size = postprocess, group_size
     self.failed_rewards = postprocess.failed_rewards
     self.samples_per_prompt = group_size + postprocess.extra_samples
@@ -226,18 +237,22 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
     return self._jitted[has_old_logprobs]
 
   def _sample(self, params, prompts, tokens, mask, key, sampler=None,
-              where=None):
-    """The rollout, speculative when the store has drafts (SPEC-RL), on
-    the mesh ``where`` (the sampler's; default the trainer's)."""
-    spec = self.speculation
+              where=None, samples=None):
+    """The rollout of ``samples`` rows per prompt (default the training
+    rows'), speculative when the store has drafts (SPEC-RL), on the mesh
+    ``where`` (the sampler's; default the trainer's)."""
+    sampler = sampler or self.sampler
+    spec = (self.speculation if sampler is self.sampler
+            else self.allocation_speculation
+            if sampler is self.allocation_sampler else None)
     where = where or self.mesh
     if spec is None:
-      return (sampler or self.sampler)(params, tokens, mask, key), {}
-    g, group = self.samples_per_prompt, self.group
+      return sampler(params, tokens, mask, key), {}
+    g, group = samples or self.samples_per_prompt, self.group
     draft = spec.store.lookup(prompts, g, spec.max_new_tokens)
     metrics = {"spec/drafted_rows": 0.0}
     if not group.any(draft is not None):
-      rollout = self.sampler(params, tokens, mask, key)
+      rollout = sampler(params, tokens, mask, key)
     else:
       if draft is None:  # another process's prompts have drafts
         draft = sampling.Draft(
@@ -416,7 +431,7 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
       where = self.sample_mesh or mesh  # the sampler's devices
       rollout, spec_metrics = self._sample(
           params, prompts, group.global_array(tokens, where),
-          group.global_array(mask, where), key, sampler, where)
+          group.global_array(mask, where), key, sampler, where, g)
       rollout = self._to_trainer(rollout)
       if on_dispatch is not None:
         on_dispatch()

@@ -125,7 +125,8 @@ _SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
            "env/timeouts", "env/observation_tokens",
            "env/observation_truncated", "env/turn_limit", "time/env")
 # Means over a round's rows, and over its decode steps; maxima.
-_ROW_MEANS = ("env/turns/mean",)
+_ROW_MEANS = ("env/turns/mean", "spec/accept_rate",
+              "spec/accepted_tokens/mean", "spec/full_accept_fraction")
 _STEP_MEANS = ("rollout/slot_utilization",)
 _MAXIMA = ("env/turns/max",)
 

@@ -22,8 +22,9 @@ References:
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class DraftStore:
     self.max_prompts = max_prompts
     self._entries: collections.OrderedDict[bytes, tuple[np.ndarray, ...]] = (
         collections.OrderedDict())
+    # Inside ``frozen``: the updates that wait, and each prompt's lookups.
+    self._pending: list[tuple[Any, ...]] | None = None
+    self._cursor: dict[bytes, int] | None = None
 
   def __len__(self) -> int:
     return len(self._entries)
@@ -67,7 +71,11 @@ class DraftStore:
     """The drafts of ``B`` prompts as one ``Draft`` of ``N = B * G`` rows.
 
     A prompt without an entry of the same ``[G, T]`` shape gets an empty
-    draft (mask all False). Returns None when no prompt has one.
+    draft (mask all False). Inside ``frozen`` an entry may hold any number
+    of rows of width ``T``: a prompt's ``c``-th lookup of the step (its
+    ``c``-th prompt entry, counted over the calls) gets rows
+    ``[c G, (c + 1) G)``, or an empty draft past the entry's rows, so no
+    stored row drafts two new ones. Returns None when no prompt has one.
     """
     g, t = num_samples, max_new_tokens
     tokens = np.zeros((len(prompts) * g, t), np.int32)
@@ -75,63 +83,117 @@ class DraftStore:
     logprobs = np.zeros((len(prompts) * g, t), np.float32)
     found = False
     for i, prompt in enumerate(prompts):
-      entry = self._entries.get(self._key(prompt))
-      if entry is None or entry[0].shape != (g, t):
-        continue
-      self._entries.move_to_end(self._key(prompt))
+      key = self._key(prompt)
+      entry = self._entries.get(key)
+      if self._cursor is None:  # one group per prompt: its own rows
+        if entry is None or entry[0].shape != (g, t):
+          continue
+        block = entry
+      else:
+        c = self._cursor.get(key, 0)
+        self._cursor[key] = c + 1
+        if (entry is None or entry[0].shape[1] != t
+            or (c + 1) * g > len(entry[0])):
+          continue
+        block = tuple(x[c * g:(c + 1) * g] for x in entry)
+      self._entries.move_to_end(key)
       rows = slice(i * g, (i + 1) * g)
-      tokens[rows], mask[rows], logprobs[rows] = entry
+      tokens[rows], mask[rows], logprobs[rows] = block
       found = True
     return Draft(tokens, mask, logprobs) if found else None
 
+  @contextlib.contextmanager
+  def frozen(self) -> Iterator[None]:
+    """A step sampled in rounds (rollout allocation), each prompt in any
+    number of entries. Within, lookups see the entries of before (drafts
+    from earlier steps only: a draft from an earlier round of the same
+    policy would be accepted whole, a copy), each prompt's entries taking
+    successive rows of its entry (``lookup``); updates wait, and at exit
+    each prompt's entry becomes all the rows it got within, in order."""
+    if self._pending is not None:
+      raise RuntimeError("DraftStore.frozen is not reentrant.")
+    self._pending, self._cursor = [], {}
+    try:
+      yield
+    finally:
+      pending, self._pending, self._cursor = self._pending, None, None
+      merged: dict[bytes, list[tuple[np.ndarray, ...]]] = {}
+      for prompts, *arrays in pending:
+        g = len(arrays[0]) // len(prompts)
+        for i, prompt in enumerate(prompts):
+          merged.setdefault(self._key(prompt), []).append(
+              tuple(x[i * g:(i + 1) * g] for x in arrays))
+      for key, blocks in merged.items():
+        self._store(key, tuple(np.concatenate(parts)
+                               for parts in zip(*blocks)))
+      self._trim()
+
   def update(self, prompts: Sequence[Sequence[int]], tokens_NxT: np.ndarray,
              mask_NxT: np.ndarray, logprobs_NxT: np.ndarray) -> None:
-    """Stores each prompt's ``G`` rows (``N = B * G``, group-contiguous)."""
+    """Stores each prompt's ``G`` rows (``N = B * G``, group-contiguous);
+    inside ``frozen``, at its exit."""
+    if self._pending is not None:
+      self._pending.append((list(prompts), np.array(tokens_NxT),
+                            np.array(mask_NxT), np.array(logprobs_NxT)))
+      return
     g = len(tokens_NxT) // len(prompts)
     for i, prompt in enumerate(prompts):
       rows = slice(i * g, (i + 1) * g)
-      key = self._key(prompt)
-      self._entries[key] = (np.asarray(tokens_NxT[rows], np.int32),
-                            np.asarray(mask_NxT[rows], bool),
-                            np.asarray(logprobs_NxT[rows], np.float32))
-      self._entries.move_to_end(key)
+      self._store(self._key(prompt), (tokens_NxT[rows], mask_NxT[rows],
+                                      logprobs_NxT[rows]))
+    self._trim()
+
+  def _store(self, key: bytes, entry: tuple[np.ndarray, ...]) -> None:
+    tokens, mask, logprobs = entry
+    self._entries[key] = (np.asarray(tokens, np.int32),
+                          np.asarray(mask, bool),
+                          np.asarray(logprobs, np.float32))
+    self._entries.move_to_end(key)
+
+  def _trim(self) -> None:
     while len(self._entries) > self.max_prompts:
       self._entries.popitem(last=False)
-
 
   def arrays(self) -> dict[str, np.ndarray] | None:
     """The store as arrays, least recently used first (None when empty).
 
     ``prompts`` ``[M, P]`` int32 is each prompt padded with -1 to the
-    longest; ``tokens``/``mask``/``logprobs`` are ``[M, G, T]``. Entries of
-    another ``[G, T]`` shape than the newest one are left out (a loop uses
-    one shape; ``lookup`` would not return them for it).
+    longest; ``tokens``/``mask``/``logprobs`` are ``[M, G, T]``, each
+    entry's rows padded (zeros, mask False) to the most any has, and
+    ``rows`` ``[M]`` its own count. Entries of another width ``T`` than the
+    newest one are left out (a loop uses one; ``lookup`` would not return
+    them for it).
     """
     if not self._entries:
       return None
-    shape = next(reversed(self._entries.values()))[0].shape
+    width_t = next(reversed(self._entries.values()))[0].shape[1]
     items = [(np.frombuffer(k, np.int32), v) for k, v in self._entries.items()
-             if v[0].shape == shape]
+             if v[0].shape[1] == width_t]
     width = max(len(p) for p, _ in items)
+    most = max(len(v[0]) for _, v in items)
     prompts = np.full((len(items), width), -1, np.int32)
     for i, (p, _) in enumerate(items):
       prompts[i, :len(p)] = p
-    return {"prompts": prompts,
-            **{name: np.stack([v[j] for _, v in items])
-               for j, name in enumerate(("tokens", "mask", "logprobs"))}}
+    out = {"prompts": prompts,
+           "rows": np.array([len(v[0]) for _, v in items], np.int32)}
+    for j, name in enumerate(("tokens", "mask", "logprobs")):
+      out[name] = np.stack([np.pad(v[j], ((0, most - len(v[j])), (0, 0)))
+                            for _, v in items])
+    return out
 
   def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
     """Replaces the entries with ``arrays()``'s (the newest kept if over
-    ``max_prompts``)."""
+    ``max_prompts``; without ``rows``, every entry has all the rows)."""
     self._entries.clear()
     prompts = np.asarray(arrays["prompts"], np.int32)
+    rows = np.asarray(arrays.get("rows", [arrays["tokens"].shape[1]]
+                                 * len(prompts)))
     for i, row in enumerate(prompts):
-      self._entries[row[row >= 0].tobytes()] = (
-          np.asarray(arrays["tokens"][i], np.int32),
-          np.asarray(arrays["mask"][i], bool),
-          np.asarray(arrays["logprobs"][i], np.float32))
-    while len(self._entries) > self.max_prompts:
-      self._entries.popitem(last=False)
+      n = int(rows[i])
+      self._store(row[row >= 0].tobytes(),
+                  tuple(arrays[name][i][:n]
+                        for name in ("tokens", "mask", "logprobs")))
+    self._trim()
 
 
 class Speculation(NamedTuple):

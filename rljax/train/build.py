@@ -507,18 +507,22 @@ class Components:
         log_lenience=float(self.config.sampler.spec_log_lenience))
 
   def allocation_rollouts(self, schedule: Any, *,
-                          record_policy_logprobs: bool | None = None) -> Any:
+                          record_policy_logprobs: bool | None = None,
+                          drafts: sampling.DraftStore | None = None) -> Any:
     """Rollout allocation's rounds (``rl.allocation``) on the training
     rows' plan: ``schedule.sampler_samples`` rows per prompt entry, as
     episodes (``env.name``), on continuous-batching slots
-    (``rl.rollout='continuous'``) or on the static batch."""
+    (``rl.rollout='continuous'``; ``drafts``: SPEC-RL's store, verified in
+    the slots) or on the static batch (whose speculative twin is
+    ``speculation(num_samples=schedule.sampler_samples)``)."""
     samples = schedule.sampler_samples
     if self.env is not None:
       return self.episodes(samples, record_policy_logprobs=bool(
           record_policy_logprobs), training=True)
     slots = self.slot_rollouts(record_policy_logprobs=record_policy_logprobs,
                                num_samples=samples,
-                               num_prompts=schedule.round_entries)
+                               num_prompts=schedule.round_entries,
+                               drafts=drafts)
     if slots is not None:
       return slots
     return self.sampler(samples, record_policy_logprobs=record_policy_logprobs,
@@ -532,21 +536,27 @@ class Components:
     """``_build_rollouts.replay_buffer`` of the config (``rl.replay``)."""
     return replay_buffer(self.config)
 
-  def speculation(self, *, record_policy_logprobs: bool | None = None
+  def speculation(self, *, record_policy_logprobs: bool | None = None,
+                  num_samples: int | None = None,
+                  store: sampling.DraftStore | None = None
                   ) -> sampling.Speculation | None:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
     the speculative twin of ``sampler(group_size + extra_samples)``, on
     the same devices (the sampler's with ``rl.sampler_devices``), and a
-    draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s."""
+    draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s;
+    ``num_samples`` rows per prompt entry (rollout allocation's rounds)
+    drafting from ``store`` (default a new one)."""
     s = self.config.sampler
     if not s.speculative:
       return None
-    config = self._training_sampler_config(record_policy_logprobs)
+    config = self._training_sampler_config(record_policy_logprobs,
+                                           num_samples)
     return sampling.Speculation(
         sampler=sampling.make_speculative_sampler(
             self.model_config, config, *self._where(True),
             log_lenience=float(s.spec_log_lenience)),
-        store=sampling.DraftStore(int(s.spec_store_prompts)),
+        store=(store if store is not None
+               else sampling.DraftStore(int(s.spec_store_prompts))),
         max_new_tokens=config.max_new_tokens)
 
 

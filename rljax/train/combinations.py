@@ -113,11 +113,6 @@ RULES: tuple[Rule, ...] = (
                        and bool(c.rl.replay.fraction)),
          _ROUNDS + "; replayed groups have the fixed group size",
          "rl.replay.fraction=0", "missing"),
-    Rule("allocation-with-spec-rl", (_ALLOCATION, "sampler.speculative"),
-         lambda c, p: (c.rl.allocation.name != "none"
-                       and bool(c.sampler.speculative)),
-         _ROUNDS + "; SPEC-RL's drafts are per fixed group",
-         "sampler.speculative=False", "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),

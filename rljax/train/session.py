@@ -193,8 +193,13 @@ def start(c: build_lib.Components, workdir: str) -> Session:
                           record_policy_logprobs=sampler_old, training=True),
       selection=selection, replay=c.replay(),
       allocation=schedule, allocation_sampler=None if schedule is None
-      else c.allocation_rollouts(schedule,
-                                 record_policy_logprobs=sampler_old))
+      else c.allocation_rollouts(
+          schedule, record_policy_logprobs=sampler_old,
+          drafts=speculation.store if speculation else None),
+      allocation_speculation=None if schedule is None or not speculation
+      else c.speculation(record_policy_logprobs=sampler_old,
+                         num_samples=schedule.sampler_samples,
+                         store=speculation.store))
   if c.env is not None:  # held-out episodes instead of single turns
     samplers = {"eval": c.episodes(s.eval_num_samples),
                 "greedy": c.episodes(1, greedy=True) if s.eval_greedy
