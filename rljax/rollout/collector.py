@@ -249,18 +249,24 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
     if spec is None:
       return sampler(params, tokens, mask, key), {}
     g, group = samples or self.samples_per_prompt, self.group
-    draft = spec.store.lookup(prompts, g, spec.max_new_tokens)
+    # The store is replicated: every process looks up and stores every
+    # prompt of the batch, in the order of the rows (the same drafts, the
+    # same LRU order and, in a frozen step, the same entry counts on each),
+    # and drafts its own block of the rows.
+    all_prompts = prompts
+    if not group.single:
+      blocks = group.gather_blocks([[int(t) for t in p] for p in prompts],
+                                   where)
+      all_prompts = [p for block in blocks for p in block]
+    draft = spec.store.lookup(all_prompts, g, spec.max_new_tokens)
     metrics = {"spec/drafted_rows": 0.0}
-    if not group.any(draft is not None):
+    if draft is None:
       rollout = sampler(params, tokens, mask, key)
     else:
-      if draft is None:  # another process's prompts have drafts
-        draft = sampling.Draft(
-            np.zeros((len(prompts) * g, spec.max_new_tokens), np.int32),
-            np.zeros((len(prompts) * g, spec.max_new_tokens), bool),
-            np.zeros((len(prompts) * g, spec.max_new_tokens), np.float32))
-      drafted_N = group.gather_rows(draft.mask.sum(1), where)
-      draft = sampling.Draft(*(group.global_array(np.asarray(x), where)
+      drafted_N = draft.mask.sum(1)
+      mine = (slice(None) if group.single
+              else group.rows(where, len(all_prompts) * g))
+      draft = sampling.Draft(*(group.global_array(np.asarray(x)[mine], where)
                                for x in draft))
       rollout, accepted_N = spec.sampler(params, tokens, mask, draft, key)
       accepted_N = group.gather_rows(group.local_rows(accepted_N), where)
@@ -272,11 +278,6 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
           "spec/full_accept_fraction": float(
               (accepted_N[has] == drafted_N[has]).mean()),
       }
-    # Every process stores every prompt's rollout (the store is replicated).
-    all_prompts = prompts
-    if not group.single:
-      blocks = group.gather_json([[int(t) for t in p] for p in prompts])
-      all_prompts = [p for block in blocks for p in block]
     rows = distributed.local_rows_many(
         group, rollout.completion_tokens, rollout.completion_mask,
         rollout.sampler_logprobs)
