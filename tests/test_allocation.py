@@ -85,6 +85,7 @@ class _ScriptedCollector:
     self.drawn = {}
 
   failed_rewards = "exclude"
+  speculation = None  # no SPEC-RL drafts
 
   def sample_global(self, params, examples, key, version, on_dispatch=None,
                     *, sampler, samples, longest):
