@@ -1,8 +1,8 @@
 """Metric writers: JSONL, TensorBoard event files, console progress, plots.
 
-TensorBoard event files are written here (``TensorBoardWriter``: a TFRecord
-file of ``Event`` protocol buffers, no TensorFlow and no protobuf
-library); progress is drawn with tqdm.
+TensorBoard event files are written with TensorBoard's own writer
+(``TensorBoardWriter``; the ``tensorboard`` package, without TensorFlow);
+progress is drawn with tqdm.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import json
 import logging
 import math
 import os
-import socket
-import struct
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -63,133 +61,53 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 # --- TensorBoard ------------------------------------------------------------
 
-# An event file is a TFRecord file (each record: its length as uint64, a
-# masked CRC-32C of the length, the bytes, a masked CRC-32C of the bytes) of
-# ``Event`` protocol buffers (TensorFlow's ``event.proto``): ``wall_time``
-# (field 1, double), ``step`` (2, int64), ``file_version`` (3, string, the
-# first record) and ``summary`` (5), whose ``value`` entries (1) hold a ``tag``
-# (1, string) and a ``simple_value`` (2, float). TensorBoard's reader checks
-# both checksums. Written by hand, these few fields replace tensorboardX,
-# which imports torch whenever torch is installed (~1 s for every run).
-
-def _crc32c_table() -> tuple[int, ...]:
-  table = []
-  for i in range(256):
-    c = i
-    for _ in range(8):
-      c = (c >> 1) ^ (0x82F63B78 if c & 1 else 0)  # Castagnoli, reflected
-    table.append(c)
-  return tuple(table)
-
-
-_CRC32C_TABLE = _crc32c_table()
-
-
-def crc32c(data: bytes) -> int:
-  """CRC-32C (Castagnoli), the checksum of TFRecord files."""
-  crc = 0xFFFFFFFF
-  for byte in data:
-    crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-  return crc ^ 0xFFFFFFFF
-
-
-def _masked_crc32c(data: bytes) -> int:
-  crc = crc32c(data)
-  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-  n &= (1 << 64) - 1  # int64 as protobuf encodes it: two's complement
-  out = bytearray()
-  while n > 0x7F:
-    out.append((n & 0x7F) | 0x80)
-    n >>= 7
-  out.append(n)
-  return bytes(out)
-
-
-def _length_delimited(field: int, payload: bytes) -> bytes:
-  return _varint(field << 3 | 2) + _varint(len(payload)) + payload
-
-
-def _float32_bytes(value: float) -> bytes:
-  with np.errstate(over="ignore"):  # beyond float32's range: +-inf
-    return np.asarray(value, dtype="<f4").tobytes()
-
-
-def _event(wall_time: float, step: int, *, file_version: str = "",
-           scalars: Mapping[str, float] | None = None) -> bytes:
-  out = b"\x09" + struct.pack("<d", wall_time) + b"\x10" + _varint(step)
-  if file_version:
-    out += _length_delimited(3, file_version.encode())
-  if scalars:
-    values = b"".join(
-        _length_delimited(1, _length_delimited(1, tag.encode("utf-8"))
-                          + b"\x15" + _float32_bytes(value))
-        for tag, value in scalars.items())
-    out += _length_delimited(5, values)
-  return out
-
-
-def _record(data: bytes) -> bytes:
-  length = struct.pack("<Q", len(data))
-  return (length + struct.pack("<I", _masked_crc32c(length)) + data
-          + struct.pack("<I", _masked_crc32c(data)))
-
-
 class TensorBoardWriter:
-  """Writes scalar summaries to ``<logdir>/events.out.tfevents.*``: one
+  """Writes scalar summaries to ``<logdir>/events.out.tfevents.*`` with
+  TensorBoard's own event-file writer and protocol buffers (the
+  ``tensorboard`` package; neither TensorFlow nor torch is imported): one
   event per ``write`` (all of a step's scalars), flushed at once, so a
-  killed run's file ends at its last complete step. Each writer starts a
-  file of its own (a resumed run adds one, as TensorFlow's writers do)."""
+  killed run's file ends at its last complete step (TensorBoard's reader
+  drops a record cut short). Each writer starts a file of its own (a
+  resumed run adds one, as TensorFlow's writers do)."""
 
   def __init__(self, logdir: str | os.PathLike):
     self._logdir = os.fspath(logdir)
-    self._file = None  # the event file is created by the first write
-
-  def _open(self) -> None:
-    os.makedirs(self._logdir, exist_ok=True)
-    now = time.time()
-    base = os.path.join(self._logdir, f"events.out.tfevents.{int(now):010d}."
-                        f"{socket.gethostname()}.{os.getpid()}")
-    for n in range(1000):
-      try:
-        self._file = open(base + (f".{n}" if n else ""), "xb")  # pylint: disable=consider-using-with
-        break
-      except FileExistsError:
-        continue
-    else:
-      raise FileExistsError(f"{base}: 1000 event files already exist")
-    self._file.write(_record(_event(now, 0, file_version="brain.Event:2")))
+    self._writer = None  # the event file is created by the first write
 
   def write(self, step: int, metrics: Scalars) -> None:
-    if self._file is None:
-      self._open()
     scalars = to_floats(metrics)
-    if scalars:
-      self._file.write(_record(_event(time.time(), int(step), scalars=scalars)))
-      self._file.flush()
+    if not scalars:
+      return
+    # pylint: disable=import-outside-toplevel
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    if self._writer is None:
+      from tensorboard.summary.writer import event_file_writer
+      os.makedirs(self._logdir, exist_ok=True)
+      self._writer = event_file_writer.EventFileWriter(self._logdir)
+    with np.errstate(over="ignore"):  # beyond float32's range: +-inf
+      values = np.asarray(list(scalars.values()), np.float32)
+    summary = summary_pb2.Summary(value=[
+        summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
+        for tag, v in zip(scalars, values)])
+    self._writer.add_event(event_pb2.Event(
+        wall_time=time.time(), step=int(step), summary=summary))
+    self._writer.flush()
 
   def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
 
 
 def read_tensorboard_scalars(path: str | os.PathLike
                              ) -> list[tuple[int, str, float]]:
   """``(step, tag, value)`` of each scalar in an event file.
 
-  Reads with TensorBoard's own loader (the ``tensorboard`` package, in the
-  ``test`` extra).
+  Reads with TensorBoard's own loader (the ``tensorboard`` package).
   """
-  try:
-    # pylint: disable=import-outside-toplevel
-    from tensorboard.backend.event_processing import event_file_loader
-    from tensorboard.util import tensor_util
-  except ImportError as e:
-    raise ImportError("read_tensorboard_scalars needs the tensorboard package: "
-                      "pip install -e '.[test]'") from e
+  # pylint: disable=import-outside-toplevel
+  from tensorboard.backend.event_processing import event_file_loader
+  from tensorboard.util import tensor_util
   out = []
   for event in event_file_loader.EventFileLoader(os.fspath(path)).Load():
     for value in event.summary.value:

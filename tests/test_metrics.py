@@ -39,14 +39,6 @@ def test_tensorboard_file_reads_with_tensorboards_accumulator(tmp_path):
       (1, 0.25), (2, 0.5)]
 
 
-def test_crc32c_matches_the_standard_check_value():
-  # The CRC-32C catalogue's check value (the CRC of b"123456789") and
-  # RFC 3720's all-zero and all-ones 32-byte vectors.
-  assert metrics.crc32c(b"123456789") == 0xE3069283
-  assert metrics.crc32c(bytes(32)) == 0x8A9136AA
-  assert metrics.crc32c(b"\xff" * 32) == 0x62A8AB43
-
-
 def test_tensorboard_keeps_extreme_values_unicode_tags_and_large_steps(tmp_path):
   w = metrics.TensorBoardWriter(tmp_path)
   w.write(2**40, {"nan": float("nan"), "inf": -np.inf, "big": 1e40,
@@ -72,6 +64,26 @@ def test_a_run_killed_mid_write_keeps_its_complete_steps(tmp_path):
     f.truncate(size - 5)
   assert metrics.read_tensorboard_scalars(path) == [(1, "loss", 0.5),
                                                     (2, "loss", 1.0)]
+
+
+def test_a_sigkilled_writer_leaves_every_step_it_wrote(tmp_path):
+  """A process writes three steps through TensorBoard's writer and is
+  SIGKILLed before it closes: TensorBoard's reader gets all three."""
+  code = ("import sys, time; from rljax import metrics; "
+          f"w = metrics.TensorBoardWriter({str(tmp_path)!r}); "
+          "[w.write(s, {'loss': s / 2, 'acc': 1.0}) for s in (1, 2, 3)]; "
+          "print('written', flush=True); time.sleep(60)")
+  proc = subprocess.Popen([sys.executable, "-c", code],
+                          stdout=subprocess.PIPE, text=True)
+  try:
+    assert proc.stdout.readline().strip() == "written"
+  finally:
+    proc.kill()
+    proc.wait()
+  assert proc.returncode == -9
+  assert sorted(metrics.read_tensorboard_scalars(_event_file(tmp_path))) == [
+      (1, "acc", 1.0), (1, "loss", 0.5), (2, "acc", 1.0), (2, "loss", 1.0),
+      (3, "acc", 1.0), (3, "loss", 1.5)]
 
 
 def test_two_writers_in_one_directory_write_two_files(tmp_path):
