@@ -44,7 +44,7 @@ from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import sharding as sharding_lib
 from rljax import tokenizers as tok_lib
-from rljax.rollout import allocated, feeding, process_blocks
+from rljax.rollout import allocated, feeding, process_blocks, speculated
 from rljax.rollout import rounds as rounds_lib
 from rljax.rollout.rounds import Sampled, scored_rows
 
@@ -102,7 +102,8 @@ class Postprocess(Protocol):
     ...
 
 
-class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
+class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
+                speculated.Speculated):
   """Samples, scores and turns one batch of prompts into an ``RLBatch``.
 
   Args:
@@ -235,55 +236,6 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay):
               self.allocation.prompts[0], self.allocation.max_group),
           env_column=self._env_column, episodes=self.episodes is not None)
     return self._jitted[has_old_logprobs]
-
-  def _sample(self, params, prompts, tokens, mask, key, sampler=None,
-              where=None, samples=None):
-    """The rollout of ``samples`` rows per prompt (default the training
-    rows'), speculative when the store has drafts (SPEC-RL), on the mesh
-    ``where`` (the sampler's; default the trainer's)."""
-    sampler = sampler or self.sampler
-    spec = (self.speculation if sampler is self.sampler
-            else self.allocation_speculation
-            if sampler is self.allocation_sampler else None)
-    where = where or self.mesh
-    if spec is None:
-      return sampler(params, tokens, mask, key), {}
-    g, group = samples or self.samples_per_prompt, self.group
-    # The store is replicated: every process looks up and stores every
-    # prompt of the batch, in the order of the rows (the same drafts, the
-    # same LRU order and, in a frozen step, the same entry counts on each),
-    # and drafts its own block of the rows.
-    all_prompts = prompts
-    if not group.single:
-      blocks = group.gather_blocks([[int(t) for t in p] for p in prompts],
-                                   where)
-      all_prompts = [p for block in blocks for p in block]
-    draft = spec.store.lookup(all_prompts, g, spec.max_new_tokens)
-    metrics = {"spec/drafted_rows": 0.0}
-    if draft is None:
-      rollout = sampler(params, tokens, mask, key)
-    else:
-      drafted_N = draft.mask.sum(1)
-      mine = (slice(None) if group.single
-              else group.rows(where, len(all_prompts) * g))
-      draft = sampling.Draft(*(group.global_array(np.asarray(x)[mine], where)
-                               for x in draft))
-      rollout, accepted_N = spec.sampler(params, tokens, mask, draft, key)
-      accepted_N = group.gather_rows(group.local_rows(accepted_N), where)
-      has = drafted_N > 0
-      metrics = {
-          "spec/drafted_rows": float(has.sum()),
-          "spec/accepted_tokens/mean": float(accepted_N[has].mean()),
-          "spec/accept_rate": float(accepted_N.sum() / max(drafted_N.sum(), 1)),
-          "spec/full_accept_fraction": float(
-              (accepted_N[has] == drafted_N[has]).mean()),
-      }
-    rows = distributed.local_rows_many(
-        group, rollout.completion_tokens, rollout.completion_mask,
-        rollout.sampler_logprobs)
-    spec.store.update(all_prompts, *distributed.gather_rows_many(
-        group, where, *rows))
-    return rollout, metrics
 
   def _encoded(self, examples):
     return tok_lib.encode_prompts(self.tokenizer, examples["prompt"]), examples

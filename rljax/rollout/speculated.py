@@ -1,0 +1,71 @@
+"""SPEC-RL on the static batch (``sampler.speculative``), for the
+``Collector``: a batch's prompts that have an earlier rollout in the draft
+store (``sampling.DraftStore``) are sampled speculatively from it, and
+every rollout is stored as the next draft. The slots verify drafts
+themselves (``rollout/partial.py``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from rljax import distributed
+from rljax import sampling
+
+
+class Speculated:
+  """Mixed into ``Collector``: needs ``sampler``, ``speculation``,
+  ``allocation_sampler``, ``allocation_speculation``, ``samples_per_prompt``,
+  ``group`` and ``mesh``."""
+
+  def _sample(self, params, prompts, tokens, mask, key, sampler=None,
+              where=None, samples=None):
+    """The rollout of ``samples`` rows per prompt (default the training
+    rows'), speculative when the store has drafts (SPEC-RL), on the mesh
+    ``where`` (the sampler's; default the trainer's)."""
+    sampler = sampler or self.sampler
+    spec = (self.speculation if sampler is self.sampler
+            else self.allocation_speculation
+            if sampler is self.allocation_sampler else None)
+    where = where or self.mesh
+    if spec is None:
+      return sampler(params, tokens, mask, key), {}
+    g, group = samples or self.samples_per_prompt, self.group
+    # The store is replicated: every process looks up and stores every
+    # prompt of the batch, in the order of the rows (the same drafts, the
+    # same LRU order and, in a frozen step, the same entry counts on each),
+    # and drafts its own block of the rows.
+    all_prompts = prompts
+    if not group.single:
+      blocks = group.gather_blocks([[int(t) for t in p] for p in prompts],
+                                   where)
+      all_prompts = [p for block in blocks for p in block]
+    draft = spec.store.lookup(all_prompts, g, spec.max_new_tokens)
+    metrics = {"spec/drafted_rows": 0.0}
+    if draft is None:
+      rollout = sampler(params, tokens, mask, key)
+    else:
+      drafted_N = draft.mask.sum(1)
+      mine = (slice(None) if group.single
+              else group.rows(where, len(all_prompts) * g))
+      draft = sampling.Draft(*(group.global_array(np.asarray(x)[mine], where)
+                               for x in draft))
+      rollout, accepted_N = spec.sampler(params, tokens, mask, draft, key)
+      accepted_N = group.gather_rows(group.local_rows(accepted_N), where)
+      has = drafted_N > 0
+      metrics = {
+          "spec/drafted_rows": float(has.sum()),
+          "spec/accepted_tokens/mean": float(accepted_N[has].mean()),
+          "spec/accept_rate": float(accepted_N.sum() / max(drafted_N.sum(), 1)),
+          "spec/full_accept_fraction": float(
+              (accepted_N[has] == drafted_N[has]).mean()),
+      }
+    rows = distributed.local_rows_many(
+        group, rollout.completion_tokens, rollout.completion_mask,
+        rollout.sampler_logprobs)
+    spec.store.update(all_prompts, *distributed.gather_rows_many(
+        group, where, *rows))
+    return rollout, metrics
+
+
+__all__ = ["Speculated"]
