@@ -30,7 +30,7 @@ import jax
 
 from rljax import distributed
 from rljax import envs as envs_lib
-from rljax import models, sampling, sharding
+from rljax import models, sharding
 from rljax import objectives as obj_lib
 from rljax import rewards as rewards_lib
 from rljax import tokenizers as tok_lib
@@ -40,7 +40,6 @@ from rljax.train import schema, table
 from rljax.train.schema import complete_config  # noqa: F401  (re-exported)
 from rljax.train import critic as critic_lib
 from rljax import rollout as rollout_lib
-from rljax.rollout import partial as partial_lib
 # Rewards, data, tokenizer and model: split off for length, public here.
 from rljax.train._build_inputs import (  # noqa: F401  (re-exported)
     DATA_CHECKS, HF_DIR, HF_FILES, HF_OVERRIDES, check_data,
@@ -51,6 +50,9 @@ from rljax.train._build_rollouts import (  # noqa: F401  (re-exported)
     allocation, meshes, partial_config, replay_buffer, selection,
     with_allocation)
 from rljax.train._validate import validate  # noqa: F401  (re-exported)
+# The samplers and rollout plans of a run: split off for length.
+from rljax.train import _build_samplers
+from rljax.train._build_samplers import sampler_config  # noqa: F401  (re-exported)
 from rljax.train.sft import SFTConfig
 from rljax.train import policy as policy_lib
 from rljax.train import steps as steps_lib
@@ -62,27 +64,6 @@ log = logging.getLogger("rljax")
 
 # ----------------------------------------------------------------------------
 # Validation: rljax/train/_validate.py (``validate``, re-exported here).
-
-
-def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
-                   greedy: bool = False,
-                   record_policy_logprobs: bool = False,
-                   greedy_every: int = 0) -> sampling.SamplerConfig:
-  """The ``SamplerConfig`` of ``sampler.*`` for ``num_samples`` per prompt
-  (``greedy_every``: ReMax's greedy row, ``SamplingMethod.greedy_every``)."""
-  s = config.sampler
-  method = (sampling.SamplingMethod(greedy=True) if greedy else
-            sampling.SamplingMethod(temperature=s.temperature,
-                                    top_k=s.top_k, top_p=s.top_p,
-                                    min_p=s.min_p,
-                                    greedy_every=greedy_every))
-  return sampling.SamplerConfig(
-      num_samples=num_samples, max_new_tokens=s.max_new_tokens, method=method,
-      training_temperature=config.rl.training_temperature,
-      eos_ids=eos_ids(tokenizer), pad_id=tokenizer.pad_id,
-      cache_dtype=s.cache_dtype, prompt_buckets=tuple(s.prompt_buckets),
-      share_prefix=s.share_prefix, segment_slots=s.segment_slots,
-      shrink_batch_to=s.shrink_batch_to, record_policy_logprobs=record_policy_logprobs)
 
 
 def algorithm(config: Any) -> alg_lib.Algorithm:
@@ -260,7 +241,7 @@ def loop_settings(config: Any) -> LoopSettings:
 
 
 @dataclasses.dataclass
-class Components:
+class Components(_build_samplers.Samplers):
   """What a training run is made of, built from its config by ``build``.
 
   Attributes:
@@ -329,63 +310,6 @@ class Components:
     if self.env is not None:
       self.env.close()
 
-  def episodes(self, num_samples: int, *, greedy: bool = False,
-               record_policy_logprobs: bool = False, training: bool = False
-               ) -> rollout_lib.MultiTurnSampler | None:
-    """The multi-turn rollout of ``num_samples`` episodes per example
-    (``env.name``), sampled as ``sampler``'s rows; None without an
-    environment. ``training``: on the sampler's devices
-    (``rl.sampler_devices``), and with ``rl.rollout="continuous"`` on
-    ``rl.rollout_slots`` slots refilled as episodes end."""
-    if self.env is None:
-      return None
-    alg = self.algorithm
-    greedy_every = num_samples if (
-        alg.greedy_baseline and not greedy
-        and num_samples == self.settings.group_size + alg.extra_samples) else 0
-    mesh, param_shardings = self._where(training)
-    partial = partial_config(self.config) if training else None
-    return rollout_lib.MultiTurnSampler(
-        self.model_config,
-        sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
-                       record_policy_logprobs=record_policy_logprobs,
-                       greedy_every=greedy_every),
-        self.turns, self.env, self.tokenizer, self.buckets, mesh=mesh,
-        param_shardings=param_shardings,
-        observation_role=self.config.env.observation_role,
-        slots=None if partial is None else partial.slots,
-        refill_rows=1 if partial is None else partial.refill_rows,
-        group=self.group)
-
-  @property
-  def split(self) -> bool:
-    """Whether the training rollouts are sampled on devices of their own
-    (``rl.sampler_devices``)."""
-    return self.sample_mesh is not None and self.sample_mesh is not self.mesh
-
-  def publish(self, params: Any) -> Any:
-    """The params where the training sampler reads them: a copy on the
-    sampler's devices with a split mesh (``jax.device_put``), else
-    ``params`` themselves."""
-    if not self.split:
-      return params
-    if self.group.single:
-      return jax.device_put(params, self.sample_param_shardings)
-    # Several processes: jax.device_put cannot move arrays between device
-    # sets that span processes. Each process gathers the params whole on
-    # its trainer devices (one all-gather over the trainer's mesh), then
-    # puts its sampler devices' shards from its own copy.
-    whole = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(
-        self.mesh, jax.sharding.PartitionSpec()))(params)
-
-    def put(x, where):
-      local = x.addressable_data(0)
-      return jax.make_array_from_single_device_arrays(x.shape, where, [
-          jax.device_put(local[index], device) for device, index in
-          where.addressable_devices_indices_map(x.shape).items()])
-
-    return jax.tree.map(put, whole, self.sample_param_shardings)
-
   @property
   def lora(self) -> bool:
     """Whether the run trains LoRA adapters on a frozen base."""
@@ -433,132 +357,6 @@ class Components:
         critic_optimizer=self.critic_optimizer)
     with jax.set_mesh(self.mesh):  # unsharded leaves (counts, keys) replicate
       return jax.jit(fn)(params, key)
-
-  def sampler(self, num_samples: int, *, greedy: bool = False,
-              record_policy_logprobs: bool | None = None,
-              training: bool = False):
-    """A jitted sampler with explicit shardings (``sampling.make_sampler``).
-
-    ``record_policy_logprobs`` None (the default) records them when the step
-    takes ``pi_old`` from the sampler (``rl.old_logprobs="sampler"``), so a
-    Collector built from this sampler feeds ``rl_step`` what it needs.
-    With a ReMax algorithm (``greedy_baseline``), the sampler of the
-    training rows (``group_size + 1`` per prompt) decodes the last row of
-    each prompt greedily; ``validate`` keeps ``eval.num_samples`` off that
-    count. ``training``: on the sampler's devices (``rl.sampler_devices``).
-    """
-    alg = self.algorithm
-    if record_policy_logprobs is None:
-      record_policy_logprobs = (not greedy
-                                and self.step_config.old_logprobs == "sampler")
-    greedy_every = num_samples if (
-        alg.greedy_baseline and not greedy
-        and num_samples == self.settings.group_size + alg.extra_samples) else 0
-    return sampling.make_sampler(
-        self.model_config,
-        sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
-                       record_policy_logprobs=record_policy_logprobs,
-                       greedy_every=greedy_every),
-        *self._where(training))
-
-  def _where(self, training: bool) -> tuple[jax.sharding.Mesh, Any]:
-    if training and self.split:
-      return self.sample_mesh, self.sample_param_shardings
-    return self.mesh, self.param_shardings
-
-  def _training_sampler_config(self, record_policy_logprobs: bool | None,
-                               num_samples: int | None = None
-                               ) -> sampling.SamplerConfig:
-    """The training rows' ``SamplerConfig`` (``group_size + extra_samples``
-    per prompt, ReMax's greedy row; or ``num_samples`` per prompt entry)
-    for the slots and SPEC-RL."""
-    alg = self.algorithm
-    if record_policy_logprobs is None:
-      record_policy_logprobs = self.step_config.old_logprobs == "sampler"
-    greedy = num_samples is None and alg.greedy_baseline
-    if num_samples is None:
-      num_samples = self.settings.group_size + alg.extra_samples
-    return sampler_config(
-        self.config, self.tokenizer, num_samples,
-        record_policy_logprobs=record_policy_logprobs,
-        greedy_every=num_samples if greedy else 0)
-
-  def slot_rollouts(self, *, record_policy_logprobs: bool | None = None,
-                    drafts: sampling.DraftStore | None = None,
-                    num_samples: int | None = None,
-                    num_prompts: int | None = None
-                    ) -> partial_lib.SlotRollouts | None:
-    """Continuous batching or partial rollouts of the training rows
-    (``rl.rollout``); None for the static sampler. ``record_policy_logprobs``
-    as ``sampler``'s; ``drafts``: SPEC-RL's store (``speculation().store``),
-    whose drafts are verified in the slots' prefills. ``num_samples`` rows
-    for each of at most ``num_prompts`` prompts a call (rollout
-    allocation's rounds); default the training rows' of
-    ``rl.prompts_per_step`` prompts."""
-    partial = partial_config(self.config)
-    if partial is None or self.env is not None:  # episodes have their own
-      return None
-    config = self._training_sampler_config(record_policy_logprobs,
-                                           num_samples)
-    return partial_lib.SlotRollouts(
-        self.model_config, config, partial,
-        num_prompts or self.settings.prompts_per_step,
-        *self._where(True), drafts=drafts,
-        log_lenience=float(self.config.sampler.spec_log_lenience))
-
-  def allocation_rollouts(self, schedule: Any, *,
-                          record_policy_logprobs: bool | None = None,
-                          drafts: sampling.DraftStore | None = None) -> Any:
-    """Rollout allocation's rounds (``rl.allocation``) on the training
-    rows' plan: ``schedule.sampler_samples`` rows per prompt entry, as
-    episodes (``env.name``), on continuous-batching slots
-    (``rl.rollout='continuous'``; ``drafts``: SPEC-RL's store, verified in
-    the slots) or on the static batch (whose speculative twin is
-    ``speculation(num_samples=schedule.sampler_samples)``)."""
-    samples = schedule.sampler_samples
-    if self.env is not None:
-      return self.episodes(samples, record_policy_logprobs=bool(
-          record_policy_logprobs), training=True)
-    slots = self.slot_rollouts(record_policy_logprobs=record_policy_logprobs,
-                               num_samples=samples,
-                               num_prompts=schedule.round_entries,
-                               drafts=drafts)
-    if slots is not None:
-      return slots
-    return self.sampler(samples, record_policy_logprobs=record_policy_logprobs,
-                        training=True)
-
-  def selection(self) -> Any:
-    """``_build_rollouts.selection`` of the config (``rl.selection``)."""
-    return selection(self.config, len(self.train_examples))
-
-  def replay(self) -> Any:
-    """``_build_rollouts.replay_buffer`` of the config (``rl.replay``)."""
-    return replay_buffer(self.config)
-
-  def speculation(self, *, record_policy_logprobs: bool | None = None,
-                  num_samples: int | None = None,
-                  store: sampling.DraftStore | None = None
-                  ) -> sampling.Speculation | None:
-    """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
-    the speculative twin of ``sampler(group_size + extra_samples)``, on
-    the same devices (the sampler's with ``rl.sampler_devices``), and a
-    draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s;
-    ``num_samples`` rows per prompt entry (rollout allocation's rounds)
-    drafting from ``store`` (default a new one)."""
-    s = self.config.sampler
-    if not s.speculative:
-      return None
-    config = self._training_sampler_config(record_policy_logprobs,
-                                           num_samples)
-    return sampling.Speculation(
-        sampler=sampling.make_speculative_sampler(
-            self.model_config, config, *self._where(True),
-            log_lenience=float(s.spec_log_lenience)),
-        store=(store if store is not None
-               else sampling.DraftStore(int(s.spec_store_prompts))),
-        max_new_tokens=config.max_new_tokens)
-
 
 def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
           group: distributed.ProcessGroup | None = None) -> Components:
