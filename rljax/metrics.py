@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,7 +23,10 @@ import numpy as np
 import tqdm
 from tqdm.contrib import logging as tqdm_logging
 
+from rljax import tracking
+
 Scalars = Mapping[str, Any]
+HISTOGRAM_BUCKETS = 30  # TensorBoard's default
 
 
 def to_floats(metrics: Scalars) -> dict[str, float]:
@@ -62,58 +66,95 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 # --- TensorBoard ------------------------------------------------------------
 
 class TensorBoardWriter:
-  """Writes scalar summaries to ``<logdir>/events.out.tfevents.*`` with
-  TensorBoard's own event-file writer and protocol buffers (the
-  ``tensorboard`` package; neither TensorFlow nor torch is imported): one
-  event per ``write`` (all of a step's scalars), flushed at once, so a
-  killed run's file ends at its last complete step (TensorBoard's reader
-  drops a record cut short). Each writer starts a file of its own (a
-  resumed run adds one, as TensorFlow's writers do)."""
+  """Writes scalar and histogram summaries to
+  ``<logdir>/events.out.tfevents.*`` with TensorBoard's own event-file writer
+  and protocol buffers (the ``tensorboard`` package; neither TensorFlow nor
+  torch is imported): one event per ``write`` (all of a step's summaries),
+  flushed at once, so a killed run's file ends at its last complete step
+  (TensorBoard's reader drops a record cut short). Each writer starts a file
+  of its own (a resumed run adds one, as TensorFlow's writers do).
+
+  TensorBoard's modules are imported and the event file opened on a thread
+  started here (~50 ms the first time in a process), so that the run's
+  first row, after its set-up and compiles, does not wait for them.
+  """
 
   def __init__(self, logdir: str | os.PathLike):
     self._logdir = os.fspath(logdir)
-    self._writer = None  # the event file is created by the first write
+    self._writer = self._error = None
+    self._opened = threading.Thread(target=self._open, daemon=True,
+                                    name="rljax-tensorboard-writer")
+    self._opened.start()
 
-  def write(self, step: int, metrics: Scalars) -> None:
-    scalars = to_floats(metrics)
-    if not scalars:
-      return
-    # pylint: disable=import-outside-toplevel
-    from tensorboard.compat.proto import event_pb2, summary_pb2
-    if self._writer is None:
+  def _open(self) -> None:
+    try:
+      # pylint: disable=import-outside-toplevel,unused-import
+      from tensorboard.compat.proto import event_pb2, summary_pb2  # noqa: F401
+      from tensorboard.plugins.histogram import summary_v2  # noqa: F401
       from tensorboard.summary.writer import event_file_writer
       os.makedirs(self._logdir, exist_ok=True)
       self._writer = event_file_writer.EventFileWriter(self._logdir)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      self._error = e  # raised by the first write
+
+  def write(self, step: int, metrics: Scalars,
+            histograms: Mapping[str, Any] | None = None) -> None:
+    scalars = to_floats(metrics)
+    histograms = {tag: values for tag, values in (histograms or {}).items()
+                  if tracking.finite(values).size}
+    if not scalars and not histograms:
+      return
+    self._opened.join()
+    if self._error is not None:
+      raise self._error
+    # pylint: disable=import-outside-toplevel
+    from tensorboard.compat.proto import event_pb2, summary_pb2
     with np.errstate(over="ignore"):  # beyond float32's range: +-inf
       values = np.asarray(list(scalars.values()), np.float32)
     summary = summary_pb2.Summary(value=[
         summary_pb2.Summary.Value(tag=tag, simple_value=float(v))
         for tag, v in zip(scalars, values)])
+    if histograms:
+      from tensorboard.plugins.histogram import summary_v2
+      for tag, data in histograms.items():
+        summary.value.extend(summary_v2.histogram_pb(
+            tag, tracking.finite(data), buckets=HISTOGRAM_BUCKETS).value)
     self._writer.add_event(event_pb2.Event(
         wall_time=time.time(), step=int(step), summary=summary))
     self._writer.flush()
 
   def close(self) -> None:
+    self._opened.join()
     if self._writer is not None:
       self._writer.close()
       self._writer = None
 
 
-def read_tensorboard_scalars(path: str | os.PathLike
-                             ) -> list[tuple[int, str, float]]:
-  """``(step, tag, value)`` of each scalar in an event file.
-
-  Reads with TensorBoard's own loader (the ``tensorboard`` package).
-  """
+def _tensorboard_values(path: str | os.PathLike):
+  """``(step, tag, plugin, array)`` of each summary value in an event file,
+  read with TensorBoard's own loader (the ``tensorboard`` package)."""
   # pylint: disable=import-outside-toplevel
   from tensorboard.backend.event_processing import event_file_loader
   from tensorboard.util import tensor_util
-  out = []
   for event in event_file_loader.EventFileLoader(os.fspath(path)).Load():
     for value in event.summary.value:
-      out.append((event.step, value.tag,
-                  float(tensor_util.make_ndarray(value.tensor))))
-  return out
+      yield (event.step, value.tag, value.metadata.plugin_data.plugin_name,
+             tensor_util.make_ndarray(value.tensor))
+
+
+def read_tensorboard_scalars(path: str | os.PathLike
+                             ) -> list[tuple[int, str, float]]:
+  """``(step, tag, value)`` of each scalar in an event file."""
+  return [(step, tag, float(a)) for step, tag, plugin, a
+          in _tensorboard_values(path) if plugin != "histograms"]
+
+
+def read_tensorboard_histograms(path: str | os.PathLike
+                                ) -> list[tuple[int, str, np.ndarray]]:
+  """``(step, tag, buckets)`` of each histogram in an event file; buckets
+  ``[k, 3]``: left edge, right edge, count."""
+  return [(step, tag, a) for step, tag, plugin, a
+          in _tensorboard_values(path) if plugin == "histograms"]
 
 
 # --- console and plots -------------------------------------------------------
@@ -188,28 +229,97 @@ class ProgressBar:
 
 
 class MetricWriter:
-  """Fans out to JSONL and TensorBoard under ``workdir``.
+  """Fans a run's metrics out to the writers ``metrics.writers`` names under
+  ``workdir``: ``"jsonl"`` (``metrics.jsonl``), ``"tensorboard"``
+  (``tensorboard/``), ``"wandb"`` and ``"mlflow"`` (``rljax.tracking``).
 
-  ``active=False`` writes nothing (the processes of a multi-process run
-  other than process 0).
+  Args:
+    workdir: the run directory.
+    active: False writes nothing (the processes of a multi-process run other
+      than process 0).
+    writers: the writers' names (``tracking.check_writers``).
+    metadata: ``tracking.run_metadata``'s dict, logged by the trackers.
+    options: each tracker's keyword arguments (``{"wandb": {"project": ...},
+      "mlflow": {"experiment": ...}}``).
   """
 
-  def __init__(self, workdir: str | os.PathLike, *, active: bool = True):
+  def __init__(self, workdir: str | os.PathLike, *, active: bool = True,
+               writers: Sequence[str] = ("jsonl", "tensorboard"),
+               metadata: Mapping[str, Any] | None = None,
+               options: Mapping[str, Mapping[str, Any]] | None = None):
     self.active = active
-    if active:
-      self.jsonl = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
+    self.jsonl = self.tensorboard = None
+    self.trackers: dict[str, Any] = {}
+    if not active:
+      return
+    tracking.check_writers(writers)
+    self.workdir = os.fspath(workdir)
+    self.jsonl = JsonlWriter(os.path.join(workdir, "metrics.jsonl"))
+    if "tensorboard" in writers:
       self.tensorboard = TensorBoardWriter(os.path.join(workdir,
                                                         "tensorboard"))
+    options = options or {}
+    self._state = tracking.read_state(workdir)
+    self._resume_after: dict[str, int | None] = {}
+    for name, cls in (("wandb", tracking.WandbWriter),
+                      ("mlflow", tracking.MlflowWriter)):
+      if name in writers:
+        saved = dict(self._state.get(name, {}))
+        tracker = cls(workdir, run_id=saved.get("run_id"),
+                      metadata=metadata or {}, **options.get(name, {}))
+        self.trackers[name] = tracker
+        # The steps up to its "last_step" are in the tracker already.
+        self._resume_after[name] = saved.get("last_step")
+        self._state[name] = {**saved, "run_id": tracker.run_id}
+    if self.trackers:
+      tracking.write_state(workdir, self._state)
 
-  def write(self, step: int, metrics: Scalars) -> None:
-    if self.active:
-      self.jsonl.write(step, metrics)
-      self.tensorboard.write(step, metrics)
+  def write(self, step: int, metrics: Scalars,
+            histograms: Mapping[str, Any] | None = None) -> None:
+    """Writes ``metrics``' scalars and ``histograms`` (name -> values, for
+    TensorBoard and W&B) at ``step``. A tracker skips the steps it holds
+    already (a resumed run's steps up to its last row there)."""
+    if not self.active:
+      return
+    self.jsonl.write(step, metrics)
+    if self.tensorboard is not None:
+      self.tensorboard.write(step, metrics, histograms)
+    if not self.trackers:
+      return
+    scalars, wrote = to_floats(metrics), False
+    for name, tracker in self.trackers.items():
+      after = self._resume_after[name]
+      if after is not None and step <= after:
+        continue
+      tracker.write(step, scalars, histograms or {})
+      self._state[name]["last_step"] = step
+      wrote = True
+    if wrote:
+      tracking.write_state(self.workdir, self._state)
 
   def close(self) -> None:
-    if self.active:
-      self.jsonl.close()
+    if not self.active:
+      return
+    self.jsonl.close()
+    if self.tensorboard is not None:
       self.tensorboard.close()
+    for tracker in self.trackers.values():
+      tracker.close()
+    self.trackers = {}
+
+
+def from_config(config: Mapping[str, Any], workdir: str | os.PathLike, *,
+                active: bool = True) -> MetricWriter:
+  """The run's ``MetricWriter`` from its config (a JSON dict): the writers of
+  ``metrics.writers``, the trackers' options (``metrics.wandb``,
+  ``metrics.mlflow``) and the run's metadata (``tracking.run_metadata``)."""
+  section = config.get("metrics", {})
+  writers = tuple(section.get("writers", ("jsonl", "tensorboard")))
+  trackers = [w for w in writers if w in tracking.EXTRAS]
+  return MetricWriter(
+      workdir, active=active, writers=writers,
+      metadata=tracking.run_metadata(config) if trackers and active else None,
+      options={w: dict(section.get(w, {})) for w in trackers})
 
 
 @dataclasses.dataclass(frozen=True)

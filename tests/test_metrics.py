@@ -67,11 +67,13 @@ def test_a_run_killed_mid_write_keeps_its_complete_steps(tmp_path):
 
 
 def test_a_sigkilled_writer_leaves_every_step_it_wrote(tmp_path):
-  """A process writes three steps through TensorBoard's writer and is
-  SIGKILLed before it closes: TensorBoard's reader gets all three."""
+  """A process writes three steps (scalars and a histogram) through
+  TensorBoard's writer and is SIGKILLed before it closes: TensorBoard's
+  reader gets all three."""
   code = ("import sys, time; from rljax import metrics; "
           f"w = metrics.TensorBoardWriter({str(tmp_path)!r}); "
-          "[w.write(s, {'loss': s / 2, 'acc': 1.0}) for s in (1, 2, 3)]; "
+          "[w.write(s, {'loss': s / 2, 'acc': 1.0}, "
+          "{'rows/reward': [0.0] * s + [1.0]}) for s in (1, 2, 3)]; "
           "print('written', flush=True); time.sleep(60)")
   proc = subprocess.Popen([sys.executable, "-c", code],
                           stdout=subprocess.PIPE, text=True)
@@ -84,6 +86,9 @@ def test_a_sigkilled_writer_leaves_every_step_it_wrote(tmp_path):
   assert sorted(metrics.read_tensorboard_scalars(_event_file(tmp_path))) == [
       (1, "acc", 1.0), (1, "loss", 0.5), (2, "acc", 1.0), (2, "loss", 1.0),
       (3, "acc", 1.0), (3, "loss", 1.5)]
+  histograms = metrics.read_tensorboard_histograms(_event_file(tmp_path))
+  assert [(step, tag, buckets[:, 2].sum()) for step, tag, buckets
+          in histograms] == [(s, "rows/reward", s + 1) for s in (1, 2, 3)]
 
 
 def test_two_writers_in_one_directory_write_two_files(tmp_path):

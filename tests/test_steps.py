@@ -193,6 +193,28 @@ def test_sampler_old_logprobs_at_current_params_equal_recompute(params):
 
 
 @pytest.mark.slow
+def test_each_rows_log_ratio_is_the_trainers_logprobs_minus_the_samplers(
+    params):
+  """``rows/log_ratio`` (the histograms' input): log pi_old(y) - log mu(y)
+  summed over each row's trained tokens, pi_old recomputed at the params
+  (two minibatches: the second update's ratio is against it); NaN for a row
+  with no trained token."""
+  rng = np.random.default_rng(1)
+  sampler = jnp.asarray(rng.normal(-2.0, 0.5, BATCH.sampler_logprobs_NxL.shape),
+                        jnp.float32)
+  _, metrics = _run_step(params, train.RLStepConfig(
+      completion_length=MAX_LENGTH, num_minibatches=2), batch=BATCH._replace(
+          sampler_logprobs_NxL=sampler))
+  lp = np.asarray(models.sequence_logprobs(
+      params, MC, BATCH.tokens_NxL, BATCH.input_mask_NxL)[0], np.float64)
+  m = np.asarray(BATCH.loss_mask_NxL)
+  want = np.where(m.any(1), np.sum((lp - np.asarray(sampler)) * m, 1), np.nan)
+  assert np.isnan(want).sum() == 1  # the batch's row without a trained token
+  np.testing.assert_allclose(np.asarray(metrics["rows/log_ratio"]), want,
+                             rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.slow
 def test_dro_step_is_the_gradient_of_verls_dro_loss(params):
   """rl.objective="dro": one SGD update equals jax.grad of verl's
   compute_policy_loss_dro, -(logp A - 0.5 beta (logp - old)^2), token mean

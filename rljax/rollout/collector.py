@@ -67,6 +67,10 @@ class Collected(NamedTuple):
     token_versions: ``[N, T]`` int32, the policy version that drew each
       completion token (-1 where masked); None: every token is of the
       ``version`` passed to ``collect``.
+    rows: per-row figures of every row, for histograms (``rows/reward``,
+      ``rows/completion_length``, ``rows/advantage`` and, where the rollout
+      carries the policy's logprobs, ``rows/log_ratio``: log pi_old(y) /
+      mu(y)); NaN: a row out of the loss.
   """
 
   batch: Any
@@ -75,6 +79,7 @@ class Collected(NamedTuple):
   completions: list[str]
   rewards_NxR: np.ndarray
   token_versions: np.ndarray | None = None
+  rows: dict[str, np.ndarray] | None = None
 
 
 class Postprocess(Protocol):
@@ -446,6 +451,10 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
           self._weights_R, adv_state, rows(trained_N), rows(group_ids_N))
       adv_metrics = jax.device_get(adv_metrics)
     t_advantage = time.time()
+    rows_out = {k: np.asarray(adv_metrics.pop(k)) for k in list(adv_metrics)
+                if k.startswith("rows/")}
+    rows_out["rows/reward"] = np.asarray(result.total_N, np.float64)
+    rows_out["rows/completion_length"] = np.asarray(lengths, np.float64)
     if adv_metrics["nonfinite_rows"]:
       log.warning(
           "the advantage chain (Algorithm.advantage of %r) returned non-"
@@ -489,7 +498,7 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       # Merged rounds hold every process's completions: this one's rows.
       completions = completions[self.group.rows(self.mesh, len(completions))]
     return Collected(batch, adv_state, metrics, completions,
-                     result.rewards_NxR, sampled.token_versions)
+                     result.rewards_NxR, sampled.token_versions, rows_out)
 
   def sample_global(self, params, examples, key, version, on_dispatch=None,
                     more_examples=None, **kwargs

@@ -13,7 +13,7 @@ import jax
 
 from rljax import data as data_lib
 from rljax import objectives as obj_lib
-from rljax import sharding
+from rljax import sharding, tracking
 from rljax.train import algorithm as alg_lib
 from rljax.train import combinations
 from rljax.train import schema, table
@@ -216,6 +216,14 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
       check_range(name, value, field.rule)
     if field.choices is not None:
       table.check_choice(name, value, field.choices)
+  tracking.check_writers(tuple(config.metrics.writers))
+  for field in ("metrics.wandb.project", "metrics.wandb.entity",
+                "metrics.wandb.name", "metrics.mlflow.tracking_uri",
+                "metrics.mlflow.experiment", "metrics.mlflow.name"):
+    section, tracker, leaf = field.split(".")
+    if not isinstance(config[section][tracker][leaf], str):
+      raise ValueError(f"{field}={config[section][tracker][leaf]!r}: a "
+                       "string is required.")
   rl = config.rl
   if rl.is_floor is not None and rl.is_floor > rl.is_cap:
     raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "

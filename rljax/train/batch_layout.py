@@ -148,6 +148,11 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
         padded(total_N, 0.0), padded(row_advantages_N, 0.0),
         group_size=groups[1], mask_N=padded(valid_N & kept, False))
   metrics["nonfinite_rows"] = jnp.sum(~finite_N).astype(jnp.float32)
+  # Per-row figures for the run's histograms (``rows/*``; the collector
+  # takes them out of the ``adv/*`` metrics).
+  metrics["rows/advantage"] = jnp.where(finite_N, row_advantages_N, jnp.nan)
+  if rollout.policy_logprobs is not None:
+    metrics["rows/log_ratio"] = seq_log_ratio_N
   tokens, input_mask = rollout.sequences()
   zeros = jnp.zeros(rollout.prompt_mask.shape, jnp.float32)
   completion_advantages = (

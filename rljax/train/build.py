@@ -189,6 +189,7 @@ class LoopSettings:
     group_size: trained rows per prompt (G).
     num_rewards: reward functions (R).
     eval_every, checkpoint_every: cadences in RL steps.
+    histogram_every: per-row histograms' cadence (0: never).
     eval_num_samples: samples per held-out prompt.
     eval_greedy: also evaluate greedy decoding.
     best_metric: the metric whose best checkpoint is kept ("" for none).
@@ -216,6 +217,7 @@ class LoopSettings:
   task_name: str
   max_reward_failure_fraction: float = 0.99
   reward_failure_patience: int = 5
+  histogram_every: int = 0
 
 
 def loop_settings(config: Any) -> LoopSettings:
@@ -233,7 +235,8 @@ def loop_settings(config: Any) -> LoopSettings:
       sampling_temperature=float(config.sampler.temperature),
       task_name=config.task.name,
       max_reward_failure_fraction=float(config.rewards.max_failure_fraction),
-      reward_failure_patience=int(config.rewards.failure_patience))
+      reward_failure_patience=int(config.rewards.failure_patience),
+      histogram_every=int(config.metrics.histogram_every))
 
 
 # ----------------------------------------------------------------------------

@@ -212,7 +212,11 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
     if step % s.eval_every == 0 or step == s.num_steps:
       m.update(run.evaluate(state.params, jax.random.fold_in(run.eval_key,
                                                              step)))
-    run.writer.write(step, m)
+    rows = {**(collected.rows or {}), **{k: m.pop(k) for k in list(m)
+                                         if k.startswith("rows/")}}
+    every = s.histogram_every
+    run.writer.write(step, m, rows if every and (
+        step % every == 0 or step == s.num_steps) else None)
     progress.update(step, m)
     last = metrics_lib.to_floats(m)
     if last.get("coef/nonfinite_tokens"):

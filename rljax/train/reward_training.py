@@ -401,7 +401,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   latest = manager.latest_step()
   # Rows past the newest checkpoint (a killed run's) are written again.
   rundir.trim_metrics(metrics_path, latest if latest is not None else -10**9)
-  writer = metrics_lib.MetricWriter(workdir)
+  writer = metrics_lib.from_config(
+      json.loads(config.to_json_best_effort()), workdir)
   key = jax.random.key(config.seed)
   with jax.set_mesh(mesh):
     params = rm_lib.init_params(rm_config, key, mesh)

@@ -348,6 +348,22 @@ _BASE: dict[str, Field] = {
     "checkpoint.best_metric": F("", None, "also keep the best by this metric"),
     "checkpoint.best_mode": F("max", None, "of best_metric",
                               choices=("max", "min")),
+    # --- metrics: where they are written (rljax/metrics.py, tracking.py) ---
+    "metrics.writers": F(("jsonl", "tensorboard"), None, "jsonl (required), "
+                         "tensorboard, wandb, mlflow (the last two: extras)"),
+    "metrics.histogram_every": F(10, "int>=0", "per-row advantages, rewards, "
+                                 "lengths, log-ratios as histograms every k "
+                                 "steps (0: never)"),
+    "metrics.wandb.project": F("rljax", None, "W&B project"),
+    "metrics.wandb.entity": F("", None, "W&B entity ('': the default)"),
+    "metrics.wandb.mode": F("", None, "'': WANDB_MODE (else online)",
+                            choices=("", "online", "offline")),
+    "metrics.wandb.name": F("", None, "W&B run name ('': generated)"),
+    "metrics.mlflow.tracking_uri": F("", None, "'': $MLFLOW_TRACKING_URI, "
+                                     "else sqlite in the run directory"),
+    "metrics.mlflow.experiment": F("rljax", None, "MLflow experiment name"),
+    "metrics.mlflow.name": F("", None, "MLflow run name ('': the run "
+                             "directory's)"),
 }
 
 

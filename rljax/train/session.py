@@ -263,7 +263,8 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   if not run.manager.all_steps():
     if primary and os.path.exists(run.metrics_path):  # a run that saved nothing
       rundir.trim_metrics(run.metrics_path, -10**9)
-    run.writer = metrics_lib.MetricWriter(run.workdir, active=primary)
+    run.writer = metrics_lib.from_config(run.c.config_json, run.workdir,
+                                         active=primary)
     t = time.time()
     params = sft.run_sft(params, c.sft, task=c.task, tokenizer=c.tokenizer,
                          model_config=c.model_config.without_lora(),
@@ -316,7 +317,8 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
                 "rl.rollout is not 'partial' now.", len(carried["born"]))
   run.before = meta.get("before", {})
   dropped = rundir.trim_metrics(run.metrics_path, resumed) if primary else 0
-  run.writer = metrics_lib.MetricWriter(run.workdir, active=primary)
+  run.writer = metrics_lib.from_config(run.c.config_json, run.workdir,
+                                         active=primary)
   log.info("resumed from step %d in %s (%d metric rows after it dropped)",
            resumed, run.manager.directory, dropped)
   state = tree["state"]

@@ -468,6 +468,12 @@ def make_rl_step(model_config: models.ModelConfig, cfg: RLStepConfig,
       # The recomputed pi_old is the trainer at the sampler's params.
       mismatch = mismatch_statistics(old, inputs.sampler_logprobs_NxT,
                                      inputs.loss_mask_NxT)
+      # Each row's log pi_old(y) / mu(y), for the run's histograms (NaN: a
+      # row with no trained token).
+      trained = inputs.loss_mask_NxT
+      metrics["rows/log_ratio"] = jnp.where(
+          jnp.any(trained, -1), jnp.sum(jnp.where(
+              trained, old - inputs.sampler_logprobs_NxT, 0.0), -1), jnp.nan)
     else:
       # The first update's forward ran at the sampler's params.
       mismatch = jax.tree.map(lambda x: x[0], mismatch)
