@@ -77,7 +77,81 @@ def run(main: Callable[[list[str]], Any]) -> None:
       print(error_line(e), file=sys.stderr, flush=True)
       sys.exit(1)
 
-  app.run(guarded)
+  app.run(guarded, flags_parser=parse_flags)
+
+
+def define_config_file(name: str, default: str, help_string: str):
+  """``config_flags.DEFINE_config_file``, which reads the command line's
+  ``--config.<field>=<value>`` overrides when it is defined (as the
+  launcher is imported): an override that names no field, or a value of
+  the wrong type, is reported in one line (``config_error_line``) and the
+  process exits with status 1; ``--verbosity`` keeps the traceback."""
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  try:
+    return config_flags.DEFINE_config_file(name, default, help_string)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    if any(a.startswith("--verbosity") for a in sys.argv):
+      raise
+    print(config_error_line(sys.argv, e), file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a config override that names no field (or
+  gives a value of the wrong type) reported in one line: the field, the
+  closest accepted names, and how to list them. ``--verbosity`` on the
+  command line keeps ml_collections' own traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:  # absl's own flags: absl reports them
+    if not _config_overrides(argv):
+      print(f"FATAL Flags parsing error: {e}", file=sys.stderr, flush=True)
+      sys.exit(1)
+    error: BaseException = e
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    error = e
+  if any(a.startswith("--verbosity") for a in argv):
+    raise error
+  print(config_error_line(argv, error), file=sys.stderr, flush=True)
+  sys.exit(1)
+
+
+def _config_overrides(argv: list[str]) -> list[tuple[str, str]]:
+  """``(field, value)`` of each ``--config.<field>=<value>`` in ``argv``."""
+  out = []
+  for arg in argv[1:]:
+    if arg.startswith("--config."):
+      field, _, value = arg[len("--config."):].partition("=")
+      out.append((field, value))
+  return out
+
+
+def config_error_line(argv: list[str], error: BaseException) -> str:
+  """One line for a config override that failed to parse: an unknown
+  field with the closest names (``rljax/train/schema.py`` lists every
+  field), else the override and ml_collections' message."""
+  import difflib  # pylint: disable=import-outside-toplevel
+  from rljax.train import schema  # pylint: disable=import-outside-toplevel
+  fields = schema.fields()
+  # A dict field takes any key below it (task.kwargs.max_digits).
+  open_fields = tuple(f + "." for f, spec in fields.items()
+                      if isinstance(spec.default, dict))
+  for field, value in _config_overrides(argv):
+    if field in fields or field.startswith(open_fields):
+      continue
+    close = difflib.get_close_matches(field, list(fields), n=3, cutoff=0.6)
+    if not close:  # a mistyped section: the fields of the closest one
+      section = field.partition(".")[2]
+      close = difflib.get_close_matches(
+          section, [f.partition(".")[2] for f in fields], n=3, cutoff=0.6)
+      close = [f for f in fields if f.partition(".")[2] in close][:3]
+    hint = (f"; did you mean {', '.join('config.' + c for c in close)}?"
+            if close else "")
+    return (f"error: --config.{field}={value}: config has no field "
+            f"{field!r}{hint} (every field: rljax/train/schema.py)")
+  message = " ".join(str(error).split())  # ml_collections' message, one line
+  overrides = " ".join(f"--config.{f}={v}" for f, v in _config_overrides(argv))
+  return f"error: {overrides}: {message[:300]}"
 
 
 def error_line(error: BaseException) -> str:

@@ -29,8 +29,8 @@ from launch import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs",
                         "arithmetic_grpo.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT,
-                                          "ml_collections config file")
+_CONFIG = cli.define_config_file("config", _DEFAULT,
+                                 "ml_collections config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_run",
                                "where metrics, plots and checkpoints go")
 _RECORD_DIR = flags.DEFINE_string(

@@ -19,13 +19,12 @@ checkpoint with the tokenizer). Train a policy against it with
 import json
 import os
 
-from absl import app, flags
-from ml_collections import config_flags
+from absl import flags
 
 from launch import cli
 from rljax.train import reward_training
 
-_CONFIG = config_flags.DEFINE_config_file(
+_CONFIG = cli.define_config_file(
     "config", os.path.join(os.path.dirname(__file__), "..", "configs",
                            "arithmetic_grpo.py"), "an RL config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_rm", "the run directory")
@@ -39,4 +38,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -235,3 +235,34 @@ def test_export_of_a_directory_that_is_not_a_run_is_one_line(
   assert len(errors) == 1 and f"--workdir={bad}" in errors[0], stderr
   assert "checkpoint" in errors[0] or "config.json" in errors[0], errors
   assert not stdout and not (bad / "export").exists()
+
+
+@pytest.mark.parametrize("module, override, says", [
+    ("launch.train", "--config.rl.grup_size=16",
+     "config has no field 'rl.grup_size'; did you mean config.rl.group_size"),
+    ("launch.train_reward_model", "--config.rlx.group_size=16",
+     "config has no field 'rlx.group_size'; did you mean "
+     "config.rl.group_size?"),
+    ("launch.train", "--config.rl.group_size=sixteen",
+     "invalid literal for int()"),
+])
+def test_a_mistyped_config_field_is_one_line_with_the_closest_names(
+    tmp_path, module, override, says):
+  stdout, stderr = _run_failing(module, override, f"--workdir={tmp_path}/w")
+  assert stderr.splitlines() == [stderr.strip()], stderr  # one line
+  assert stderr.startswith(f"error: {override}: ") and says in stderr, stderr
+  assert not stdout and not os.path.exists(f"{tmp_path}/w")
+
+
+def test_a_dict_fields_keys_and_verbosity_keep_their_ways(tmp_path):
+  """Keys under a dict field (``task.kwargs``) are not mistakes; with
+  ``--verbosity`` the mistyped field keeps ml_collections' traceback."""
+  stdout, stderr = _run_failing(
+      "launch.train", "--config.task.kwargs.max_digits=3",
+      "--config.sampler.temprature=2", f"--workdir={tmp_path}/w")
+  assert stderr.startswith("error: --config.sampler.temprature=2: config has "
+                           "no field 'sampler.temprature'; did you mean "
+                           "config.sampler.temperature"), stderr
+  _, stderr = _run_failing("launch.train", "--config.sampler.temprature=2",
+                           "--verbosity=0", f"--workdir={tmp_path}/w")
+  assert "Traceback" in stderr and "temprature" in stderr
