@@ -65,6 +65,18 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 
 # --- TensorBoard ------------------------------------------------------------
 
+def _import_tensorboard() -> None:
+  """Imports what ``TensorBoardWriter.write`` uses. An import error is
+  raised again, with its traceback, by the first write's own import."""
+  # pylint: disable=import-outside-toplevel,unused-import
+  try:
+    from tensorboard.compat.proto import event_pb2, summary_pb2  # noqa: F401
+    from tensorboard.plugins.histogram import summary_v2  # noqa: F401
+    from tensorboard.summary.writer import event_file_writer  # noqa: F401
+  except ImportError:
+    pass
+
+
 class TensorBoardWriter:
   """Writes scalar and histogram summaries to
   ``<logdir>/events.out.tfevents.*`` with TensorBoard's own event-file writer
@@ -74,28 +86,18 @@ class TensorBoardWriter:
   (TensorBoard's reader drops a record cut short). Each writer starts a file
   of its own (a resumed run adds one, as TensorFlow's writers do).
 
-  TensorBoard's modules are imported and the event file opened on a thread
-  started here (~50 ms the first time in a process), so that the run's
-  first row, after its set-up and compiles, does not wait for them.
+  TensorBoard's modules are imported on a thread started here (~50 ms the
+  first time in a process), so that the run's first row, after its set-up
+  and compiles, does not wait for them; the event file is created by the
+  first write (a writer that writes nothing leaves no file).
   """
 
   def __init__(self, logdir: str | os.PathLike):
     self._logdir = os.fspath(logdir)
-    self._writer = self._error = None
-    self._opened = threading.Thread(target=self._open, daemon=True,
-                                    name="rljax-tensorboard-writer")
-    self._opened.start()
-
-  def _open(self) -> None:
-    try:
-      # pylint: disable=import-outside-toplevel,unused-import
-      from tensorboard.compat.proto import event_pb2, summary_pb2  # noqa: F401
-      from tensorboard.plugins.histogram import summary_v2  # noqa: F401
-      from tensorboard.summary.writer import event_file_writer
-      os.makedirs(self._logdir, exist_ok=True)
-      self._writer = event_file_writer.EventFileWriter(self._logdir)
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      self._error = e  # raised by the first write
+    self._writer = None
+    self._imported = threading.Thread(target=_import_tensorboard, daemon=True,
+                                      name="rljax-tensorboard-import")
+    self._imported.start()
 
   def write(self, step: int, metrics: Scalars,
             histograms: Mapping[str, Any] | None = None) -> None:
@@ -104,11 +106,13 @@ class TensorBoardWriter:
                   if tracking.finite(values).size}
     if not scalars and not histograms:
       return
-    self._opened.join()
-    if self._error is not None:
-      raise self._error
+    self._imported.join()
     # pylint: disable=import-outside-toplevel
     from tensorboard.compat.proto import event_pb2, summary_pb2
+    if self._writer is None:
+      from tensorboard.summary.writer import event_file_writer
+      os.makedirs(self._logdir, exist_ok=True)
+      self._writer = event_file_writer.EventFileWriter(self._logdir)
     with np.errstate(over="ignore"):  # beyond float32's range: +-inf
       values = np.asarray(list(scalars.values()), np.float32)
     summary = summary_pb2.Summary(value=[
@@ -124,7 +128,6 @@ class TensorBoardWriter:
     self._writer.flush()
 
   def close(self) -> None:
-    self._opened.join()
     if self._writer is not None:
       self._writer.close()
       self._writer = None

@@ -199,3 +199,17 @@ def test_curves_have_titles_labels_fixed_accuracy_axes_and_a_smoothed_reward():
   assert raw.get_alpha() == 0.25 and smooth.get_alpha() is None  # raw faint
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   plt.close(fig)
+
+
+def test_a_tensorboard_writer_that_writes_nothing_leaves_no_file(tmp_path):
+  """The import runs ahead on a thread; the file comes with the first row (a
+  rerun of a finished run writes nothing and must leave nothing)."""
+  w = metrics.TensorBoardWriter(tmp_path / "tb")
+  w.write(3, {})
+  w.close()
+  assert not (tmp_path / "tb").exists()
+  w = metrics.TensorBoardWriter(tmp_path / "tb")
+  w.write(4, {"x": 1.0})
+  w.close()
+  assert metrics.read_tensorboard_scalars(_event_file(tmp_path / "tb")) == [
+      (4, "x", 1.0)]
