@@ -7,7 +7,7 @@ only ``rljax.rewards``, never pay for JAX.
 
 import importlib
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the package's version (pyproject.toml reads it)
 
 _SUBMODULES = (
     "advantages", "checkpoint", "data", "envs", "logprobs", "metrics",

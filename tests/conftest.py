@@ -67,16 +67,54 @@ def _restore_rljax_logger():
   log.handlers[:] = handlers
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 @pytest.fixture(scope="session")
-def finished_tiny_run(tmp_path_factory):
-  """``(workdir, output)`` of ``python -m launch.train`` on the main job's
-  ``tiny`` config (3 RL steps, a checkpoint at each), run once per session
-  in a subprocess as a user types it (one CPU device, the user's XLA
-  flags); its console output has stdout and stderr merged. Tests that read
-  it (launchers, console output) must not change what it trained."""
+def installed_wheel(tmp_path_factory):
+  """``(python, site_packages, dist)``: rljax's wheel and sdist built from
+  this checkout (``python -m build`` into ``dist``) and the wheel installed
+  into a fresh virtual environment. Its dependencies are this
+  environment's (a ``.pth`` line; no network): the venv imports rljax,
+  launch and configs from the wheel alone."""
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
+  import sysconfig  # pylint: disable=import-outside-toplevel
+  base = tmp_path_factory.mktemp("wheel")
+  dist, venv = base / "dist", base / "venv"
+  subprocess.run([sys.executable, "-m", "build", "--no-isolation",
+                  "--outdir", str(dist), ROOT], check=True,
+                 capture_output=True, timeout=600)
+  [wheel] = dist.glob("rljax-*.whl")
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)],
+                 check=True, timeout=120)
+  python = venv / "bin" / "python"
+  site = subprocess.run(
+      [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+       "['purelib'])"], check=True, capture_output=True, text=True,
+      timeout=60).stdout.strip()
+  subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps",
+                  "--no-index", "--quiet", "--target", site, str(wheel)],
+                 check=True, timeout=300)
+  ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+  with open(os.path.join(site, "zz_test_dependencies.pth"), "w") as f:
+    f.write("\n".join(sorted(ours)) + "\n")
+  return str(python), site, str(dist)
+
+
+@pytest.fixture(scope="session")
+def finished_tiny_run(tmp_path_factory, installed_wheel):
+  """``(workdir, output)`` of ``python -m launch.train`` on the main job's
+  ``tiny`` config (3 RL steps, a checkpoint at each), run once per session
+  in a subprocess as a user types it: from the installed wheel
+  (``installed_wheel``), in an empty directory, on one CPU device with the
+  user's XLA flags; its console output has stdout and stderr merged. Tests
+  that read it (launchers, console output) must not change what it
+  trained."""
+  import subprocess  # pylint: disable=import-outside-toplevel
+  python, site, _ = installed_wheel
   workdir = str(tmp_path_factory.mktemp("finished") / "run")
+  empty = tmp_path_factory.mktemp("empty")
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   # The user's malloc tunables: the launcher re-executes itself on huge
@@ -84,12 +122,12 @@ def finished_tiny_run(tmp_path_factory):
   env.pop("GLIBC_TUNABLES", None)
   if _USER_GLIBC_TUNABLES is not None:
     env["GLIBC_TUNABLES"] = _USER_GLIBC_TUNABLES
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env.pop("PYTHONPATH", None)
   proc = subprocess.run(
-      [sys.executable, "-m", "launch.train",
-       "--config=configs/arithmetic_grpo.py:tiny",
+      [python, "-m", "launch.train",
+       f"--config={site}/configs/arithmetic_grpo.py:tiny",
        "--config.checkpoint.every=1", f"--workdir={workdir}"],
-      cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      cwd=empty, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
       text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stdout
   return workdir, proc.stdout
