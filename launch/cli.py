@@ -80,6 +80,29 @@ def run(main: Callable[[list[str]], Any]) -> None:
   app.run(guarded, flags_parser=parse_flags)
 
 
+def first_line(launcher: str, default_config: str, default_workdir: str
+               ) -> None:
+  """Prints what is about to be built, before JAX and the config load (the
+  next lines come seconds later): the launcher, the config file and the
+  run directory of the command line (or their defaults)."""
+  import time  # pylint: disable=import-outside-toplevel
+  from rljax import __version__  # pylint: disable=import-outside-toplevel
+  config = os.path.abspath(default_config)
+  if not os.path.relpath(config).startswith(".."):
+    config = os.path.relpath(config)
+  workdir = default_workdir
+  for arg in sys.argv[1:]:
+    if arg.startswith("--config="):
+      config = arg.split("=", 1)[1]
+    elif arg.startswith("--workdir="):
+      workdir = arg.split("=", 1)[1]
+  if any(a in ("--help", "--helpshort", "--helpfull") for a in sys.argv):
+    return
+  print(f"{time.strftime('%H:%M:%S')} rljax {__version__}: {launcher} with "
+        f"{config} in {workdir}; loading JAX and the config",
+        file=sys.stderr, flush=True)
+
+
 def define_config_file(name: str, default: str, help_string: str):
   """``config_flags.DEFINE_config_file``, which reads the command line's
   ``--config.<field>=<value>`` overrides when it is defined (as the

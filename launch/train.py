@@ -29,6 +29,7 @@ from launch import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs",
                         "arithmetic_grpo.py")
+cli.first_line("launch.train", _DEFAULT, "/tmp/rljax_run")
 _CONFIG = cli.define_config_file("config", _DEFAULT,
                                  "ml_collections config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_run",

@@ -22,11 +22,12 @@ import os
 from absl import flags
 
 from launch import cli
-from rljax.train import reward_training
 
-_CONFIG = cli.define_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs",
-                           "arithmetic_grpo.py"), "an RL config file")
+_DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs",
+                        "arithmetic_grpo.py")
+cli.first_line("launch.train_reward_model", _DEFAULT, "/tmp/rljax_rm")
+from rljax.train import reward_training  # noqa: E402  (after the first line)
+_CONFIG = cli.define_config_file("config", _DEFAULT, "an RL config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_rm", "the run directory")
 
 

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import launch
+import rljax
 from rljax import models, tokenizers, train
 from tests.hf_extra import requires_hf
 
@@ -249,8 +250,9 @@ def test_export_of_a_directory_that_is_not_a_run_is_one_line(
 def test_a_mistyped_config_field_is_one_line_with_the_closest_names(
     tmp_path, module, override, says):
   stdout, stderr = _run_failing(module, override, f"--workdir={tmp_path}/w")
-  assert stderr.splitlines() == [stderr.strip()], stderr  # one line
-  assert stderr.startswith(f"error: {override}: ") and says in stderr, stderr
+  first, error = stderr.splitlines()  # what it builds, then the error
+  assert f"rljax {rljax.__version__}: {module} with " in first, first
+  assert error.startswith(f"error: {override}: ") and says in error, stderr
   assert not stdout and not os.path.exists(f"{tmp_path}/w")
 
 
@@ -260,9 +262,9 @@ def test_a_dict_fields_keys_and_verbosity_keep_their_ways(tmp_path):
   stdout, stderr = _run_failing(
       "launch.train", "--config.task.kwargs.max_digits=3",
       "--config.sampler.temprature=2", f"--workdir={tmp_path}/w")
-  assert stderr.startswith("error: --config.sampler.temprature=2: config has "
-                           "no field 'sampler.temprature'; did you mean "
-                           "config.sampler.temperature"), stderr
+  assert stderr.splitlines()[1].startswith(
+      "error: --config.sampler.temprature=2: config has no field "
+      "'sampler.temprature'; did you mean config.sampler.temperature"), stderr
   _, stderr = _run_failing("launch.train", "--config.sampler.temprature=2",
                            "--verbosity=0", f"--workdir={tmp_path}/w")
   assert "Traceback" in stderr and "temprature" in stderr

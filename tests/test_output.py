@@ -57,7 +57,15 @@ def test_train_prints_rljax_lines_in_order_and_no_third_party_info(finished):
                 "Unable to initialize backend"):
     assert noise not in out, out
   assert "\r" not in out
-  expected = ["model:", "task arithmetic", "sft step", "held-out before RL",
+  # What is built, before JAX loads: the first line.
+  assert re.match(r"^\d\d:\d\d:\d\d rljax ", out), out
+  expected = ["launch.train with ", "loading JAX and the config",
+              "building a fresh 'tiny' model on 'arithmetic': SFT 4 steps, "
+              "RL 3 steps x 8 prompts x 4 samples", "model:",
+              "task arithmetic", "sft: 4 warm-up steps x 8 rows; compiling",
+              "sft: step 1 compiled and ran in", "sft step",
+              "held-out evaluation before RL (compiles",
+              "held-out evaluation took", "held-out before RL",
               "RL step 1: compiling the sampler and the update",
               "RL step 1 took", "RL step 3/3", "held-out after RL",
               "run summary:", "held-out accuracy (T=", "wall clock",
@@ -68,6 +76,29 @@ def test_train_prints_rljax_lines_in_order_and_no_third_party_info(finished):
   positions = [out.find(text) for text in expected]
   assert -1 not in positions, (expected[positions.index(-1)], out)
   assert positions == sorted(positions), out
+
+
+def test_the_main_jobs_first_line_comes_within_two_seconds(tmp_path):
+  """``python -m launch.train`` (the main job, as the README runs it) says
+  what it builds before it loads JAX; the process is stopped there."""
+  import time  # pylint: disable=import-outside-toplevel
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  start = time.monotonic()
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "launch.train", f"--workdir={tmp_path}/run"],
+      cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True)
+  try:
+    line = proc.stdout.readline()
+    elapsed = time.monotonic() - start
+  finally:
+    proc.kill()
+    proc.wait()
+  assert elapsed < 2.0, (elapsed, line)
+  assert re.match(r"^\d\d:\d\d:\d\d rljax [\d.]+: launch.train with "
+                  r"configs/arithmetic_grpo.py in " + re.escape(
+                      f"{tmp_path}/run") + "; loading JAX", line), line
 
 
 @pytest.mark.slow

@@ -376,6 +376,11 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                      "model.preset with the run's own tokenizer; accepted: "
                      "model.path=''.")
   t0 = time.time()
+  init = (f"the SFT model ({config.sft.num_steps} warm-up steps)"
+          if r.init == "sft" and config.sft.num_steps else "a fresh decoder")
+  log.info("building a Bradley-Terry reward model from %s: %s %d steps x "
+           "%d pairs, learning rate %g", init, config.task.path
+           or config.task.name, r.num_steps, r.batch_size, r.learning_rate)
   os.makedirs(workdir, exist_ok=True)
   mesh = sharding.mesh_from_config(config.mesh)
   task, train_examples, _ = build.load_task(config)
@@ -389,6 +394,13 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   chat = config.tokenizer.chat_template
   train = encode_pairs(tokenizer, train_pairs, r.max_length, chat)
   heldout = encode_pairs(tokenizer, heldout_pairs, r.max_length, chat)
+  devices = jax.devices()
+  log.info("reward model: %d layers, width %d, vocab %d; %d %s device(s), "
+           "mesh %s; %d training pairs, %d held-out (%s negatives)",
+           decoder.num_layers, decoder.d_model, decoder.vocab_size,
+           len(devices), devices[0].platform,
+           dict(mesh.shape), len(train.chosen), len(heldout.chosen),
+           r.negatives)
   sharding.check_batch_divisible(r.batch_size, mesh, "reward_model.batch_size")
   opt = optax.adamw(optim.warmup_cosine(r.learning_rate, r.num_steps),
                     weight_decay=0.0)

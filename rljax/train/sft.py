@@ -218,6 +218,8 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
   rng = np.random.default_rng(cfg.seed)
   start = time.time()
   every = max(1, cfg.num_steps // 5)
+  log.info("sft: %d warm-up steps x %d rows; compiling the step (once)",
+           cfg.num_steps, cfg.batch_size)
   with jax.set_mesh(mesh):
     for i in range(cfg.num_steps):
       idx = rng.integers(0, len(examples), cfg.batch_size)
@@ -230,6 +232,10 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
           params, opt_state,
           *(group.global_array(x[idx], mesh)
             for x in (tokens, input_mask, loss_mask)), *extra)
+      if i == 0:
+        jax.block_until_ready(m)
+        log.info("sft: step 1 compiled and ran in %.1f s",
+                 time.time() - start)
       if (i + 1) % every == 0 or i + 1 == cfg.num_steps:
         m = metrics_lib.to_floats(m)
         log.info("sft step %d/%d loss %.4f (%.0fs)", i + 1, cfg.num_steps,
