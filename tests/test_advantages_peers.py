@@ -383,7 +383,15 @@ def test_collector_drops_remax_greedy_rows_and_places_ktae_tokens():
       tokens_NxT=rollout.completion_tokens,
       completion_mask_NxT=rollout.completion_mask)[0]
   np.testing.assert_allclose(batch.advantages_NxL[:, 2:], direct, rtol=1e-6)
-  assert all(np.isfinite(float(v)) for v in metrics.values())
+  assert all(np.isfinite(float(v)) for k, v in metrics.items()
+             if not k.startswith("rows/"))
+  # Each row's advantage for the histograms: the token mean over its
+  # completion.
+  mask = np.asarray(rollout.completion_mask)
+  np.testing.assert_allclose(
+      metrics["rows/advantage"],
+      (np.asarray(direct) * mask).sum(1) / np.maximum(mask.sum(1), 1),
+      rtol=1e-5)
 
 
 @pytest.mark.slow

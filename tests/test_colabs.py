@@ -68,6 +68,13 @@ def test_notebook_is_committed_clean(path):
   for i, cell in enumerate(code):
     assert not re.search(r"[\"'](\.\./|configs/|colabs/|launch/)", cell.source), (
         f"code cell {i} reads a path relative to the repository")
+  # What it writes goes under `runs` (RUNS_DIR, or a temporary directory
+  # that the last cell removes): no other temporary directory.
+  writes = [c for c in code if "mkdtemp" in c.source or "run_dir(" in c.source]
+  if writes:
+    assert code[1].source.count("mkdtemp") == 1 and "RUNS_DIR" in code[1].source
+    assert not [c for c in code[2:] if "mkdtemp" in c.source]
+    assert "shutil.rmtree(runs)" in code[-1].source
 
 
 # Notebooks that train the main job for hundreds of steps: their kernels
@@ -79,10 +86,45 @@ TRAIN_THE_MAIN_JOB = ("quickstart.ipynb", "rlhf_with_a_reward_model.ipynb")
 @pytest.mark.timeout(max(TIME_LIMITS_S.values()) + 60)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
 def test_notebook_runs(path, tmp_path):
+  """Runs to the end, and leaves nothing in the temporary directory."""
   nb = _read(path)
+  cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+  cwd.mkdir()
+  tmp.mkdir()
   client = nbclient.NotebookClient(
       nb, kernel_name=KERNEL,
       timeout=TIME_LIMITS_S.get(os.path.basename(path), TIME_LIMIT_S),
-      resources={"metadata": {"path": str(tmp_path)}})
-  client.execute(env=subprocess_env.one_device_env(
-      fast_codegen=os.path.basename(path) not in TRAIN_THE_MAIN_JOB))
+      resources={"metadata": {"path": str(cwd)}})
+  env = subprocess_env.one_device_env(
+      fast_codegen=os.path.basename(path) not in TRAIN_THE_MAIN_JOB)
+  client.execute(env={**env, "TMPDIR": str(tmp)})
+  assert not os.listdir(tmp), os.listdir(tmp)
+  assert_stated_figures_are_computed(nb)
+
+
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?%)")
+
+
+def assert_stated_figures_are_computed(nb):
+  """Every percentage the prose states (markdown cells) appears, as written,
+  in the executed cells' output: the prose states only what they compute."""
+  out = []
+  for cell in nb.cells:
+    for o in cell.get("outputs", []):
+      out.append(o.get("text", "") + o.get("data", {}).get("text/plain", ""))
+  out = "\n".join(out)
+  for cell in nb.cells:
+    if cell.cell_type == "markdown":
+      for figure in FIGURE.findall(cell.source):
+        assert figure in out, (figure, cell.source)
+
+
+def test_a_stated_figure_that_no_cell_prints_fails_the_check():
+  nb = nbformat.v4.new_notebook(cells=[
+      nbformat.v4.new_markdown_cell("accuracy goes from 50.4% to 62.1%"),
+      nbformat.v4.new_code_cell(outputs=[nbformat.v4.new_output(
+          "stream", name="stdout", text="before RL 50.4%, after RL 62.1%\n")])])
+  assert_stated_figures_are_computed(nb)
+  nb.cells[0].source = "accuracy goes from about 54% to about 68%"
+  with pytest.raises(AssertionError, match="54%"):
+    assert_stated_figures_are_computed(nb)
