@@ -40,21 +40,6 @@ from rljax.train.steps import jit_rl_step, make_rl_step
 log = logging.getLogger("rljax")
 
 
-def describe(config: Any) -> str:
-  """What a config builds, in one line (the launcher's first lines)."""
-  c = schema.complete_config(config)
-  model = (f"the Hugging Face checkpoint {c.model.path}" if c.model.path
-           else f"a fresh {c.model.preset!r} model")
-  if c.model.lora.rank:
-    model += f" with LoRA rank {c.model.lora.rank}"
-  task = c.task.path or c.task.name
-  sft = f"SFT {c.sft.num_steps} steps, " if c.sft.num_steps else ""
-  env = f", environment {c.env.name!r}" if c.env.name else ""
-  return (f"{model} on {task!r}{env}: {sft}RL {c.rl.num_steps} steps x "
-          f"{c.rl.prompts_per_step} prompts x {c.rl.group_size} samples, "
-          f"{c.rl.advantage}/{c.rl.objective}, rollout {c.rl.rollout!r}")
-
-
 def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None,
         schedule: Any = None) -> dict[str, Any]:
   """Trains as ``config`` says, writing everything under ``workdir``.
@@ -86,7 +71,7 @@ def run(config: Any, workdir: str, *, algorithm: Algorithm | None = None,
   # A bad field is named as such (not as a difference from a saved run) and
   # a refused start leaves the run directory as it was: no lock file either.
   build_lib.validate(config)
-  log.info("building %s", describe(config))
+  log.info("building %s", session.describe(config))
   group = distributed.ProcessGroup()
   lock, error = None, None
   if group.primary:  # one lock for the run (a shared filesystem's workdir)

@@ -31,7 +31,7 @@ from rljax import tokenizers as tok_lib
 from rljax.data import allocation as allocation_lib
 from rljax.models import lora as lora_lib
 from rljax.train import build as build_lib
-from rljax.train import evaluation, rundir, sft
+from rljax.train import evaluation, rundir, schema, sft
 from rljax.train.batch_layout import Postprocessor
 from rljax.train import policy as policy_lib
 from rljax.train import steps as steps_lib
@@ -242,6 +242,21 @@ def dots_embedder(c: build_lib.Components) -> Any:
     with jax.set_mesh(c.mesh):
       return np.asarray(jax.device_get(jitted(params, tokens, mask)))
   return run
+
+
+def describe(config: Any) -> str:
+  """What a config builds, in one line (the launcher's first lines)."""
+  c = schema.complete_config(config)
+  model = (f"the Hugging Face checkpoint {c.model.path}" if c.model.path
+           else f"a fresh {c.model.preset!r} model")
+  if c.model.lora.rank:
+    model += f" with LoRA rank {c.model.lora.rank}"
+  task = c.task.path or c.task.name
+  sft = f"SFT {c.sft.num_steps} steps, " if c.sft.num_steps else ""
+  env = f", environment {c.env.name!r}" if c.env.name else ""
+  return (f"{model} on {task!r}{env}: {sft}RL {c.rl.num_steps} steps x "
+          f"{c.rl.prompts_per_step} prompts x {c.rl.group_size} samples, "
+          f"{c.rl.advantage}/{c.rl.objective}, rollout {c.rl.rollout!r}")
 
 
 def initial_state(run: Session) -> tuple[TrainState, Any]:
