@@ -1,0 +1,62 @@
+"""The documentation site (mkdocs.yml, docs/): it builds with warnings as
+errors, its API reference comes from the docstrings, every page is in its
+navigation, and its python blocks run as pasted."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
+                         recursive=True))
+
+
+def _python_blocks():
+  out = []
+  for path in PAGES:
+    text = open(path, encoding="utf-8").read()
+    for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, re.S | re.M):
+      indent = len(m.group(1))
+      code = "\n".join(line[indent:] for line in m.group(2).splitlines())
+      out.append((os.path.relpath(path, ROOT), code))
+  return out
+
+
+def test_the_site_builds_with_warnings_as_errors(tmp_path):
+  pytest.importorskip("mkdocstrings")
+  site = tmp_path / "site"
+  proc = subprocess.run(
+      [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d",
+       str(site)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+      check=False)
+  assert proc.returncode == 0, proc.stdout + proc.stderr
+  api = (site / "api" / "advantages" / "index.html").read_text()
+  # The reference is the docstrings': a function and a sentence of its doc.
+  assert "scale_by_group_mad" in api and "median absolute deviation" in api
+  assert (site / "metrics" / "index.html").exists()
+
+
+def test_every_page_is_in_the_navigation():
+  nav = open(os.path.join(ROOT, "mkdocs.yml"), encoding="utf-8").read()
+  for path in PAGES:
+    page = os.path.relpath(path, os.path.join(ROOT, "docs"))
+    assert f": {page}" in nav, f"{page} is not in mkdocs.yml's nav"
+
+
+@pytest.mark.parametrize("page, code", _python_blocks(),
+                         ids=[p for p, _ in _python_blocks()])
+def test_python_blocks_run_as_pasted(tmp_path, page, code):
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                        capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 0, f"{page}:\n{code}\n{proc.stderr[-3000:]}"
+
+
+def test_there_are_python_blocks():
+  assert len(_python_blocks()) >= 2
