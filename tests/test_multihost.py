@@ -19,6 +19,7 @@ compiled by one run is loaded by the next.
 
 import json
 import math
+import glob
 import os
 import signal
 import subprocess
@@ -276,7 +277,11 @@ CASES = {
     "partial-replay": ({"rl.rollout": "partial", "rl.rollout_slots": 8,
                         "rl.num_steps": 3, "rl.replay.fraction": 0.25,
                         **_PARITY}, None, _check_partial_replay),
-    "dots": ({"rl.selection.name": "dots", "rl.selection.dots_reference": 8},
+    # DOTS, and every metric writer: process 0 alone logs to W&B and MLflow
+    # (offline; one run each, checked below).
+    "dots": ({"rl.selection.name": "dots", "rl.selection.dots_reference": 8,
+              "metrics.writers": ("jsonl", "tensorboard", "wandb", "mlflow"),
+              "metrics.histogram_every": 1},
              None, lambda rl: all(r["dots/round"] >= 1 for r in rl)
              and "dots/reference_success" in rl[0]),
     # Calculator episodes on 8 slots (a slot plays any process's episode),
@@ -319,7 +324,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_features_on_two_processes_match_one(case, two_runs, tmp_path,
-                                             jax_cache):
+                                             jax_cache, monkeypatch):
   """Each feature on two processes (2 x 4 devices) logs the same per-step
   metrics as on one process of 8 devices, to 1e-6, and acts (its own
   metric). Every decision that changes shapes or the schedule is made on
@@ -329,6 +334,12 @@ def test_features_on_two_processes_match_one(case, two_runs, tmp_path,
     overrides = overrides(tmp_path, two_runs)
   overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
                "checkpoint.every": 100, **overrides}
+  trackers = "mlflow" in overrides.get("metrics.writers", ())
+  if trackers:  # no network: W&B offline, MLflow's store in the run
+    pytest.importorskip("wandb")
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
   want = one_process_run(tmp_path / "one", overrides, config_file)
   workdir = str(tmp_path / "two")
   flags = (flags_for(overrides, workdir) if config_file is None
@@ -339,6 +350,23 @@ def test_features_on_two_processes_match_one(case, two_runs, tmp_path,
   assert_same_metrics(got_rows, rows(want))
   rl = _rl(got_rows)
   assert check(rl) is not False, rl
+  if trackers:
+    assert_one_tracker_run_each(workdir, got_rows)
+
+
+def assert_one_tracker_run_each(workdir, jsonl_rows):
+  """Process 0 alone logged: one offline W&B run and one MLflow run in the
+  shared run directory, holding the steps metrics.jsonl holds."""
+  from mlflow.tracking import MlflowClient  # pylint: disable=import-outside-toplevel
+  offline = glob.glob(os.path.join(workdir, "wandb", "offline-run-*"))
+  assert len(offline) == 1, offline
+  client = MlflowClient(tracking_uri="sqlite:///" + os.path.join(
+      workdir, "mlflow.db"))
+  [run] = client.search_runs([e.experiment_id for e in
+                              client.search_experiments()])
+  steps = sorted(r["step"] for r in jsonl_rows if "grad_norm" in r)
+  assert [m.step for m in client.get_metric_history(
+      run.info.run_id, "grad_norm")] == steps
 
 
 KILLED = {
