@@ -17,11 +17,15 @@ from launch import benchlib, reproduce_readme
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+# The guides moved out of the README (docs/guides/): their records and
+# commands are checked with the README's.
+GUIDES = "\n".join(open(p, encoding="utf-8").read() for p in sorted(
+    glob.glob(os.path.join(ROOT, "docs", "guides", "*.md"))))
 
 
-def _blocks(language):
+def _blocks(language, text=README):
   return [m.group(1) for m in re.finditer(rf"```{language}\n(.*?)```",
-                                          README, re.S)]
+                                          text, re.S)]
 
 
 def _expand_braces(pattern):
@@ -37,7 +41,7 @@ RECORD = re.compile(r"[\w{},*.\-]+-(?:[0-9a-f]{12}|\{[0-9a-f,]+\})\.json")
 
 
 def test_every_record_the_readme_cites_exists():
-  cited = set(RECORD.findall(README))
+  cited = set(RECORD.findall(README + GUIDES))
   assert len(cited) > 10, cited  # the pattern finds the README's records
   missing = []
   for name in sorted(cited):
@@ -158,7 +162,7 @@ def test_python_snippets_run_as_pasted(tmp_path, index):
 def _commands():
   """``(module, [tokens])`` of every ``python -m launch.*`` in bash blocks."""
   out = []
-  for block in _blocks("bash"):
+  for block in _blocks("bash", README + GUIDES):
     text = block.replace("\\\n", " ")
     for line in text.splitlines():
       line = line.split(" #")[0].strip()

@@ -156,7 +156,7 @@ def builtin_pairs(task: Any, split: str, num_pairs: int, seed: int,
   misses, a quarter random integers of about the answer's length, a quarter
   digit edits. A reward model that has only seen near misses is not asked
   about far-off answers, and a policy can find them: on the main job, RL on
-  such a model drove held-out accuracy down (README, "Rewards from models").
+  such a model drove held-out accuracy down (docs/guides/model_rewards.md).
   """
   if negatives not in NEGATIVES:
     raise ValueError(f"reward_model.negatives={negatives!r}: accepted "
