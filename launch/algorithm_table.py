@@ -1,9 +1,10 @@
-"""Writes the algorithm tables of README.md from ``rljax/train/table.py``.
+"""Writes the algorithm tables of docs/guides/algorithms.md from
+``rljax/train/table.py``.
 
   python -m launch.algorithm_table          # print them
-  python -m launch.algorithm_table --write  # replace them in README.md
+  python -m launch.algorithm_table --write  # replace them in the guide
 
-The README holds them between the markers ``<!-- algorithm-table -->`` and
+The guide holds them between the markers ``<!-- algorithm-table -->`` and
 ``<!-- /algorithm-table -->``; ``tests/test_algorithm.py`` fails when they
 differ from the table.
 """
@@ -14,9 +15,10 @@ from absl import app, flags
 
 from rljax.train import table
 
-_WRITE = flags.DEFINE_bool("write", False, "replace the tables in README.md")
+_WRITE = flags.DEFINE_bool("write", False, "replace the tables in the guide")
 START, END = "<!-- algorithm-table -->", "<!-- /algorithm-table -->"
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDE = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "guides"
+         / "algorithms.md")
 
 
 def with_tables(readme: str) -> str:
@@ -29,7 +31,7 @@ def with_tables(readme: str) -> str:
 def main(argv):
   del argv
   if _WRITE.value:
-    README.write_text(with_tables(README.read_text()))
+    GUIDE.write_text(with_tables(GUIDE.read_text()))
   else:
     print(table.markdown())
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import glob
 import os
 import re
 import shutil
@@ -225,6 +226,12 @@ def render(job: Job, commit: str, root: str = ROOT) -> str:
   return "\n".join(lines)
 
 
+def guides() -> list[str]:
+  """The guides (``docs/guides/*.md``), which hold tables moved out of the
+  README."""
+  return sorted(glob.glob(os.path.join(ROOT, "docs", "guides", "*.md")))
+
+
 def block_pattern(name: str) -> re.Pattern:
   return re.compile(rf"(<!-- reproduce:{re.escape(name)} -->\n)(.*?)"
                     rf"(\n?<!-- /reproduce:{re.escape(name)} -->)", re.S)
@@ -273,12 +280,18 @@ def main(argv):
   if not commit:
     raise app.UsageError("no commit: run it in a git checkout or give --commit.")
   tables = [name for name in _JOBS.value if JOBS[name].render]
-  with open(_README.value) as f:  # every block exists before any run
-    text = f.read()
+  texts = {}  # every block exists before any run, in the README or a guide
+  for path in [_README.value] + guides():
+    with open(path) as f:
+      texts[path] = f.read()
+  where = {}
   for name in tables:
-    if not block_pattern(name).search(text):
-      raise ValueError(f"{_README.value} has no <!-- reproduce:{name} --> ... "
-                       f"<!-- /reproduce:{name} --> block to rewrite.")
+    found = [p for p, t in texts.items() if block_pattern(name).search(t)]
+    if not found:
+      raise ValueError(f"{_README.value} and docs/guides/ have no "
+                       f"<!-- reproduce:{name} --> ... <!-- /reproduce:{name}"
+                       " --> block to rewrite.")
+    where[name] = found[0]
   if not _TABLES_ONLY.value:
     if dirty():
       raise app.UsageError("the working tree has uncommitted changes: "
@@ -286,12 +299,13 @@ def main(argv):
     for name in _JOBS.value:
       run_job(JOBS[name])
   for name in tables:
-    text = rewrite(text, name, render(JOBS[name], commit))
-  with open(_README.value, "w") as f:
-    f.write(text)
-  if tables:
-    print(f"rewrote {', '.join(tables)} in {_README.value} from the records "
-          f"at {commit}")
+    texts[where[name]] = rewrite(texts[where[name]], name,
+                                 render(JOBS[name], commit))
+  for path in sorted(set(where.values())):
+    with open(path, "w") as f:
+      f.write(texts[path])
+  for name in tables:
+    print(f"rewrote {name} in {where[name]} from the records at {commit}")
   for name in set(_JOBS.value) - set(tables):
     print(f"{name}: records in {RESULTS}/; update the README rows that cite "
           "them by hand")

@@ -22,15 +22,15 @@ from tests import compile_count
 
 
 def test_readme_lists_exactly_the_table():
-  readme = algorithm_table.README.read_text()
+  readme = algorithm_table.GUIDE.read_text()
   assert algorithm_table.START in readme and algorithm_table.END in readme
   assert algorithm_table.with_tables(readme) == readme, (
-      "README.md's algorithm tables differ from rljax/train/table.py: run "
+      "docs/guides/algorithms.md's algorithm tables differ from rljax/train/table.py: run "
       "python -m launch.algorithm_table --write")
 
 
 def test_readme_check_fails_on_a_missing_name():
-  readme = algorithm_table.README.read_text()
+  readme = algorithm_table.GUIDE.read_text()
   broken = readme.replace("| `cispo` |", "| `cispo_typo` |")
   assert algorithm_table.with_tables(broken) != broken
 

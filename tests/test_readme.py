@@ -59,10 +59,11 @@ def test_brace_expansion_of_record_names():
 def test_generated_tables_are_their_records():
   """Each ``<!-- reproduce:NAME -->`` block is exactly what
   ``launch.reproduce_readme --tables_only --commit=<its commit>`` writes."""
-  names = re.findall(r"<!-- reproduce:(\w+) -->", README)
-  assert "main" in names
+  names = re.findall(r"<!-- reproduce:(\w+) -->", README + GUIDES)
+  assert {"main", "ppo", "lora", "demos"} <= set(names)
   for name in names:
-    block = reproduce_readme.block_pattern(name).search(README).group(2)
+    block = reproduce_readme.block_pattern(name).search(
+        README + GUIDES).group(2)
     commit = re.search(r"--jobs=\w+` at ([0-9a-f]{12})", block).group(1)
     assert block == reproduce_readme.render(reproduce_readme.JOBS[name],
                                             commit), name
