@@ -10,6 +10,8 @@ no XLA flags at all, and without the session's compilation cache.
 """
 
 import os
+import subprocess
+import sys
 
 from launch import local_cluster
 
@@ -31,3 +33,13 @@ def one_device_env(fast_codegen: bool = True) -> dict[str, str]:
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
   return env
+
+
+def run_as_pasted(code: str, cwd) -> subprocess.CompletedProcess:
+  """``code`` in a fresh interpreter in ``cwd`` (outside the repository), as
+  a user pastes a snippet: one CPU device, the user's XLA flags."""
+  env = dict(os.environ)
+  env.pop("XLA_FLAGS", None)
+  return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env,
+                        capture_output=True, text=True, timeout=900,
+                        check=False)

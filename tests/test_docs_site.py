@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from tests import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = sorted(glob.glob(os.path.join(ROOT, "docs", "**", "*.md"),
                          recursive=True))
@@ -54,11 +56,7 @@ def test_python_blocks_run_as_pasted(tmp_path, page, code):
   reading the run of the README's commands, ``/tmp/demo``)."""
   if "/tmp/demo" in code:
     pytest.skip("reads the finished run of the README's commands")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=300,
-                        check=False)
+  proc = subprocess_env.run_as_pasted(code, tmp_path)
   assert proc.returncode == 0, f"{page}:\n{code}\n{proc.stderr[-3000:]}"
 
 

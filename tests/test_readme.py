@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from launch import benchlib, reproduce_readme
+from tests import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
@@ -152,11 +153,7 @@ def test_python_snippets_run_as_pasted(tmp_path, index):
   code = _blocks("python")[index]
   if "/tmp/demo" in code:
     pytest.skip("reads the finished run of the README's commands")
-  env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=900,
-                        check=False)
+  proc = subprocess_env.run_as_pasted(code, tmp_path)
   assert proc.returncode == 0, code + "\n" + proc.stderr[-3000:]
 
 

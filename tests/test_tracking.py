@@ -259,3 +259,25 @@ def test_a_run_logs_everywhere_and_a_crash_resumes_into_the_same_runs(
     # Trained rows only (a zero-variance group is out of the loss).
     assert 0 < histograms[step, "rows/advantage"][:, 2].sum() <= rows_per_step
     assert (step, "rows/log_ratio") in histograms  # two minibatches
+
+
+def test_non_finite_values_from_user_code_do_not_stop_the_trackers(
+    tmp_path, offline):
+  """NaN and infinities (a user's reward, a diverging loss) are logged, not
+  raised: MLflow keeps NaN and clamps infinities to the largest float; a
+  histogram keeps its finite values."""
+  del offline
+  w = metrics.MetricWriter(tmp_path, writers=ALL)
+  w.write(1, {"nan": float("nan"), "inf": float("inf"), "ok": 1.0},
+          {"rows/reward": [float("nan"), 1.0, float("-inf")]})
+  w.close()
+  client = mlflow_client(tmp_path)
+  [run] = client.search_runs([e.experiment_id for e in
+                              client.search_experiments()])
+  history = {k: [m.value for m in client.get_metric_history(
+      run.info.run_id, k)] for k in ("nan", "inf", "ok")}
+  assert np.isnan(history["nan"][0]) and history["ok"] == [1.0]
+  assert history["inf"][0] >= np.finfo(np.float64).max
+  [records] = wandb_runs(tmp_path)
+  [row] = wandb_history(records)
+  assert row["ok"] == 1.0 and sum(row["rows/reward.values"]) == 1
