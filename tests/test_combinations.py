@@ -19,8 +19,6 @@ TRIGGERS = {
                           "rl.rollout": "partial"}, 1),
     "episodes-with-spec-rl": ({"env.name": "calculator",
                                "sampler.speculative": True}, 1),
-    "episodes-shrink": ({"env.name": "calculator",
-                         "sampler.shrink_batch_to": 2}, 1),
     "allocation-with-partial": ({"rl.allocation.name": "vigor",
                                  "rl.rollout": "partial"}, 1),
     "sgpo-with-selection": ({"rl.allocation.name": "sgpo",

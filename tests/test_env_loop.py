@@ -110,7 +110,9 @@ COMPOSE = {
     "dapo-turn-rewards-reinforce_pp": {
         "rl.selection.name": "dapo", "rl.selection.max_rounds": 2,
         "env.name": "tests.env_fixtures:Graded", "env.kwargs": {},
-        "rl.advantage": "whiten_by_tokens", "rl.gamma": 0.9},
+        "rl.advantage": "whiten_by_tokens", "rl.gamma": 0.9,
+        # The static batch decodes only the episodes still playing.
+        "sampler.shrink_batch_to": 2},
     # GRESO's filter and replayed groups of episodes, sampled one update
     # ahead on a split mesh; a critic's GAE reads the per-token rewards.
     "greso-replay-async-split-turn-rewards-gae": {
@@ -156,6 +158,10 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
     assert "select/zero_variance_before" in rows[-1]
   if "env.kwargs" in overrides:  # every turn rewarded
     assert all(r["reward/env/mean"] != 0 for r in rows)
+  if "sampler.shrink_batch_to" in overrides:
+    n = config.rl.prompts_per_step * config.rl.group_size
+    assert all(2 <= r["rollout/decode_rows"] < n for r in rows)
+    assert all(0 < r["rollout/decode_utilization"] <= 1 for r in rows)
   if overrides.get("rl.advantage") == "gae":
     assert all(np.isfinite(r["critic/value_loss"]) for r in rows)
 
@@ -172,7 +178,6 @@ def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
 
 @pytest.mark.parametrize("field,value,match", [
     ("rl.rollout", "partial", "rl.rollout='partial' with env.name"),
-    ("sampler.shrink_batch_to", 2, "sampler.shrink_batch_to=2 with env.name"),
     ("sampler.speculative", True, "sampler.speculative=True with env.name"),
     ("env.name", "nope", "env.name='nope'"),
     ("env.name", "tests.env_fixtures:Missing", "cannot be imported"),

@@ -166,3 +166,43 @@ def test_steps_in_flight_give_the_same_episodes(params, static, slots,
                                 static.rollout.turn_rewards)
   assert got.turn_tokens == static.turn_tokens
   assert not got.failed.any()
+
+
+@pytest.mark.parametrize("smallest,step_rows", [(1, None), (2, 2)])
+def test_a_shrinking_static_batch_plays_the_same_episodes(params, static,
+                                                          smallest,
+                                                          step_rows):
+  """``sampler.shrink_batch_to``: each round decodes only the rows playing
+  their turn, in the smallest batch of ``shrink_levels`` that holds them;
+  the episodes are the whole batch's, and fewer row-steps are decoded."""
+  turns = mt.TurnConfig(max_turns=4, max_observation_tokens=O,
+                        step_rows=step_rows)
+  got = _run(params, env_fixtures.Graded((1.0, -0.25, 2.0)), turns=turns,
+             config=SC.replace(shrink_batch_to=smallest))
+  a, b = static.rollout, got.rollout
+  for field in ("completion_tokens", "completion_mask", "observation_mask",
+                "lengths", "finished", "turn_rewards"):
+    np.testing.assert_array_equal(getattr(b, field), getattr(a, field),
+                                  err_msg=field)
+  np.testing.assert_allclose(b.sampler_logprobs, a.sampler_logprobs,
+                             atol=2e-5)
+  np.testing.assert_allclose(b.policy_logprobs, a.policy_logprobs, atol=2e-5)
+  assert got.turn_tokens == static.turn_tokens
+  np.testing.assert_array_equal(got.env_reward, static.env_reward)
+  m, n = got.metrics, len(static.env_reward)
+  # Episodes end at different turns (lengths 18 to 24 of T=24), so some
+  # rounds decode fewer than the N rows, never fewer than the level.
+  assert smallest <= m["rollout/decode_rows"] < n
+  model_tokens = int((a.completion_mask & ~a.observation_mask).sum())
+  assert m["rollout/decode_utilization"] == pytest.approx(
+      model_tokens / (m["rollout/decode_rows"] * m["rollout/decode_steps"]))
+  # Every row-step of the whole batch that kept a token is still decoded.
+  assert m["rollout/decode_rows"] * m["rollout/decode_steps"] >= model_tokens
+
+
+def test_slots_refuse_a_batch_to_shrink(params):
+  with pytest.raises(ValueError, match="sampler.shrink_batch_to=2 with "
+                     "rl.rollout_slots=3"):
+    mt.MultiTurnSampler(MC, SC.replace(shrink_batch_to=2), TURNS,
+                        envs.EnvRunner(env_fixtures.Graded(), num_workers=0),
+                        TOK, (8,), slots=3)

@@ -74,13 +74,9 @@ def test_a_bad_size_is_refused_naming_the_field(value):
 
 
 @pytest.mark.parametrize("field,value", [("rl.rollout", "continuous"),
-                                         ("rl.rollout", "partial"),
-                                         ("env.name", "calculator")])
+                                         ("rl.rollout", "partial")])
 def test_rollouts_without_a_static_batch_refuse_it(field, value):
   config = loop_config(**{"sampler.shrink_batch_to": 4, field: value})
-  if field == "env.name":
-    config.rewards.names = ("env",)
-    config.rewards.weights = (1.0,)
   with pytest.raises(ValueError, match="sampler.shrink_batch_to=4"):
     build.validate(config)
 

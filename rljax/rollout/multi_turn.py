@@ -59,6 +59,7 @@ from rljax.rollout.episodes import EpisodeLog, Episodes, SlotOutputs
 from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache
+from rljax.sampling.decode_cache import shrink_levels
 from rljax.sampling.sampler import (Rollout, SamplerConfig, fused_logprobs,
                                     pick_logprob, decode_setup, pad_prompts,
                                     token_keys)
@@ -191,12 +192,14 @@ def _turn_ended(tokens_NxT, column_N, token_N, turn_start_N, eos_V,
   return hit
 
 
-def _decode_turn(params, state: _Turns, clear_N, min_waiting, *,
+def _decode_turn(params, state: _Turns, clear_N, min_waiting, fits=0, *,
                  mc: ModelConfig, sc: SamplerConfig, turns: TurnConfig,
                  prompt_width: int) -> _Turns:
-  """Decode steps until no row is live, or until ``min_waiting`` rows have
-  ended a turn (a traced int); ``clear_N``: rows whose ended turn the host
-  has taken (their ``ended_turn`` is cleared first)."""
+  """Decode steps until no row is live, until ``min_waiting`` rows have
+  ended a turn, or until no more than ``fits`` rows are live (traced ints;
+  ``fits``: the next smaller batch of a shrinking one, ``_decode_rows``);
+  ``clear_N``: rows whose ended turn the host has taken (their
+  ``ended_turn`` is cleared first)."""
   state = state._replace(ended_turn=state.ended_turn & ~clear_N)
   model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
   n, t = state.tokens.shape
@@ -245,9 +248,47 @@ def _decode_turn(params, state: _Turns, clear_N, min_waiting, *,
 
   def more(s: _Turns) -> jax.Array:
     waiting = jnp.sum((s.ended_turn & ~s.done).astype(jnp.int32))
-    return jnp.any(s.live) & (waiting < min_waiting)
+    return ((jnp.sum(s.live.astype(jnp.int32)) > fits)
+            & (waiting < min_waiting))
 
   return jax.lax.while_loop(more, body, state)
+
+
+def _rows(state: _Turns, rows_L) -> _Turns:
+  """The state of the cache rows ``rows_L`` (``steps`` is shared)."""
+  return jax.tree.map(
+      lambda x: x if x.ndim == 0 else jnp.take(x, rows_L, axis=0), state)
+
+
+def _put_rows(state: _Turns, rows_L, part: _Turns) -> _Turns:
+  """``state`` with its rows ``rows_L`` set to ``part``'s (and its
+  ``steps``)."""
+  def put(full, new):
+    if full.ndim == 0:
+      return new
+    if jax.dtypes.issubdtype(full.dtype, jax.dtypes.prng_key):
+      return jax.random.wrap_key_data(jax.random.key_data(full).at[
+          rows_L].set(jax.random.key_data(new)))
+    return full.at[rows_L].set(new)
+  return jax.tree.map(put, state, part)
+
+
+def _decode_rows(params, state: _Turns, clear_N, min_waiting, rows_L, fits,
+                 **kw) -> _Turns:
+  """``_decode_turn`` on the cache rows ``rows_L`` only (a shrinking static
+  batch: ``sampler.shrink_batch_to``): they are gathered into a batch of
+  ``len(rows_L)`` rows, decoded, and written back. ``rows_L`` holds every
+  row that decodes (``live``); the others do not change in a decode. The
+  rows outside that wait for their environment count towards
+  ``min_waiting``, as they would in the whole batch."""
+  state = state._replace(ended_turn=state.ended_turn & ~clear_N)
+  inside = jnp.zeros(state.live.shape, jnp.bool_).at[rows_L].set(True)
+  waiting_outside = jnp.sum((state.ended_turn & ~state.done
+                             & ~inside).astype(jnp.int32))
+  part = _decode_turn(params, _rows(state, rows_L),
+                      jnp.zeros(rows_L.shape, jnp.bool_),
+                      min_waiting - waiting_outside, fits, **kw)
+  return _put_rows(state, rows_L, part)
 
 
 def _insert(params, state: _Turns, obs_NxO, obs_len_N, resume_N, end_N,
@@ -364,6 +405,14 @@ class MultiTurnSampler(env_steps.EnvSteps):
                            static_argnames=("prompt_width",))
     self._insert = jax.jit(functools.partial(_insert, **kw),
                            static_argnames=("prompt_width",))
+    self._decode_rows = jax.jit(
+        functools.partial(_decode_rows, turns=turns, **kw),
+        static_argnames=("prompt_width",))
+    if slots is not None and config.shrink_batch_to is not None:
+      raise ValueError(
+          f"sampler.shrink_batch_to={config.shrink_batch_to!r} with "
+          f"rl.rollout_slots={slots!r}: slots refill as episodes end, so "
+          "there is no batch to shrink; accepted: one or the other.")
 
   def _mesh(self):
     return (jax.set_mesh(self.mesh) if self.mesh is not None
@@ -441,6 +490,11 @@ class MultiTurnSampler(env_steps.EnvSteps):
     slot_row = np.arange(m)  # the episode row each slot plays (-1: free)
     queue = list(range(m, n))  # rows waiting for a slot, in order
     out = SlotOutputs(n, self.config) if m < n else None
+    # The static batch decodes its live rows only, in the smallest of these
+    # batch sizes that holds them (sampler.shrink_batch_to).
+    levels = (shrink_levels(n, self.config.shrink_batch_to) if out is None
+              else (m,))
+    steps_before, row_steps = 0, 0
     with self._mesh():
       state = self._start(params, tokens_NxP[:m], mask_NxP[:m], key,
                           slot_row.astype(np.int32))
@@ -453,8 +507,13 @@ class MultiTurnSampler(env_steps.EnvSteps):
       calls: dict[int, StepCall] = {}  # environment calls in flight, by ticket
       while (decoding.any() or len(taken) or queue
              or self.group.any(bool(calls))):
-        state = self._decode(params, state, _mask(m, taken), min_waiting,
-                             prompt_width=p)
+        if len(levels) == 1:
+          state = self._decode(params, state, _mask(m, taken), min_waiting,
+                               prompt_width=p)
+        else:
+          state, size = self._decode_shrinking(
+              params, state, _mask(m, taken), min_waiting, decoding, levels,
+              p)
         resumed = np.zeros(m, bool)
         if len(taken):  # overlaps the decode just dispatched
           self._submit(taken, slot_row, taken_turns, states, calls, ep)
@@ -471,6 +530,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
         host = self._host((state.column, state.turn_start,
                            state.ended_turn, state.done))
         column, start, ended, done = (np.asarray(x) for x in host)
+        if len(levels) > 1:
+          steps = int(self._host(state.steps))
+          row_steps += size * (steps - steps_before)
+          steps_before = steps
         stopped = decoding & (ended | done)  # their turn is over
         for s in np.flatnonzero(stopped):
           r = slot_row[s]
@@ -489,6 +552,12 @@ class MultiTurnSampler(env_steps.EnvSteps):
         rollout = self._split_by_blocks(_to_rollout(
             tokens_NxP, mask_NxP, state,
             ep.turn_rewards(self.config.max_new_tokens)))
+        if len(levels) > 1:
+          ep.slot_metrics = {
+              "rollout/decode_steps": float(steps_before),
+              "rollout/decode_rows": row_steps / max(steps_before, 1),
+              "rollout/decode_utilization": self._model_tokens(state)
+              / max(row_steps, 1)}
       else:
         out.retire(state, slot_row >= 0, slot_row, self._host)
         rollout = self._split_by_blocks(out.rollout(
@@ -497,6 +566,27 @@ class MultiTurnSampler(env_steps.EnvSteps):
         ep.slot_metrics = out.metrics(int(self._host(state.steps)), m)
     return ep.episodes(rollout, prompts,
                        sum(self.group.gather_json(self.runner.restarts)))
+
+  def _decode_shrinking(self, params, state, clear, min_waiting, decoding,
+                        levels, prompt_width):
+    """One round's decode on the smallest of ``levels`` that holds the rows
+    that decode (``decoding``), padded with rows that do not; it returns
+    once no more rows decode than the next smaller level holds, so the next
+    round shrinks. Returns ``(state, rows decoded)``."""
+    live = np.flatnonzero(decoding)
+    k = max(i for i, size in enumerate(levels) if size >= len(live))
+    fits = np.int32(levels[k + 1] if k + 1 < len(levels) else 0)
+    if k == 0:
+      return self._decode(params, state, clear, min_waiting, fits,
+                          prompt_width=prompt_width), levels[0]
+    rows = np.concatenate([live, np.flatnonzero(~decoding)[
+        :levels[k] - len(live)]]).astype(np.int32)
+    return self._decode_rows(params, state, clear, min_waiting, rows, fits,
+                             prompt_width=prompt_width), levels[k]
+
+  def _model_tokens(self, state) -> int:
+    mask, observed = self._host((state.mask, state.observed))
+    return int(np.sum(np.asarray(mask) & ~np.asarray(observed)))
 
   def _turnover(self, params, state, out: "SlotOutputs", slot_row, queue,
                 over, decoding, tokens_NxP, mask_NxP, key, ep):

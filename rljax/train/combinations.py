@@ -78,12 +78,6 @@ RULES: tuple[Rule, ...] = (
          "SPEC-RL's drafts are single-turn completions; the multi-turn "
          "rollout verifies none", "sampler.speculative=False, or "
          "env.name=''", "missing"),
-    Rule("episodes-shrink", ("sampler.shrink_batch_to", "env.name"),
-         lambda c, p: bool(c.env.name)
-         and c.sampler.shrink_batch_to is not None,
-         "the multi-turn rollout decodes every row of the batch; it has no "
-         "shrinking levels", "sampler.shrink_batch_to=None, or env.name=''",
-         "missing"),
     Rule("allocation-with-partial", (_ALLOCATION, "rl.rollout"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and c.rl.rollout == "partial"),
