@@ -15,7 +15,7 @@ from rljax import data as data_lib
 from rljax import objectives as obj_lib
 from rljax import sharding, tracking
 from rljax.train import algorithm as alg_lib
-from rljax.train import combinations
+from rljax.train import combinations, preference_losses
 from rljax.train import schema, table
 from rljax.train._build_inputs import hf_overrides, lora_config, reward_fn
 from rljax.train._build_rollouts import _validate_rollout
@@ -230,6 +230,7 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
                      "the truncation interval is empty.")
   _validate_algorithm(config)
   combinations.check(config)
+  preference_losses.validate(config)
   n = rl.prompts_per_step * rl.group_size
   if n % (rl.num_minibatches * rl.num_microbatches):
     raise ValueError(

@@ -116,6 +116,9 @@ def _run(config: Any, workdir: str, algorithm: Algorithm | None,
         workdir)
   c = build_lib.build(config, algorithm_override=algorithm, group=group)
   try:
+    if c.config.preference.loss:  # the DPO family instead of RL
+      from rljax.train import preference  # pylint: disable=g-import-not-at-top
+      return preference.train(c, workdir, t0, stop_signal)
     return _train(c, workdir, t0, stop_signal, schedule)
   finally:
     c.close()

@@ -136,27 +136,28 @@ def _pieces(tokenizer: Any, size: int) -> list[str]:
   return [str(piece(i)) for i in range(size)]
 
 
-def check_same_tokenizer(student: Any, teacher: Any, path: str) -> None:
+def check_same_tokenizer(student: Any, teacher: Any, path: str,
+                         field: str = "teacher.path") -> None:
   """Raises unless ``teacher`` gives every id the student's token string and
   the same special ids (by content: a vocabulary of the same size with other
   ids is refused), naming ``teacher.path`` and one differing token."""
   size = student.vocab_size
   if teacher.vocab_size != size:
     raise ValueError(
-        f"teacher.path={path!r}: its tokenizer has {teacher.vocab_size} "
+        f"{field}={path!r}: its tokenizer has {teacher.vocab_size} "
         f"tokens, the student's {size}: the teacher must share the student's "
         "tokenizer.")
   for name in ("bos_id", "eos_id", "pad_id"):
     if getattr(student, name) != getattr(teacher, name):
       raise ValueError(
-          f"teacher.path={path!r}: its {name} is {getattr(teacher, name)}, "
+          f"{field}={path!r}: its {name} is {getattr(teacher, name)}, "
           f"the student's {getattr(student, name)}: the teacher must share "
           "the student's tokenizer.")
   mine, theirs = _pieces(student, size), _pieces(teacher, size)
   for i, (a, b) in enumerate(zip(mine, theirs)):
     if a != b:
       raise ValueError(
-          f"teacher.path={path!r}: token {i} is {b!r} for the teacher and "
+          f"{field}={path!r}: token {i} is {b!r} for the teacher and "
           f"{a!r} for the student: the teacher must share the student's "
           "tokenizer (the same vocabulary and ids), or the per-token KL "
           "compares unrelated tokens.")
@@ -223,7 +224,8 @@ def _load_pinned(path: str, step: int | None) -> Policy:
 
 
 def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
-                 step: int | None = None, tokenizer: Any = None
+                 step: int | None = None, tokenizer: Any = None,
+                 field: str = "teacher.path"
                  ) -> tuple[models.ModelConfig, Any]:
   """``(model_config, params)`` of a teacher, sharded on ``mesh``.
 
@@ -238,6 +240,8 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
     tokenizer: the student's tokenizer; given, the teacher's must be the
       same by content (``check_same_tokenizer``): its tokenizer files for a
       Hugging Face directory, the run's tokenizer for a run directory.
+    field: the config field errors name (``preference.reference`` reads a
+      reference model with it).
 
   Raises:
     ValueError: naming ``teacher.path`` when it is neither, or when the
@@ -247,26 +251,26 @@ def load_teacher(path: str, mesh: jax.sharding.Mesh, vocab_size: int, *,
     loaded = _load_pinned(path, step)
     if tokenizer is not None:
       check_same_tokenizer(tokenizer, getattr(loaded.tokenizer, "tokenizer",
-                                              loaded.tokenizer), path)
+                                              loaded.tokenizer), path, field)
     model_config = loaded.model_config
     # Onto the global mesh, whichever process count wrote or reads it.
     params = sharding_lib.put_global(
         loaded.params, models.param_shardings(model_config, mesh))
   elif os.path.isfile(os.path.join(path, "config.json")):
     if step is not None:
-      raise ValueError(f"teacher.step={step} with teacher.path={path!r}, a "
+      raise ValueError(f"teacher.step={step} with {field}={path!r}, a "
                        "Hugging Face checkpoint: accepted teacher.step=None.")
     if tokenizer is not None:
-      check_same_tokenizer(tokenizer, _teacher_tokenizer(path), path)
+      check_same_tokenizer(tokenizer, _teacher_tokenizer(path), path, field)
     model_config, params = models.load_hf_pretrained(path, mesh)
   else:
     raise ValueError(
-        f"teacher.path={path!r} is neither an rljax run directory (with "
+        f"{field}={path!r} is neither an rljax run directory (with "
         "checkpoints/) nor a Hugging Face checkpoint directory (with "
         "config.json).")
   if model_config.vocab_size != vocab_size:
     raise ValueError(
-        f"teacher.path={path!r} has vocab_size={model_config.vocab_size}, the "
+        f"{field}={path!r} has vocab_size={model_config.vocab_size}, the "
         f"student {vocab_size}: the teacher must share the student's "
         "tokenizer.")
   return model_config, params

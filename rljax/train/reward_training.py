@@ -324,19 +324,20 @@ def _scores_fn(config: rm_lib.RewardModelConfig):
                                                             tokens, mask))
 
 
-def load_pairs(config: Any, task: Any) -> tuple[list[dict[str, Any]],
-                                                list[dict[str, Any]]]:
-  """``(train pairs, held-out pairs)`` of ``reward_model.*``."""
-  r = config.reward_model
+def load_pairs(config: Any, task: Any, section: str = "reward_model"
+               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+  """``(train pairs, held-out pairs)`` of ``reward_model.*`` (or of another
+  config section with the same pair fields: ``preference``)."""
+  r = config[section]
   if r.pairs_path:
     train = read_pairs(r.pairs_path)
     heldout = (read_pairs(r.heldout_path) if r.heldout_path
                else train[:r.num_heldout])
     return train, heldout[:r.num_heldout]
   if task is None:
-    raise ValueError("reward_model.pairs_path is empty and task.path is a "
+    raise ValueError(f"{section}.pairs_path is empty and task.path is a "
                      "JSONL task: built-in pairs need a built-in task "
-                     "(task.name), or give reward_model.pairs_path.")
+                     f"(task.name), or give {section}.pairs_path.")
   return (builtin_pairs(task, "train", r.num_pairs, config.seed, r.negatives),
           builtin_pairs(task, "heldout", r.num_heldout, config.seed + 1,
                         r.negatives))

@@ -122,6 +122,40 @@ _BASE: dict[str, Field] = {
     "reward_model.max_length": F(16, "int>=1", "padded length of one side"),
     "reward_model.eval_every": F(100, "int>=1", "held-out pair accuracy cadence"),
     "reward_model.checkpoint_every": F(100, "int>=1", "checkpoint cadence"),
+    # --- preference: the DPO family instead of RL (rljax/train/preference.py)
+    "preference.loss": F("", None, "'' trains RL; a name of "
+                         "PREFERENCE_LOSSES (dpo, robust_dpo, ipo, simpo, "
+                         "orpo, kto) trains rl.num_steps steps on pairs"),
+    "preference.beta": F(0.1, ">0", "the implicit reward's scale (ORPO: "
+                         "the odds-ratio term's weight lambda)"),
+    "preference.label_smoothing": F(0.0, "[0,0.5)", "assumed label-flip "
+                                    "rate (cDPO, robust DPO, SimPO)"),
+    "preference.simpo_gamma": F(0.5, ">=0", "SimPO's target reward margin"),
+    "preference.nll_coef": F(0.0, ">=0", "+ this x the chosen side's "
+                             "token-mean NLL (RPO; CPO's alpha)"),
+    "preference.desirable_weight": F(1.0, ">0", "KTO: weight of desirable "
+                                     "completions"),
+    "preference.undesirable_weight": F(1.0, ">0", "KTO: weight of "
+                                       "undesirable completions"),
+    "preference.batch_size": F(32, "int>=1", "pairs per step"),
+    "preference.pairs_path": F("", None, "JSONL of prompt/chosen/rejected "
+                               "('': built from the task)"),
+    "preference.heldout_path": F("", None, "held-out pairs JSONL ('': the "
+                                 "head of pairs_path)"),
+    "preference.negatives": F("mixed", None, "built-in pairs' rejected "
+                              "answers (as reward_model.negatives)",
+                              choices=("mixed", "near")),
+    "preference.num_pairs": F(4000, "int>=1", "built-in training pairs"),
+    "preference.num_heldout": F(256, "int>=1", "held-out pairs"),
+    "preference.max_length": F(16, "int>=1", "padded row length (prompt + "
+                               "completion + EOS)"),
+    "preference.reference": F("", None, "'': the policy as the run starts "
+                              "(LoRA: the frozen base); or a run directory "
+                              "or Hugging Face checkpoint"),
+    "preference.precompute_reference": F(False, None, "the reference's "
+                                         "log-probabilities of every pair "
+                                         "computed once at the start"),
+    "preference.padding_free": F(True, None, "rows packed, real tokens only"),
     # --- rl: the batch ---
     "rl.num_steps": F(100, "int>=1", "RL steps"),
     "rl.prompts_per_step": F(32, "int>=1", "prompts per step (B)"),

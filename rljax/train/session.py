@@ -254,6 +254,11 @@ def describe(config: Any) -> str:
   task = c.task.path or c.task.name
   sft = f"SFT {c.sft.num_steps} steps, " if c.sft.num_steps else ""
   env = f", environment {c.env.name!r}" if c.env.name else ""
+  if c.preference.loss:  # rljax/train/preference.py
+    pairs = c.preference.pairs_path or "pairs built from the task"
+    return (f"{model} on {task!r}: {sft}preference optimisation "
+            f"{c.preference.loss!r} {c.rl.num_steps} steps x "
+            f"{c.preference.batch_size} pairs ({pairs})")
   return (f"{model} on {task!r}{env}: {sft}RL {c.rl.num_steps} steps x "
           f"{c.rl.prompts_per_step} prompts x {c.rl.group_size} samples, "
           f"{c.rl.advantage}/{c.rl.objective}, rollout {c.rl.rollout!r}")

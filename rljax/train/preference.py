@@ -1,0 +1,505 @@
+"""Offline preference optimisation from the launcher: the DPO family.
+
+``python -m launch.train --config=configs/arithmetic_dpo.py`` trains the
+policy on preference pairs instead of RL rollouts when
+``preference.loss`` names an entry of ``PREFERENCE_LOSSES`` (the losses are
+``rljax/objectives/preference.py``'s, with their papers). Everything else
+is the RL run's: the run directory (config, tokenizer, ``metrics.jsonl``,
+TensorBoard and the other writers), the SFT warm-up, the held-out task
+evaluation before and after (``eval/accuracy``: the verifier's), the
+checkpoints (``TrainState``; a killed run resumes exactly: the step's pairs
+are drawn from ``(seed, step)``), LoRA (adapters trained, the frozen base is
+the reference), ``launch.export`` and ``load_policy``. A step trains
+``preference.batch_size`` pairs; ``rl.num_steps`` steps with the run's
+optimizer (``optimizer.*``).
+
+Pairs: a JSONL file (``preference.pairs_path``: ``prompt``, ``chosen``,
+``rejected``), or built from the built-in task as the reward model's are
+(``reward_training.builtin_pairs``: the reference answer over a wrong
+integer). A pair whose chosen side is empty is an error naming the file and
+the pair; a pair whose two sides are equal carries no preference and is
+skipped, counted (``pref/identical_pairs``) and logged. KTO reads each pair
+as a desirable and an undesirable completion, and pairs each prompt with
+another example's completion for its KL estimate.
+
+The reference: the policy as the run starts (after the warm-up), written
+once to ``<workdir>/reference`` and read back on resume; with LoRA the
+frozen base itself; or ``preference.reference``, another run directory or
+Hugging Face checkpoint with the same tokenizer. With
+``preference.precompute_reference`` its log-probabilities of every pair are
+computed once at the start (and again on resume), so the reference is not
+held in device memory while training.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from rljax import checkpoint as ckpt_lib
+from rljax import metrics as metrics_lib
+from rljax import models
+from rljax import optim as optim_lib
+from rljax import sharding
+from rljax import tokenizers as tok_lib
+from rljax.models import lora as lora_lib
+from rljax.objectives import preference as pref_lib
+from rljax.train import guards, reward_training, session
+from rljax.train.preference_losses import (PREFERENCE_LOSSES, PreferenceEntry,
+                                          entry, loss_settings, validate)
+from rljax.train import policy as policy_lib
+from rljax.train import steps as steps_lib
+
+log = logging.getLogger("rljax")
+
+REFERENCE_DIR = "reference"
+
+
+# ----------------------------------------------------------------------------
+# Pairs.
+
+
+class EncodedPairs(NamedTuple):
+  """Token ids of each pair's prompt and sides (completion + EOS)."""
+  prompts: list[list[int]]
+  chosen: list[list[int]]
+  rejected: list[list[int]]
+
+
+def clean_pairs(pairs: Sequence[dict[str, Any]], where: str
+                ) -> tuple[list[dict[str, Any]], int]:
+  """``(pairs to train, identical pairs skipped)``.
+
+  Raises:
+    ValueError: naming ``where`` and the pair (1-based: the line of a JSONL
+      file without blank lines) whose chosen side is empty.
+  """
+  kept, identical = [], 0
+  for i, pair in enumerate(pairs):
+    if not pair["chosen"].strip():
+      raise ValueError(f"{where}: pair {i + 1}: field 'chosen' is empty; a "
+                       "preferred completion is required.")
+    if pair["chosen"] == pair["rejected"]:
+      identical += 1
+      continue
+    kept.append(pair)
+  if not kept:
+    raise ValueError(f"{where}: every one of its {len(pairs)} pairs has "
+                     "equal chosen and rejected sides; nothing to learn.")
+  return kept, identical
+
+
+def encode(tokenizer: Any, pairs: Sequence[dict[str, Any]], width: int,
+           where: str) -> EncodedPairs:
+  """The pairs' ids; each side ends with EOS.
+
+  Raises:
+    ValueError: naming the pair when prompt + side + EOS exceeds ``width``
+      (``preference.max_length``).
+  """
+  prompts = tok_lib.encode_prompts(tokenizer, [p["prompt"] for p in pairs])
+  out = EncodedPairs(prompts, [], [])
+  for i, (pair, ids) in enumerate(zip(pairs, prompts)):
+    for side in ("chosen", "rejected"):
+      c = tokenizer.encode(pair[side]) + [tokenizer.eos_id]
+      if len(ids) + len(c) > width:
+        raise ValueError(
+            f"{where}: pair {i + 1}'s prompt and {side} side are "
+            f"{len(ids) + len(c)} tokens with EOS; preference.max_length="
+            f"{width} is shorter (accepted: >= {len(ids) + len(c)}).")
+      getattr(out, side).append(c)
+  return out
+
+
+def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+         width: int, pad_id: int) -> tuple[np.ndarray, ...]:
+  """Right-padded ``(tokens, input_mask, loss_mask)`` ``[R, width]``; the
+  loss mask covers each completion (its EOS included). A row longer than
+  ``width`` (KTO's mismatched KL rows only) is cut."""
+  n = len(prompts)
+  tokens = np.full((n, width), pad_id, np.int32)
+  input_mask = np.zeros((n, width), bool)
+  loss_mask = np.zeros((n, width), bool)
+  for i, (p, c) in enumerate(zip(prompts, completions)):
+    row = (list(p) + list(c))[:width]
+    tokens[i, :len(row)] = row
+    input_mask[i, :len(row)] = True
+    loss_mask[i, len(p):len(row)] = True
+  return tokens, input_mask, loss_mask
+
+
+def batch_rows(pairs: EncodedPairs, idx: np.ndarray, unpaired: bool,
+               width: int, pad_id: int) -> tuple[np.ndarray, ...]:
+  """The rows of pairs ``idx``: ``[chosen; rejected]`` (``2P`` rows), and
+  with ``unpaired`` (KTO) then the same ``2P`` completions each after the
+  prompt of the row before it (the KL estimate's mismatched rows, TRL's
+  ``_get_kl_dataset``)."""
+  prompts = [pairs.prompts[i] for i in idx] * 2
+  answers = ([pairs.chosen[i] for i in idx]
+             + [pairs.rejected[i] for i in idx])
+  if unpaired:
+    shifted = answers[-1:] + answers[:-1]
+    prompts, answers = prompts + prompts, answers + shifted
+  return rows(prompts, answers, width, pad_id)
+
+
+def draw(seed: int, step: int, num_pairs: int, batch_size: int) -> np.ndarray:
+  """The pairs of step ``step`` (0-based): with replacement, from ``(seed,
+  step)`` alone, so a resumed run draws what the whole run drew."""
+  return np.random.default_rng((seed, 0x50524546, step)).integers(
+      0, num_pairs, batch_size)
+
+
+# ----------------------------------------------------------------------------
+# The step.
+
+
+def _sequence_logprobs(params, model_config, tokens, input_mask, loss_mask,
+                       packing):
+  lp, _ = models.sequence_logprobs(params, model_config, tokens, input_mask,
+                                   with_entropy=False, packing=packing)
+  return (jnp.sum(jnp.where(loss_mask, lp, 0.0), -1),
+          jnp.sum(loss_mask, -1).astype(jnp.float32))
+
+
+def batch_loss(name: str, settings: dict[str, float], policy_R, ref_R,
+               tokens_R) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The loss of one batch's rows (``batch_rows``'s layout) from their
+  summed log-probabilities and token counts."""
+  e = entry(name)
+  if e.unpaired:
+    half = policy_R.shape[0] // 2
+    desirable = jnp.arange(half) < half // 2
+    return e.loss(policy_R[:half], ref_R[:half], desirable, policy_R[half:],
+                  ref_R[half:], **settings)
+  p = policy_R.shape[0] // 2
+  s = pref_lib.SequenceLogprobs(policy_R[:p], policy_R[p:], ref_R[:p],
+                                ref_R[p:], tokens_R[:p], tokens_R[p:])
+  return e.loss(s, **settings)
+
+
+def make_step(model_config: models.ModelConfig, optimizer: Any, name: str,
+              settings: dict[str, float]):
+  """``step(state, tokens, input_mask, loss_mask, ref_R, packing) ->
+  (state, metrics)``: one optimizer update on a batch of rows. With LoRA the
+  adapters are trained and the frozen base stays as it is."""
+
+  def loss_fn(own, base, tokens, input_mask, loss_mask, ref_R, packing):
+    params = own if base is None else lora_lib.merge(base, own)
+    policy_R, tokens_R = _sequence_logprobs(params, model_config, tokens,
+                                            input_mask, loss_mask, packing)
+    loss, m = batch_loss(name, settings, policy_R, ref_R, tokens_R)
+    p = tokens.shape[0] // (4 if entry(name).unpaired else 2)
+    m.update({"loss": loss,
+              "logps/chosen": jnp.mean(jax.lax.stop_gradient(policy_R[:p])),
+              "logps/rejected": jnp.mean(jax.lax.stop_gradient(
+                  policy_R[p:2 * p]))})
+    return loss, m
+
+  def step(state: steps_lib.TrainState, tokens, input_mask, loss_mask, ref_R,
+           packing=None):
+    own = steps_lib.trainable(model_config, state.params)
+    base = steps_lib.frozen_base(model_config, state.params)
+    (_, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        own, base, tokens, input_mask, loss_mask, ref_R, packing)
+    updates, opt_state = optimizer.update(grads, state.opt_state, own,
+                                          ess=jnp.ones((), jnp.float32))
+    own = optax.apply_updates(own, updates)
+    m["grad_norm"] = optax.tree.norm(grads)
+    m.update(optim_lib.optimizer_metrics(opt_state))
+    params = own if base is None else lora_lib.merge(base, own)
+    return state._replace(params=params, opt_state=opt_state,
+                          step=state.step + 1), m
+
+  return step
+
+
+def _score(model_config, params, tokens, input_mask, loss_mask, packing):
+  return _sequence_logprobs(params, model_config, tokens, input_mask,
+                            loss_mask, packing)
+
+
+def make_reference_fn(model_config: models.ModelConfig):
+  """``fn(params, tokens, input_mask, loss_mask, packing) -> [R]`` summed
+  log-probabilities, without gradient (jitted by the caller)."""
+  def fn(params, tokens, input_mask, loss_mask, packing=None):
+    return jax.lax.stop_gradient(_sequence_logprobs(
+        params, model_config, tokens, input_mask, loss_mask, packing)[0])
+  return fn
+
+
+# ----------------------------------------------------------------------------
+# The run.
+
+
+class _Data(NamedTuple):
+  train: EncodedPairs
+  heldout: EncodedPairs
+  identical: int
+
+
+def _load(c: Any) -> _Data:
+  p = c.config.preference
+  train, heldout = reward_training.load_pairs(c.config, c.task, "preference")
+  train, identical = clean_pairs(train, p.pairs_path or "built-in pairs")
+  heldout, held_identical = clean_pairs(
+      heldout, p.heldout_path or p.pairs_path or "built-in held-out pairs")
+  if identical or held_identical:
+    log.warning("preference pairs: %d training and %d held-out pairs have "
+                "equal chosen and rejected sides: skipped "
+                "(pref/identical_pairs)", identical, held_identical)
+  width = p.max_length
+  return _Data(
+      encode(c.tokenizer, train, width, p.pairs_path or "built-in pairs"),
+      encode(c.tokenizer, heldout, width,
+             p.heldout_path or p.pairs_path or "built-in held-out pairs"),
+      identical)
+
+
+class _Reference:
+  """The reference model's log-probabilities (module docstring)."""
+
+  def __init__(self, c: Any, run: session.Session, params: Any,
+               fresh: bool):
+    p, self.c = c.config.preference, c
+    self.needed = entry(p.loss).reference
+    self.config, self.params = c.model_config, None
+    if not self.needed:
+      return
+    if c.lora:  # the frozen base: the same params without their adapters
+      self.config = c.model_config.base_config()
+    elif p.reference:
+      self.config, self.params = policy_lib.load_teacher(
+          p.reference, c.mesh, c.model_config.vocab_size,
+          tokenizer=getattr(c.tokenizer, "tokenizer", c.tokenizer),
+          field="preference.reference")
+    else:
+      self.params = _initial_reference(run, params, fresh)
+    self._fn = jax.jit(make_reference_fn(self.config))
+
+  def __call__(self, policy_params, tokens, input_mask, loss_mask, packing):
+    if not self.needed:
+      return jnp.zeros((tokens.shape[0],), jnp.float32)
+    params = policy_params if self.params is None else self.params
+    return self._fn(params, tokens, input_mask, loss_mask, packing)
+
+
+def _reference_manager(workdir: str) -> ckpt_lib.CheckpointManager:
+  return ckpt_lib.CheckpointManager(os.path.join(workdir, REFERENCE_DIR),
+                                    max_to_keep=1, async_save=False)
+
+
+def _initial_reference(run: session.Session, params: Any, fresh: bool) -> Any:
+  """The policy as the run started: written once at a fresh start (a copy
+  of ``params``), read back on resume."""
+  directory = os.path.join(run.workdir, REFERENCE_DIR)
+  manager = _reference_manager(run.workdir)
+  try:
+    if fresh:
+      reference = jax.tree.map(jnp.copy, params)
+      manager.save(0, reference, {"model": "preference reference"})
+      manager.wait()
+      return reference
+    if manager.latest_step() is None:
+      raise FileNotFoundError(
+          f"{directory}: the reference model of this preference run is "
+          "missing; its checkpoints hold the policy only. Start the run "
+          f"fresh (delete {run.manager.directory} or use another --workdir).")
+    restored, _ = manager.restore(0, params)
+    return restored
+  finally:
+    manager.close()
+
+
+def _put(c: Any, arrays: Sequence[np.ndarray]) -> list[Any]:
+  """Host rows of the global batch onto the mesh (this process's block)."""
+  group = c.group
+  n = arrays[0].shape[0]
+  if group.single:
+    rows_sharding = sharding.batch_sharding(c.mesh, 2)
+    return [jax.device_put(x, rows_sharding if x.ndim == 2
+                           else sharding.batch_sharding(c.mesh, 1))
+            for x in arrays]
+  block = group.rows(c.mesh, n)
+  return [group.global_array(x[block], c.mesh) for x in arrays]
+
+
+def _packing(c: Any, input_mask: np.ndarray):
+  if not c.config.preference.padding_free:
+    return None
+  from rljax.train import sft  # pylint: disable=g-import-not-at-top
+  return sft.pack_batch(input_mask, sharding.batch_ways(c.mesh))
+
+
+def _precompute(c, data_pairs: EncodedPairs, reference: _Reference,
+                policy_params, unpaired: bool, batch_size: int) -> np.ndarray:
+  """``[num_pairs, 2]`` (chosen, rejected) reference log-probabilities of
+  every pair, in batches of the step's shape."""
+  p = c.config.preference
+  n = len(data_pairs.prompts)
+  out = np.zeros((n, 2), np.float32)
+  for lo in range(0, n, batch_size):
+    idx = np.arange(lo, lo + batch_size) % n
+    arrays = rows([data_pairs.prompts[i] for i in idx] * 2,
+                  [data_pairs.chosen[i] for i in idx]
+                  + [data_pairs.rejected[i] for i in idx], p.max_length,
+                  c.tokenizer.pad_id)
+    with jax.set_mesh(c.mesh):
+      ref = np.asarray(jax.device_get(reference(
+          policy_params, *_put(c, arrays), _packing(c, arrays[1]))))
+    k = min(batch_size, n - lo)
+    out[lo:lo + k, 0] = ref[:k]
+    out[lo:lo + k, 1] = ref[batch_size:batch_size + k]
+  del unpaired
+  return out
+
+
+def heldout_accuracy(c, data_pairs: EncodedPairs, reference: _Reference,
+                     score, params, batch_size: int) -> float:
+  """The fraction of held-out pairs whose implicit reward ranks the chosen
+  side first (``beta`` scales both sides: it does not change the order):
+  the log-ratio to the reference, or for a reference-free loss the
+  length-normalised log-probability. A tie counts one half."""
+  p = c.config.preference
+  n = len(data_pairs.prompts)
+  wins = []
+  for lo in range(0, n, batch_size):
+    idx = np.arange(lo, lo + batch_size) % n
+    arrays = rows([data_pairs.prompts[i] for i in idx] * 2,
+                  [data_pairs.chosen[i] for i in idx]
+                  + [data_pairs.rejected[i] for i in idx], p.max_length,
+                  c.tokenizer.pad_id)
+    with jax.set_mesh(c.mesh):
+      placed = _put(c, arrays)
+      packing = _packing(c, arrays[1])
+      policy, tokens = score(params, *placed, packing)
+      ref = reference(params, *placed, packing)
+    policy, tokens, ref = (np.asarray(jax.device_get(x))
+                           for x in (policy, tokens, ref))
+    if entry(p.loss).reference:
+      value = policy - ref
+    else:
+      value = policy / np.maximum(tokens, 1.0)
+    k = min(batch_size, n - lo)
+    chosen, rejected = value[:batch_size][:k], value[batch_size:][:k]
+    wins.append((chosen > rejected) + 0.5 * (chosen == rejected))
+  return float(np.concatenate(wins).mean())
+
+
+def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
+          ) -> dict[str, Any]:
+  """Trains ``c`` (``build.build``'s components of a config with
+  ``preference.loss``) in ``workdir``: the module docstring. Returns the
+  run's summary (``session.summary``), with the held-out pair accuracy
+  before and after (``eval/pair_accuracy``)."""
+  p, s = c.config.preference, c.settings
+  e = entry(p.loss)
+  data = _load(c)
+  log.info("preference pairs: %d training, %d held-out (%s), %d identical "
+           "skipped; loss %s", len(data.train.prompts),
+           len(data.heldout.prompts), p.pairs_path or "built from the task",
+           data.identical, p.loss)
+  rows_per_step = p.batch_size * (4 if e.unpaired else 2)
+  sharding.check_batch_divisible(rows_per_step, c.mesh,
+                                 "rows per preference step (preference."
+                                 "batch_size x 2, x 4 for KTO)")
+  run = session.start(c, workdir)
+  fresh = not run.manager.all_steps()
+  state, _ = session.initial_state(run)
+  reference = _Reference(c, run, state.params, fresh)
+  settings = loss_settings(p.loss, p)
+  step_fn = jax.jit(make_step(c.model_config, c.algorithm.optimizer, p.loss,
+                              settings), donate_argnums=(0,))
+  score = jax.jit(functools.partial(_score, c.model_config))
+  precomputed = None
+  if p.precompute_reference and e.reference and not e.unpaired:
+    t = time.time()
+    precomputed = _precompute(c, data.train, reference, state.params,
+                              e.unpaired, p.batch_size)
+    log.info("reference log-probabilities of %d pairs precomputed in %.1f s",
+             len(precomputed), time.time() - t)
+    reference.params = None if not c.lora else reference.params
+  step = int(state.step)
+  if fresh:
+    before = heldout_accuracy(c, data.heldout, reference, score,
+                              state.params, p.batch_size)
+    run.before["eval/pair_accuracy"] = before
+    run.writer.write(0, {"eval/pair_accuracy": before,
+                         "pref/identical_pairs": float(data.identical)})
+    log.info("held-out pair accuracy before: %.3f", before)
+  last: dict[str, float] = {}
+  preempted = False
+  stop = guards.Guards(s)
+  finished = step >= s.num_steps
+  if finished:
+    log.info("this run already finished: step %d of %d in %s.", step,
+             s.num_steps, workdir)
+  progress = metrics_lib.ProgressBar(
+      s.num_steps, {"loss": "pref/loss", "accuracy": "pref/rewards/accuracy",
+                    "held-out": "eval/accuracy"}, initial=step,
+      active=c.group.primary)
+  while step < s.num_steps:
+    if c.group.any(bool(stop_signal.received)):
+      run.save(step, state, None)
+      run.manager.wait()
+      log.warning("%s received: saved a checkpoint at step %d in %s; run the "
+                  "same command (same --workdir) to resume.",
+                  stop_signal.received or "a stop signal (another process)",
+                  step, run.manager.directory)
+      preempted = True
+      break
+    t_start = time.time()
+    idx = draw(s.seed, step, len(data.train.prompts), p.batch_size)
+    arrays = batch_rows(data.train, idx, e.unpaired, p.max_length,
+                        c.tokenizer.pad_id)
+    packing = _packing(c, arrays[1])
+    with jax.set_mesh(c.mesh):
+      placed = _put(c, arrays)
+      if precomputed is not None:
+        ref_R = _put(c, [np.concatenate([precomputed[idx, 0],
+                                         precomputed[idx, 1]])])[0]
+      else:
+        ref_R = reference(state.params, *placed, packing)
+      state, m = step_fn(state, *placed, ref_R, packing)
+    step = int(state.step)
+    m = {f"pref/{k}" if not k.startswith(("learning_rate", "nonfinite"))
+         else k: v for k, v in metrics_lib.to_floats(m).items()}
+    m["time/step"] = time.time() - t_start
+    m["num_train_tokens"] = float(arrays[2].sum())
+    run.steps += 1
+    if step % s.eval_every == 0 or step == s.num_steps:
+      m.update(run.evaluate(state.params, jax.random.fold_in(run.eval_key,
+                                                             step)))
+      m["eval/pair_accuracy"] = heldout_accuracy(
+          c, data.heldout, reference, score, state.params, p.batch_size)
+    run.writer.write(step, m)
+    progress.update(step, m)
+    last = m
+    # The reward guard has nothing to watch here: no reward is computed.
+    stop.check(step, {**last, "reward/failure_fraction": 0.0}, run.manager,
+               run.writer)
+    if step % s.checkpoint_every == 0 or step == s.num_steps:
+      run.save(step, state, None, last)
+  progress.close()
+  if finished:
+    last = {}
+  out = session.summary(run, last, t0, preempted, finished=finished)
+  out["preference"] = {"loss": p.loss,
+                       "pair_accuracy_before": run.before.get(
+                           "eval/pair_accuracy"),
+                       "pair_accuracy": last.get("eval/pair_accuracy"),
+                       "identical_pairs": data.identical}
+  return out
+
+
+__all__ = ["PREFERENCE_LOSSES", "PreferenceEntry", "batch_loss", "entry",
+           "make_step", "train", "validate"]
