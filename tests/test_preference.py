@@ -360,3 +360,23 @@ def test_the_docs_list_every_loss():
   for name, e in pref_train.PREFERENCE_LOSSES.items():
     assert f"| `{name}` |" in text, name
     assert e.paper.split(",")[0] in text, name
+
+
+@pytest.mark.slow
+def test_bench_quick_trains_a_loss_and_writes_its_record(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..")
+  out = subprocess.run(
+      [sys.executable, "-m", "launch.bench_preference", "--quick",
+       "--losses=ipo", f"--workdir={tmp_path}"], cwd=root,
+      capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-2000:]
+  [record] = [f for f in os.listdir(tmp_path)
+              if f.startswith("bench_preference_quick-")]
+  with open(tmp_path / record) as f:
+    figures = json.load(f)["figures"]
+  [run] = figures["runs"]["ipo"]
+  assert 0 <= run["before"] <= 1 and 0 <= run["pair_accuracy"] <= 1
+  assert figures["summary"]["ipo_gain"]["mean"] == pytest.approx(
+      run["after"] - run["before"])
