@@ -7,7 +7,8 @@ For each seed and each loss of ``PREFERENCE_LOSSES``, one after the other in
 subprocesses (one CPU device): ``launch.train`` on
 ``configs/arithmetic_dpo.py`` with ``preference.loss`` set (the main job's
 SFT warm-up, then ``rl.num_steps`` preference steps on pairs built from the
-task; SimPO with ``preference.beta=2``, its paper's range). It prints and
+task; SimPO with ``preference.beta=2``, its paper's range, and robust DPO
+with ``preference.label_smoothing=0.1``). It prints and
 records, per loss, the held-out accuracy (the verifier's, sampled at the
 training temperature) before and after and the gain, mean +- std over the
 seeds, and the held-out pair accuracy after.
@@ -39,8 +40,10 @@ _RECORD_DIR = flags.DEFINE_string("record_dir", "", "where the JSON record "
                                   "goes (default: the workdir)")
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
-# Per-loss settings: SimPO's beta from its paper (2 to 2.5).
-_LOSS_FLAGS = {"simpo": ["--config.preference.beta=2.0"]}
+# Per-loss settings: SimPO's beta from its paper (2 to 2.5); robust DPO
+# assumes 10% flipped labels (with 0 it is DPO).
+_LOSS_FLAGS = {"simpo": ["--config.preference.beta=2.0"],
+               "robust_dpo": ["--config.preference.label_smoothing=0.1"]}
 
 
 def _quick_flags(quick: bool) -> list[str]:
