@@ -200,6 +200,19 @@ def test_batch_rows_pair_sides_and_shift_kto_completions():
   np.testing.assert_array_equal(kto_loss[4], [0, 1, 1, 0, 0, 0])
 
 
+def test_batch_rows_leave_untrained_tokens_out():
+  """An episode's observation tokens are inputs, not trained."""
+  pairs = pref_train.EncodedPairs(
+      [[5], [6]], [[8, 9, 10, 2], [11, 2]], [[12, 2], [13, 14, 15, 2]],
+      [[True, False, True, True], [True, True]],
+      [[True, True], [True, False, False, True]])
+  _, _, loss = pref_train.batch_rows(pairs, np.array([0, 1]), False, 6, 0)
+  np.testing.assert_array_equal(loss, [[0, 1, 0, 1, 1, 0],
+                                       [0, 1, 1, 0, 0, 0],
+                                       [0, 1, 1, 0, 0, 0],
+                                       [0, 1, 0, 0, 1, 0]])
+
+
 def test_draws_depend_on_the_seed_and_step_alone():
   a = pref_train.draw(3, 7, 100, 16)
   np.testing.assert_array_equal(a, pref_train.draw(3, 7, 100, 16))
@@ -380,3 +393,70 @@ def test_bench_quick_trains_a_loss_and_writes_its_record(tmp_path):
   assert 0 <= run["before"] <= 1 and 0 <= run["pair_accuracy"] <= 1
   assert figures["summary"]["ipo_gain"]["mean"] == pytest.approx(
       run["after"] - run["before"])
+
+
+# --- online pairs ---------------------------------------------------------------
+
+def test_online_pairs_are_each_groups_best_over_its_worst():
+  totals = np.array([0.0, 1.0, 0.5, 1.0,    # best row 1 (first of equals)
+                     0.3, 0.3, 0.3, 0.3,    # tied: no pair
+                     2.0, -1.0, 5.0, 0.0,   # row 10 over row 9
+                     1.0, 0.0, 9.0, 9.0])   # invalid 14, 15: row 12 over 13
+  valid = np.ones(16, bool)
+  valid[[10, 14, 15]] = [True, False, False]
+  pairs, tied = pref_train.pairs_from_groups(totals, valid, 4)
+  assert pairs == [(1, 0), (10, 9), (12, 13)] and tied == 1
+  one_valid = valid.copy()
+  one_valid[13] = False  # a group with one valid row gives no pair
+  pairs, tied = pref_train.pairs_from_groups(totals, one_valid, 4)
+  assert pairs == [(1, 0), (10, 9)] and tied == 2
+
+
+def online_config(**overrides):
+  c = dpo_config(**{"preference.online": True, **overrides})
+  c.preference.max_length = (max(c.sampler.prompt_buckets)
+                             + c.sampler.max_new_tokens)
+  return c
+
+
+def test_online_rows_must_fit_the_sampled_length():
+  c = online_config()
+  c.preference.max_length -= 1
+  with pytest.raises(ValueError, match=r"preference.max_length=21 with "
+                     r"preference.online=True: .* accepted: >= 22"):
+    build.validate(c)
+  with pytest.raises(ValueError, match="nothing to compute ahead"):
+    build.validate(online_config(**{"preference.precompute_reference": True}))
+
+
+@pytest.mark.slow
+def test_online_dpo_samples_labels_trains_and_resumes_exactly(tmp_path):
+  config = online_config(**{"rl.num_steps": 3, "checkpoint.every": 1})
+  train.run(config, str(tmp_path / "whole"))
+  rows = _finite_rows(tmp_path / "whole", 3)
+  for r in rows:  # the verifier and the parity reward label the pairs
+    assert r["pref/online/reward_chosen"] > r["pref/online/reward_rejected"]
+    assert 0 <= r["pref/online/tied_groups"] < 1
+    assert r["num_generated_tokens"] > 0
+  assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
+
+
+@pytest.mark.slow
+def test_online_kto_on_episodes_leaves_observations_out_of_the_loss(
+    tmp_path):
+  """Pairs of multi-turn calculator episodes, labelled by the
+  environment's reward: KTO trains on them (the rows' loss masks leave the
+  observations out: test_batch_rows_leave_untrained_tokens_out)."""
+  from tests.test_env_loop import env_config  # pylint: disable=import-outside-toplevel
+  config = env_config("calculator", **{"preference.loss": "kto",
+                                       "preference.online": True,
+                                       "rl.num_steps": 2, "eval.every": 100,
+                                       "optimizer.warmup_steps": 0,
+                                       "preference.num_pairs": 64,
+                                       "preference.num_heldout": 16})
+  config.preference.max_length = (max(config.sampler.prompt_buckets)
+                                  + config.sampler.max_new_tokens)
+  train.run(config, str(tmp_path))
+  rows = _finite_rows(tmp_path, 2)
+  assert all(r["env/turns/mean"] >= 1 for r in rows)
+  assert all("pref/kto/kl" in r for r in rows)

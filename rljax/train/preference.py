@@ -69,10 +69,14 @@ REFERENCE_DIR = "reference"
 
 
 class EncodedPairs(NamedTuple):
-  """Token ids of each pair's prompt and sides (completion + EOS)."""
+  """Token ids of each pair's prompt and sides (completion + EOS). A side's
+  ``*_trained`` mask (None: every token) leaves a multi-turn episode's
+  observation tokens out of the loss."""
   prompts: list[list[int]]
   chosen: list[list[int]]
   rejected: list[list[int]]
+  chosen_trained: list[list[bool]] | None = None
+  rejected_trained: list[list[bool]] | None = None
 
 
 def clean_pairs(pairs: Sequence[dict[str, Any]], where: str
@@ -121,19 +125,24 @@ def encode(tokenizer: Any, pairs: Sequence[dict[str, Any]], width: int,
 
 
 def rows(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-         width: int, pad_id: int) -> tuple[np.ndarray, ...]:
+         width: int, pad_id: int,
+         trained: Sequence[Sequence[bool] | None] | None = None
+         ) -> tuple[np.ndarray, ...]:
   """Right-padded ``(tokens, input_mask, loss_mask)`` ``[R, width]``; the
-  loss mask covers each completion (its EOS included). A row longer than
-  ``width`` (KTO's mismatched KL rows only) is cut."""
+  loss mask covers each completion (its EOS included), or where given its
+  ``trained`` tokens. A row longer than ``width`` (KTO's mismatched KL rows
+  only) is cut."""
   n = len(prompts)
   tokens = np.full((n, width), pad_id, np.int32)
   input_mask = np.zeros((n, width), bool)
   loss_mask = np.zeros((n, width), bool)
-  for i, (p, c) in enumerate(zip(prompts, completions)):
+  trained = trained or [None] * n
+  for i, (p, c, t) in enumerate(zip(prompts, completions, trained)):
     row = (list(p) + list(c))[:width]
     tokens[i, :len(row)] = row
     input_mask[i, :len(row)] = True
-    loss_mask[i, len(p):len(row)] = True
+    loss_mask[i, len(p):len(row)] = (True if t is None
+                                     else list(t)[:len(row) - len(p)])
   return tokens, input_mask, loss_mask
 
 
@@ -146,10 +155,16 @@ def batch_rows(pairs: EncodedPairs, idx: np.ndarray, unpaired: bool,
   prompts = [pairs.prompts[i] for i in idx] * 2
   answers = ([pairs.chosen[i] for i in idx]
              + [pairs.rejected[i] for i in idx])
+  trained = None
+  if pairs.chosen_trained is not None:
+    trained = ([pairs.chosen_trained[i] for i in idx]
+               + [pairs.rejected_trained[i] for i in idx])
   if unpaired:
     shifted = answers[-1:] + answers[:-1]
     prompts, answers = prompts + prompts, answers + shifted
-  return rows(prompts, answers, width, pad_id)
+    if trained is not None:
+      trained = trained + trained[-1:] + trained[:-1]
+  return rows(prompts, answers, width, pad_id, trained)
 
 
 def draw(seed: int, step: int, num_pairs: int, batch_size: int) -> np.ndarray:
@@ -157,6 +172,99 @@ def draw(seed: int, step: int, num_pairs: int, batch_size: int) -> np.ndarray:
   step)`` alone, so a resumed run draws what the whole run drew."""
   return np.random.default_rng((seed, 0x50524546, step)).integers(
       0, num_pairs, batch_size)
+
+
+# ----------------------------------------------------------------------------
+# Online pairs: sampled from the current policy, labelled by the rewards.
+
+
+def pairs_from_groups(totals: np.ndarray, valid: np.ndarray, group: int
+                      ) -> tuple[list[tuple[int, int]], int]:
+  """``([(chosen row, rejected row)], tied groups)`` of ``G``-row groups:
+  each group's best-scored row over its worst (the first of equals), as
+  online DPO's labeller picks (Guo et al. 2024, "Direct Language Model
+  Alignment from Online AI Feedback"; Xiong et al. 2024, "Iterative
+  Preference Learning from Human Feedback", best-of-n against
+  worst-of-n). A group whose valid rows all score the same, or that has
+  fewer than two, gives no pair."""
+  out, tied = [], 0
+  for g in range(len(totals) // group):
+    rows_ = [r for r in range(g * group, (g + 1) * group) if valid[r]]
+    if len(rows_) < 2:
+      tied += 1
+      continue
+    scores = np.asarray([totals[r] for r in rows_])
+    best, worst = int(np.argmax(scores)), int(np.argmin(scores))
+    if scores[best] == scores[worst]:
+      tied += 1
+      continue
+    out.append((rows_[best], rows_[worst]))
+  return out, tied
+
+
+def _to_host(c: Any, x: Any) -> np.ndarray:
+  if c.group.single:
+    return np.asarray(jax.device_get(x))
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def online_batch(c: Any, run: session.Session, params: Any, step: int
+                 ) -> tuple[EncodedPairs | None, dict[str, float]]:
+  """This step's pairs: ``rl.prompts_per_step`` prompts from the run's
+  iterator, ``rl.group_size`` samples each from ``params`` (the training
+  sampler), scored by the run's rewards (``rewards.names``: verifiers,
+  reward models, judges, an environment), each group's best over its worst
+  (``pairs_from_groups``). Groups without a pair are filled by the other
+  pairs in turn, so the batch keeps its shape; with no pair at all the
+  step trains nothing (None). Completions are the sampled token ids, not
+  re-encoded text."""
+  collector = run.collector
+  examples = next(run.iterator)
+  if not c.group.single:
+    examples = collector.gathered(examples)
+  key = jax.random.fold_in(jax.random.fold_in(run.state_key, 0x4f4e4c),
+                           step)
+  sampled = collector.sample_global(params, examples, key, step)
+  r = sampled.rollout
+  prompt_tokens, prompt_mask, tokens, mask = (
+      _to_host(c, x) for x in (r.prompt_tokens, r.prompt_mask,
+                               r.completion_tokens, r.completion_mask))
+  observed = (None if r.observation_mask is None
+              else _to_host(c, r.observation_mask))
+  n = len(tokens)
+  prompt_ids = [list(prompt_tokens[i][prompt_mask[i]]) for i in range(n)]
+  completion_ids = [list(tokens[i][mask[i]]) for i in range(n)]
+  trained = (None if observed is None else
+             [list(~observed[i][mask[i]]) for i in range(n)])
+  result = sampled.result
+  valid = np.asarray(result.valid_NxR).all(axis=1) & np.isfinite(
+      np.asarray(result.total_N))
+  g = collector.samples_per_prompt
+  chosen_rejected, tied = pairs_from_groups(np.asarray(result.total_N),
+                                            valid, g)
+  groups = n // g
+  totals = np.asarray(result.total_N, np.float64)
+  metrics = {**metrics_lib.to_floats(sampled.spec_metrics),
+             **metrics_lib.to_floats(result.metrics),
+             "pref/online/tied_groups": tied / max(groups, 1),
+             "pref/online/reward_mean": float(np.nanmean(np.where(
+                 valid, totals, np.nan))) if valid.any() else float("nan"),
+             "num_generated_tokens": float(np.sum(sampled.lengths)),
+             "time/sample": sampled.seconds_sample,
+             "time/reward": sampled.seconds_reward}
+  if not chosen_rejected:
+    return None, metrics
+  metrics["pref/online/reward_chosen"] = float(np.mean(
+      [totals[a] for a, _ in chosen_rejected]))
+  metrics["pref/online/reward_rejected"] = float(np.mean(
+      [totals[b] for _, b in chosen_rejected]))
+  full = [chosen_rejected[i % len(chosen_rejected)] for i in range(groups)]
+  pick = lambda lists, side: [lists[pair[side]] for pair in full]  # noqa: E731
+  return EncodedPairs(
+      pick(prompt_ids, 0), pick(completion_ids, 0), pick(completion_ids, 1),
+      None if trained is None else pick(trained, 0),
+      None if trained is None else pick(trained, 1)), metrics
 
 
 # ----------------------------------------------------------------------------
@@ -403,12 +511,29 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
   before and after (``eval/pair_accuracy``)."""
   p, s = c.config.preference, c.settings
   e = entry(p.loss)
-  data = _load(c)
-  log.info("preference pairs: %d training, %d held-out (%s), %d identical "
-           "skipped; loss %s", len(data.train.prompts),
-           len(data.heldout.prompts), p.pairs_path or "built from the task",
-           data.identical, p.loss)
-  rows_per_step = p.batch_size * (4 if e.unpaired else 2)
+  online = bool(p.online)
+  data = None
+  if not online or p.pairs_path:
+    data = _load(c)
+  elif c.task is not None:  # held-out pairs from the task, where it has them
+    try:
+      data = _load(c)
+    except ValueError as err:
+      log.info("no held-out pairs (%s): eval/pair_accuracy is not measured",
+               err)
+  if data is not None:
+    log.info("preference pairs: %d training%s, %d held-out (%s), %d "
+             "identical skipped; loss %s", len(data.train.prompts),
+             " (unused: online)" if online else "",
+             len(data.heldout.prompts), p.pairs_path or "built from the task",
+             data.identical, p.loss)
+  if online:
+    log.info("online %s: each step %d prompts x %d samples from the policy, "
+             "each group's best over its worst by %s", p.loss,
+             s.prompts_per_step, s.group_size, "+".join(
+                 c.config.rewards.names))
+  pairs_per_step = s.prompts_per_step if online else p.batch_size
+  rows_per_step = pairs_per_step * (4 if e.unpaired else 2)
   sharding.check_batch_divisible(rows_per_step, c.mesh,
                                  "rows per preference step (preference."
                                  "batch_size x 2, x 4 for KTO)")
@@ -421,7 +546,7 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
                               settings), donate_argnums=(0,))
   score = jax.jit(functools.partial(_score, c.model_config))
   precomputed = None
-  if p.precompute_reference and e.reference and not e.unpaired:
+  if p.precompute_reference and e.reference and not e.unpaired and not online:
     t = time.time()
     precomputed = _precompute(c, data.train, reference, state.params,
                               e.unpaired, p.batch_size)
@@ -429,9 +554,9 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
              len(precomputed), time.time() - t)
     reference.params = None if not c.lora else reference.params
   step = int(state.step)
-  if fresh:
+  if fresh and data is not None:
     before = heldout_accuracy(c, data.heldout, reference, score,
-                              state.params, p.batch_size)
+                              state.params, pairs_per_step)
     run.before["eval/pair_accuracy"] = before
     run.writer.write(0, {"eval/pair_accuracy": before,
                          "pref/identical_pairs": float(data.identical)})
@@ -458,29 +583,43 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
       preempted = True
       break
     t_start = time.time()
-    idx = draw(s.seed, step, len(data.train.prompts), p.batch_size)
-    arrays = batch_rows(data.train, idx, e.unpaired, p.max_length,
-                        c.tokenizer.pad_id)
-    packing = _packing(c, arrays[1])
-    with jax.set_mesh(c.mesh):
-      placed = _put(c, arrays)
-      if precomputed is not None:
-        ref_R = _put(c, [np.concatenate([precomputed[idx, 0],
-                                         precomputed[idx, 1]])])[0]
-      else:
-        ref_R = reference(state.params, *placed, packing)
-      state, m = step_fn(state, *placed, ref_R, packing)
+    extra: dict[str, float] = {}
+    if online:
+      pairs, extra = online_batch(c, run, state.params, step)
+      idx = np.arange(pairs_per_step)
+    else:
+      pairs = data.train
+      idx = draw(s.seed, step, len(data.train.prompts), p.batch_size)
+    if pairs is None:  # every group tied: nothing to prefer
+      log.warning("step %d: every sampled group scored alike; no pair, no "
+                  "update (pref/online/tied_groups)", step + 1)
+      state = state._replace(step=state.step + 1)
+      m: dict[str, float] = {}
+    else:
+      arrays = batch_rows(pairs, idx, e.unpaired, p.max_length,
+                          c.tokenizer.pad_id)
+      packing = _packing(c, arrays[1])
+      with jax.set_mesh(c.mesh):
+        placed = _put(c, arrays)
+        if precomputed is not None:
+          ref_R = _put(c, [np.concatenate([precomputed[idx, 0],
+                                           precomputed[idx, 1]])])[0]
+        else:
+          ref_R = reference(state.params, *placed, packing)
+        state, m = step_fn(state, *placed, ref_R, packing)
+      m = {f"pref/{k}" if not k.startswith(("learning_rate", "nonfinite"))
+           else k: v for k, v in metrics_lib.to_floats(m).items()}
+      m["num_train_tokens"] = float(arrays[2].sum())
     step = int(state.step)
-    m = {f"pref/{k}" if not k.startswith(("learning_rate", "nonfinite"))
-         else k: v for k, v in metrics_lib.to_floats(m).items()}
+    m.update(extra)
     m["time/step"] = time.time() - t_start
-    m["num_train_tokens"] = float(arrays[2].sum())
     run.steps += 1
     if step % s.eval_every == 0 or step == s.num_steps:
       m.update(run.evaluate(state.params, jax.random.fold_in(run.eval_key,
                                                              step)))
-      m["eval/pair_accuracy"] = heldout_accuracy(
-          c, data.heldout, reference, score, state.params, p.batch_size)
+      if data is not None:
+        m["eval/pair_accuracy"] = heldout_accuracy(
+            c, data.heldout, reference, score, state.params, pairs_per_step)
     run.writer.write(step, m)
     progress.update(step, m)
     last = m
@@ -497,7 +636,8 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
                        "pair_accuracy_before": run.before.get(
                            "eval/pair_accuracy"),
                        "pair_accuracy": last.get("eval/pair_accuracy"),
-                       "identical_pairs": data.identical}
+                       "identical_pairs": (None if data is None
+                                           else data.identical)}
   return out
 
 

@@ -105,6 +105,20 @@ def validate(config: Any) -> None:
                      f"model.lora.rank={config.model.lora.rank}: a LoRA run's "
                      "reference is its frozen base; accepted: "
                      "preference.reference=''.")
+  if p.online and p.precompute_reference:
+    raise ValueError("preference.precompute_reference=True with "
+                     "preference.online=True: online pairs are sampled anew "
+                     "each step, so there is nothing to compute ahead; "
+                     "accepted: one or the other.")
+  if p.online:
+    need = max(config.sampler.prompt_buckets) + config.sampler.max_new_tokens
+    if p.max_length < need:
+      raise ValueError(
+          f"preference.max_length={p.max_length} with preference.online="
+          f"True: a sampled row is up to the longest prompt bucket "
+          f"({max(config.sampler.prompt_buckets)}) plus "
+          f"sampler.max_new_tokens ({config.sampler.max_new_tokens}) "
+          f"tokens; accepted: >= {need}.")
   if config.rl.max_staleness or config.rl.sampler_devices:
     raise ValueError(
         "preference.loss is set with rl.max_staleness="

@@ -167,8 +167,9 @@ def builtin_pairs(task: Any, split: str, num_pairs: int, seed: int,
     chosen = e["completion"]
     if not chosen.strip().lstrip("-").isdigit():
       raise ValueError(f"task {task.name!r}: completion {chosen!r} is not an "
-                       "integer; built-in pairs need one (give "
-                       "reward_model.pairs_path).")
+                       "integer; built-in pairs need one (give a pairs "
+                       "file: reward_model.pairs_path or "
+                       "preference.pairs_path).")
     kind = "near"
     if negatives == "mixed":
       kind = ("near", "near", "random", "digits")[int(rng.integers(4))]

@@ -156,6 +156,9 @@ _BASE: dict[str, Field] = {
                                          "log-probabilities of every pair "
                                          "computed once at the start"),
     "preference.padding_free": F(True, None, "rows packed, real tokens only"),
+    "preference.online": F(False, None, "pairs sampled from the current "
+                           "policy each step (rl.prompts_per_step x "
+                           "rl.group_size), best over worst by the rewards"),
     # --- rl: the batch ---
     "rl.num_steps": F(100, "int>=1", "RL steps"),
     "rl.prompts_per_step": F(32, "int>=1", "prompts per step (B)"),
