@@ -239,3 +239,76 @@ def test_bfloat16_params_score_close_to_float32(rm_dir, policy_tokenizer):
     scores[dtype] = fn.score_tokens(rollout)
   np.testing.assert_allclose(scores["bfloat16"], scores[None], rtol=0.05)
   assert not np.array_equal(scores["bfloat16"], scores[None])
+
+
+# --------------------------------------------------------------------------
+# Ensembles (Coste et al. 2023)
+
+
+def test_ensemble_aggregations_by_hand():
+  scores = np.array([[1.0, 2.0, 0.0, 5.0],
+                     [3.0, 2.0, -4.0, np.nan],
+                     [2.0, 2.0, 1.0, 1.0]])
+  got = {a: model_rewards.aggregate(scores, a, 1.5)
+         for a in model_rewards.AGGREGATIONS}
+  np.testing.assert_allclose(got["mean"][:3], [2.0, 2.0, -1.0])
+  np.testing.assert_allclose(got["worst"][:3], [1.0, 2.0, -4.0])
+  std0 = np.sqrt(((1 - 2) ** 2 + (3 - 2) ** 2 + 0) / 3)  # ddof=0
+  std2 = np.sqrt((1 + 9 + 4) / 3)
+  np.testing.assert_allclose(got["mean_minus_std"][:3],
+                             [2.0 - 1.5 * std0, 2.0, -1.0 - 1.5 * std2])
+  for a in model_rewards.AGGREGATIONS:  # a member's failure fails the row
+    assert got[a][3] == np.inf
+  with pytest.raises(ValueError, match="aggregation='median'"):
+    model_rewards.aggregate(scores, "median", 1.0)
+
+
+def test_an_ensemble_scores_each_member_and_aggregates(tmp_path, rm_dir,
+                                                       policy_tokenizer):
+  other = tmp_path / "other_rm"
+  rm.save_hf_reward_model(other, TINY, _params(TINY, seed=5))
+  (other / "tokenizer.model").write_bytes(policy_tokenizer.serialized)
+  rollout = _Rollout(policy_tokenizer, PROMPTS, COMPLETIONS)
+  members = [model_rewards.load(f"model:{p}", policy_tokenizer=policy_tokenizer)
+             for p in (rm_dir, other)]
+  each = np.stack([m.score_tokens(rollout) for m in members])
+  assert not np.allclose(each[0], each[1])
+  fn = model_rewards.EnsembleReward(members, "worst")
+  assert fn.reads_tokens
+  np.testing.assert_allclose(fn.score_tokens(rollout), each.min(0))
+  np.testing.assert_allclose(fn(PROMPTS, COMPLETIONS), each.min(0),
+                             rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="at least two reward models"):
+    model_rewards.ensemble_members(f"ensemble:{rm_dir}")
+  with pytest.raises(FileNotFoundError, match="nope"):
+    build.reward_fn(f"ensemble:{rm_dir},{tmp_path}/nope")
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_a_reward_model_ensemble(tmp_path):
+  config = tiny_config()
+  config.rl.num_steps = 2
+  config.eval.every = 100
+  task, train_examples, _ = build.load_task(config)
+  tokenizer = build.make_tokenizer(config, task, train_examples)
+  rm_config = rm.RewardModelConfig(models.get_preset("tiny").replace(
+      vocab_size=tokenizer.vocab_size))
+  paths = []
+  for seed in (0, 3):
+    path = tmp_path / f"rm{seed}"
+    rm.save_hf_reward_model(path, rm_config, _params(rm_config, seed))
+    (path / "tokenizer.model").write_bytes(tokenizer.serialized)
+    paths.append(str(path))
+  config.rewards.names = ("ensemble:" + ",".join(paths), "numeric_match")
+  config.rewards.weights = (1.0, 0.0)
+  config.rewards.ensemble.aggregation = "mean_minus_std"
+  config.rewards.ensemble.k = 0.5
+  config.eval.reward = "numeric_match"
+  train.run(config, str(tmp_path / "run"))
+  rows = [r for r in metrics.read_jsonl(str(tmp_path / "run" /
+                                            "metrics.jsonl")) if r["step"] > 0]
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert r["reward/ensemble/valid_frac"] == 1.0
+    assert np.isfinite(r["reward/ensemble/mean"])
+    assert r["grad_norm"] > 0

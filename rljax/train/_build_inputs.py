@@ -10,6 +10,7 @@ is trained or read and ``model.preset`` is initialised from scratch.
 from __future__ import annotations
 
 import base64
+import functools
 import importlib
 import logging
 import os
@@ -53,6 +54,10 @@ def reward_fn(name: str):
   if model_rewards.is_model_reward(name):
     model_rewards.check(name)
     return model_rewards.label(name), None
+  if model_rewards.is_ensemble(name):
+    for member in model_rewards.ensemble_members(name):
+      model_rewards.check(member)
+    return "ensemble", None
   if judges.is_judge(name):
     judges.check(name)
     return judges.label(name), None
@@ -108,13 +113,25 @@ def reward_specs(config: Any, *, mesh: jax.sharding.Mesh | None = None,
       raise ValueError(f"rewards.names entry {name!r}: a reward model needs "
                        "the policy's tokenizer (make_evaluator(tokenizer=)).")
     m = config.rewards.models
-    fn = model_rewards.load(
-        name, policy_tokenizer=tokenizer, policy_dir=config.model.path,
-        mesh=mesh, tokens=m.tokens, chat_template=m.chat_template,
-        param_dtype=m.param_dtype or None, group=group)
-    log.info("reward model %s: %s params, reads the %s", label,
-             f"{models.count_params(fn.params):,}",
-             "policy's tokens" if fn.reads_tokens else "text")
+    load = functools.partial(
+        model_rewards.load, policy_tokenizer=tokenizer,
+        policy_dir=config.model.path, mesh=mesh, tokens=m.tokens,
+        chat_template=m.chat_template, param_dtype=m.param_dtype or None,
+        group=group)
+    if model_rewards.is_ensemble(name):
+      e = config.rewards.ensemble
+      fn = model_rewards.EnsembleReward(
+          [load(member) for member in model_rewards.ensemble_members(name)],
+          e.aggregation, float(e.k))
+      log.info("reward-model ensemble of %d (%s): %s params, reads the %s",
+               len(fn.members), e.aggregation,
+               f"{models.count_params(fn.params):,}",
+               "policy's tokens" if fn.reads_tokens else "text")
+    else:
+      fn = load(name)
+      log.info("reward model %s: %s params, reads the %s", label,
+               f"{models.count_params(fn.params):,}",
+               "policy's tokens" if fn.reads_tokens else "text")
     specs.append(rewards_lib.RewardSpec(label, fn, weight=float(weight),
                                         in_process=True))
   return specs

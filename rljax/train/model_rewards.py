@@ -220,6 +220,81 @@ class ModelReward:
     return self._values(tokens, mask)
 
 
+ENSEMBLE_PREFIX = "ensemble:"
+"""The ``rewards.names`` prefix of a reward-model ensemble:
+``"ensemble:<path>,<path>,..."`` (``EnsembleReward``)."""
+
+AGGREGATIONS = ("mean", "worst", "mean_minus_std")
+
+
+def is_ensemble(name: str) -> bool:
+  return isinstance(name, str) and name.startswith(ENSEMBLE_PREFIX)
+
+
+def ensemble_members(name: str) -> list[str]:
+  """The ``"model:<path>"`` entries of ``"ensemble:<path>,<path>,..."``.
+
+  Raises:
+    ValueError: naming the entry when it has fewer than two paths.
+  """
+  paths = [p.strip() for p in name[len(ENSEMBLE_PREFIX):].split(",")
+           if p.strip()]
+  if len(paths) < 2:
+    raise ValueError(f"rewards.names entry {name!r}: an ensemble needs at "
+                     f"least two reward models, comma-separated; got "
+                     f"{len(paths)}.")
+  return [PREFIX + p for p in paths]
+
+
+def aggregate(scores_MxN: np.ndarray, aggregation: str, k: float
+              ) -> np.ndarray:
+  """One reward per row from ``M`` reward models' scores (Coste et al.
+  2023, "Reward Model Ensembles Help Mitigate Overoptimization",
+  https://arxiv.org/abs/2310.02743): ``"mean"``; ``"worst"`` (their
+  worst-case optimisation, the minimum); ``"mean_minus_std"`` (mean
+  minus ``k`` times the members' standard deviation, ``ddof=0``: an
+  uncertainty penalty, as their uncertainty-weighted optimisation's
+  variance). A row that any member failed to score (non-finite) is a
+  failed score of the ensemble (inf: counted invalid)."""
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"rewards.ensemble.aggregation={aggregation!r}: "
+                     f"accepted {AGGREGATIONS}.")
+  scores = np.asarray(scores_MxN, np.float64)
+  bad = ~np.all(np.isfinite(scores), axis=0)
+  scores = np.where(np.isfinite(scores), scores, 0.0)
+  if aggregation == "mean":
+    out = scores.mean(0)
+  elif aggregation == "worst":
+    out = scores.min(0)
+  else:
+    out = scores.mean(0) - k * scores.std(0)
+  return np.where(bad, np.inf, out)
+
+
+class EnsembleReward:
+  """Several reward models as one reward: each scores the batch
+  (``ModelReward``), ``aggregate`` combines their scores. It reads the
+  policy's tokens only when every member does."""
+
+  def __init__(self, members: Sequence[ModelReward], aggregation: str,
+               k: float = 1.0):
+    aggregate(np.zeros((2, 1)), aggregation, k)  # checks the name
+    self.members, self.aggregation, self.k = list(members), aggregation, k
+    self.reads_tokens = all(m.reads_tokens for m in self.members)
+    self.params = [m.params for m in self.members]
+
+  def score_tokens(self, rollout: Any) -> np.ndarray:
+    return aggregate(np.stack([m.score_tokens(rollout)
+                               for m in self.members]),
+                     self.aggregation, self.k)
+
+  def __call__(self, prompts: Sequence[str], completions: Sequence[str],
+               **fields: Any) -> np.ndarray:
+    return aggregate(np.stack([m(prompts, completions, **fields)
+                               for m in self.members]),
+                     self.aggregation, self.k)
+
+
 def load(name: str, *, policy_tokenizer: Any, policy_dir: str = "",
          mesh: Mesh | None = None, tokens: str = "auto",
          chat_template: bool = True, param_dtype: str | None = None,

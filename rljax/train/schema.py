@@ -351,6 +351,12 @@ _BASE: dict[str, Field] = {
                                "number) or 'package.module:function'"),
     "rewards.judges.chat_template": F(True, None, "the judge prompt as a user "
                                       "turn of its chat template"),
+    "rewards.ensemble.aggregation": F(
+        "mean_minus_std", None, "an 'ensemble:<path>,<path>' reward: the "
+        "members' mean, their worst, or mean - k std",
+        choices=("mean", "worst", "mean_minus_std")),
+    "rewards.ensemble.k": F(1.0, ">=0", "the std's weight of "
+                            "mean_minus_std"),
     "rewards.models.param_dtype": F("", None, "reward-model params' dtype "
                                     "('': the checkpoint's)",
                                     choices=("", "float32", "bfloat16")),
