@@ -225,6 +225,10 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
       raise ValueError(f"{field}={config[section][tracker][leaf]!r}: a "
                        "string is required.")
   rl = config.rl
+  if rl.kl_target is not None and not rl.kl_coef:
+    raise ValueError(f"rl.kl_target={rl.kl_target!r} with rl.kl_coef=0: the "
+                     "adaptive controller starts from rl.kl_coef and scales "
+                     "it; accepted: rl.kl_coef > 0 (its starting value).")
   if rl.is_floor is not None and rl.is_floor > rl.is_cap:
     raise ValueError(f"rl.is_floor={rl.is_floor!r} > rl.is_cap={rl.is_cap!r}: "
                      "the truncation interval is empty.")

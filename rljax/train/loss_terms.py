@@ -54,12 +54,17 @@ def entropy_term(fwd: Forward, mb: StepInputs, cfg: RLStepConfig,
 
 
 def kl_term(fwd: Forward, mb: StepInputs, cfg: RLStepConfig, norm: Normalizers):
-  """``kl_coef * aggregate(KL(pi_theta || pi_ref))`` (``cfg.kl_estimator``)."""
+  """``kl_coef * aggregate(KL(pi_theta || pi_ref))`` (``cfg.kl_estimator``;
+  the coefficient is an adaptive controller's where the batch carries it:
+  ``StepInputs.kl_coef_N``)."""
   kl = obj_lib.aggregate_loss(
       obj_lib.kl_penalty(fwd.logprobs, mb.ref_logprobs_NxT, cfg.kl_estimator,
                          old_logprobs_BxT=fwd.old_logprobs),
       fwd.mask, cfg.aggregation, **norm._asdict())
-  return cfg.kl_coef * kl, {"kl": kl}
+  if mb.kl_coef_N is None:
+    return cfg.kl_coef * kl, {"kl": kl}
+  coef = jax.lax.stop_gradient(jnp.mean(mb.kl_coef_N))  # one value, N copies
+  return coef * kl, {"kl": kl, "kl_coef": coef}
 
 
 def ess_kl_term(fwd: Forward, mb: StepInputs, cfg: RLStepConfig,

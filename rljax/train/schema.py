@@ -277,6 +277,10 @@ _BASE: dict[str, Field] = {
                               "the fewest microbatches within this budget "
                               "(verl's dynamic batch size; padding-free)"),
     "rl.kl_coef": F(0.0, ">=0", "weight of the KL to the reference params"),
+    "rl.kl_target": F(None, ">0?", "adapt rl.kl_coef to hold this KL "
+                      "(Ziegler et al. 2019; None: fixed)", float),
+    "rl.kl_horizon": F(10000, "int>=1", "the adaptive KL controller's "
+                       "horizon in rows (TRL's default)"),
     "rl.entropy_coef": F(0.0, ">=0", "weight of the entropy bonus"),
     "rl.training_temperature": F(1.0, ">0", "logits are divided by it"),
     "rl.old_logprobs": F("recompute", None, "pi_old: the trainer's forward "

@@ -83,6 +83,7 @@ class Session:
       default_factory=lambda: {"generated": 0.0, "train": 0.0})
   steps: int = 0
   first_step: dict[str, Any] | None = None
+  kl_coef: float | None = None  # an adaptive KL controller's (kl_control)
 
   @property
   def metrics_path(self) -> str:
@@ -116,6 +117,8 @@ class Session:
     tree = {"state": state}
     meta = {"data_iterator": data_state, "before": self.before,
             "config": c.config_json}
+    if self.kl_coef is not None:
+      meta["kl_coef"] = self.kl_coef
     if c.lora:  # the adapters, and where the frozen base is
       tree["state"] = state._replace(
           params=steps_lib.trainable(c.model_config, state.params))
@@ -339,6 +342,7 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
     log.warning("the checkpoint carries %d partial groups, dropped: "
                 "rl.rollout is not 'partial' now.", len(carried["born"]))
   run.before = meta.get("before", {})
+  run.kl_coef = meta.get("kl_coef")
   dropped = rundir.trim_metrics(run.metrics_path, resumed) if primary else 0
   run.writer = metrics_lib.from_config(run.c.config_json, run.workdir,
                                          active=primary)

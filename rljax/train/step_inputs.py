@@ -83,6 +83,9 @@ class RLBatch(NamedTuple):
       with a critic, GAE's input instead of ``rewards_N`` (a multi-turn
       batch, whose environment rewards sit on their turns:
       ``batch_layout.token_rewards``); None otherwise.
+    kl_coef_N: fp32, the step's KL coefficient on every row (an adaptive
+      KL controller's value: ``rljax/train/kl_control.py``); None: the
+      config's ``RLStepConfig.kl_coef``.
   """
 
   tokens_NxL: jax.Array
@@ -94,6 +97,7 @@ class RLBatch(NamedTuple):
   rewards_N: jax.Array | None = None
   plan: StepPlan | None = None
   token_rewards_NxL: jax.Array | None = None
+  kl_coef_N: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +237,7 @@ class StepInputs(NamedTuple):
       None without a critic.
     packing: a microbatch's ``models.Packing`` (padding-free forward
       passes); None: padded.
+    kl_coef_N: ``RLBatch.kl_coef_N``'s rows.
   """
 
   tokens_NxL: jax.Array
@@ -246,6 +251,7 @@ class StepInputs(NamedTuple):
   old_values_NxT: jax.Array | None = None
   returns_NxT: jax.Array | None = None
   packing: Any = None
+  kl_coef_N: jax.Array | None = None
 
 
 class Normalizers(NamedTuple):

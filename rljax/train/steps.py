@@ -289,7 +289,7 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
       old_logprobs_NxT=None if cfg.reuses_current_as_old else old,
       ref_logprobs_NxT=ref,
       teacher_logprobs_NxT=teacher, old_values_NxT=old_values,
-      returns_NxT=returns)
+      returns_NxT=returns, kl_coef_N=batch.kl_coef_N)
   return inputs, rejected, old
 
 
@@ -535,7 +535,8 @@ def init_state(params: Any, key: jax.Array, *, algorithm: Any,
 
 def batch_shardings(mesh: jax.sharding.Mesh, old_logprobs: bool,
                     rewards: bool = False, packed: bool = False,
-                    token_rewards: bool = False) -> RLBatch:
+                    token_rewards: bool = False,
+                    kl_coef: bool = False) -> RLBatch:
   """``RLBatch`` of shardings: rows split over the mesh's batch axes (a
   padding-free step's plan replicated: it is small)."""
   b2, b1 = sharding.batch_sharding(mesh, 2), sharding.batch_sharding(mesh, 1)
@@ -543,13 +544,14 @@ def batch_shardings(mesh: jax.sharding.Mesh, old_logprobs: bool,
   plan = StepPlan(r, models.Packing(r, r, r, r)) if packed else None
   return RLBatch(b2, b2, b2, b2, b2, b2 if old_logprobs else None,
                  b1 if rewards else None, plan,
-                 b2 if token_rewards else None)
+                 b2 if token_rewards else None, b1 if kl_coef else None)
 
 
 def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
                 ref_shardings: Any = None, *, old_logprobs: bool = False,
                 teacher_shardings: Any = None, rewards: bool = False,
-                packed: bool = False, token_rewards: bool = False):
+                packed: bool = False, token_rewards: bool = False,
+                kl_coef: bool = False):
   """``jax.jit(rl_step)`` with explicit shardings and the state donated.
 
   Args:
@@ -566,6 +568,8 @@ def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
       ``train/packing.py``).
     token_rewards: whether batches carry ``token_rewards_NxL`` (a critic on
       a multi-turn environment).
+    kl_coef: whether batches carry ``kl_coef_N`` (an adaptive KL
+      controller).
   """
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   teacher = () if teacher_shardings is None else (teacher_shardings,)
@@ -573,7 +577,7 @@ def jit_rl_step(rl_step, mesh: jax.sharding.Mesh, state_shardings: Any,
       rl_step,
       in_shardings=(state_shardings,
                     batch_shardings(mesh, old_logprobs, rewards, packed,
-                                    token_rewards),
+                                    token_rewards, kl_coef),
                     ref_shardings) + teacher,
       out_shardings=(state_shardings, replicated),
       donate_argnums=(0,))
