@@ -77,4 +77,26 @@ def from_config(config: Any, mesh: jax.sharding.Mesh,
   return AdaptiveKL(start, float(rl.kl_target), int(rl.kl_horizon), mesh)
 
 
-__all__ = ["AdaptiveKL", "from_config", "next_coef"]
+def attach(config: Any, mesh: jax.sharding.Mesh, run: Any,
+           rl_step: Callable[..., Any]
+           ) -> tuple[Callable[..., Any], AdaptiveKL | None]:
+  """``(rl_step, controller)``: with ``rl.kl_target`` the step wrapped to
+  read the controller's value (resumed from ``run.kl_coef``, a
+  ``session.Session``'s), else as it is and None."""
+  controller = from_config(config, mesh, run.kl_coef)
+  if controller is None:
+    return rl_step, None
+  run.kl_coef = controller.value
+  return controller.wrap(rl_step), controller
+
+
+def observe(controller: AdaptiveKL | None, run: Any,
+            metrics: dict[str, float], n: int) -> None:
+  """After a step: the next step's coefficient from its ``kl`` metric,
+  kept in ``run.kl_coef`` for the checkpoints."""
+  if controller is not None:
+    controller.update(metrics["kl"], n)
+    run.kl_coef = controller.value
+
+
+__all__ = ["AdaptiveKL", "attach", "from_config", "next_coef", "observe"]

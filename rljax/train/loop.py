@@ -32,7 +32,7 @@ from rljax import distributed
 from rljax import metrics as metrics_lib
 from rljax.train import build as build_lib
 from rljax.rollout import schedules
-from rljax.train import guards, kl_control, rundir, schema, session
+from rljax.train import guards, kl_control, preference, rundir, schema, session
 from rljax.train import packing as packing_lib
 from rljax.train.algorithm import Algorithm
 from rljax.train.steps import jit_rl_step, make_rl_step
@@ -117,7 +117,6 @@ def _run(config: Any, workdir: str, algorithm: Algorithm | None,
   c = build_lib.build(config, algorithm_override=algorithm, group=group)
   try:
     if c.config.preference.loss:  # the DPO family instead of RL
-      from rljax.train import preference  # pylint: disable=g-import-not-at-top
       return preference.train(c, workdir, t0, stop_signal)
     return _train(c, workdir, t0, stop_signal, schedule)
   finally:
@@ -146,10 +145,7 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
       kl_coef=c.config.rl.kl_target is not None)
   if c.config.rl.padding_free:  # the host plans each step's packing
     rl_step = packing_lib.PaddingFree(rl_step, sc, c.mesh)
-  controller = kl_control.from_config(c.config, c.mesh, run.kl_coef)
-  if controller is not None:  # rl.kl_target: the coefficient adapts
-    rl_step = controller.wrap(rl_step)
-    run.kl_coef = controller.value
+  rl_step, controller = kl_control.attach(c.config, c.mesh, run, rl_step)
   # The teacher is an extra argument only when there is one.
   teacher_args = () if teacher_params is None else (teacher_params,)
   if schedule is None:
@@ -234,9 +230,7 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
                   "(coef/nonfinite_tokens).", step,
                   run.collector.algorithm.name,
                   int(last["coef/nonfinite_tokens"]))
-    if controller is not None:  # the next step's coefficient
-      controller.update(last["kl"], s.prompts_per_step * s.group_size)
-      run.kl_coef = controller.value
+    kl_control.observe(controller, run, last, s.prompts_per_step * s.group_size)
     stop.check(step, last, run.manager, run.writer)
     if step % s.checkpoint_every == 0 or step == s.num_steps:
       run.save(step, state, ref_params, last,
