@@ -259,6 +259,12 @@ def _check_partial_replay(rl):
   assert any(r["replay/fraction"] > 0 for r in rl)
 
 
+def _check_online_dpo(rl):
+  assert all(r["pref/online/reward_chosen"] > r["pref/online/reward_rejected"]
+             for r in rl)
+  assert all(r["pref/grad_norm"] > 0 for r in rl)
+
+
 # Each case: (overrides, or fn(tmp_path, two_runs) -> overrides; config
 # file; a check of the two-process run's RL rows). The cases cover each
 # feature on several processes, paired with others where they combine.
@@ -274,6 +280,13 @@ CASES = {
          "rl.selection.name": "greso", "rl.prompts_per_step": 12,
          "eval.num_examples": 12}, None, _check_slots_async_greso),
     # Partial rollouts carrying groups, replay (8 prompts, 6 fresh).
+    # Online DPO (docs/preference.md): pairs sampled from the global
+    # batch, labelled by the rewards, trained against the reference; held-out
+    # pairs scored on both processes' rows.
+    "online-dpo": ({"preference.loss": "dpo", "preference.online": True,
+                    "preference.max_length": 22, "preference.num_pairs": 64,
+                    "preference.num_heldout": 16, "eval.every": 2,
+                    **_PARITY}, None, _check_online_dpo),
     "partial-replay": ({"rl.rollout": "partial", "rl.rollout_slots": 8,
                         "rl.num_steps": 3, "rl.replay.fraction": 0.25,
                         **_PARITY}, None, _check_partial_replay),

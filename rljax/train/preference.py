@@ -462,8 +462,8 @@ def _precompute(c, data_pairs: EncodedPairs, reference: _Reference,
                   + [data_pairs.rejected[i] for i in idx], p.max_length,
                   c.tokenizer.pad_id)
     with jax.set_mesh(c.mesh):
-      ref = np.asarray(jax.device_get(reference(
-          policy_params, *_put(c, arrays), _packing(c, arrays[1]))))
+      ref = _to_host(c, reference(policy_params, *_put(c, arrays),
+                                  _packing(c, arrays[1])))
     k = min(batch_size, n - lo)
     out[lo:lo + k, 0] = ref[:k]
     out[lo:lo + k, 1] = ref[batch_size:batch_size + k]
@@ -491,8 +491,7 @@ def heldout_accuracy(c, data_pairs: EncodedPairs, reference: _Reference,
       packing = _packing(c, arrays[1])
       policy, tokens = score(params, *placed, packing)
       ref = reference(params, *placed, packing)
-    policy, tokens, ref = (np.asarray(jax.device_get(x))
-                           for x in (policy, tokens, ref))
+    policy, tokens, ref = (_to_host(c, x) for x in (policy, tokens, ref))
     if entry(p.loss).reference:
       value = policy - ref
     else:
