@@ -588,7 +588,7 @@ def test_reward_isolation_settings_are_checked(config, field, value, expected):
 
 
 _BAD = {"int>=1": 0, "int>=0": -1, ">0": -1.0, ">1": 1.0, ">=0": -0.5, "(0,1]": 1.5,
-        "[0,1)": 1.0, "[0,1]": 1.5, "(0,1)": 1.0}
+        "[0,1)": 1.0, "[0,1]": 1.5, "(0,1)": 1.0, "[0,0.5)": 0.5}
 
 
 RANGES = sorted((name, field.rule) for name, field in schema.fields().items()

@@ -79,7 +79,8 @@ def test_notebook_is_committed_clean(path):
 
 # Notebooks that train the main job for hundreds of steps: their kernels
 # get XLA's default (optimised) code generation, faster for them overall.
-TRAIN_THE_MAIN_JOB = ("quickstart.ipynb", "rlhf_with_a_reward_model.ipynb")
+TRAIN_THE_MAIN_JOB = ("quickstart.ipynb", "rlhf_with_a_reward_model.ipynb",
+                      "dpo_on_preference_pairs.ipynb")
 
 
 @pytest.mark.slow
