@@ -12,7 +12,7 @@ comparisons, labelled by the verifier):
 
   python -m launch.train_reward_model --workdir=/tmp/rljax_rm_mixed
   python -m launch.train_reward_model --workdir=/tmp/rljax_rm_policy \
-      --config.reward_model.policy_prompts=2000
+      --config.reward_model.policy_prompts=2000 --config.reward_model.max_length=22
   python -m launch.train --config=configs/arithmetic_rlhf.py --workdir=/tmp/rljax_rlhf
 
 `python -m launch.bench_rlhf --recipe` runs all three for 3 seeds. On the

@@ -127,9 +127,10 @@ def recipe(seeds: list[int], base: str, env: dict[str, str], quick: bool
       rm_dir = os.path.join(base, f"rm_{kind}_seed{seed}")
       flags_ = [f"--config={_config(quick)}", *common, f"--workdir={rm_dir}",
                 "--config.reward_model.negatives=mixed"]
-      if kind == "policy":
-        flags_.append("--config.reward_model.policy_prompts="
-                      f"{8 if quick else _POLICY_PROMPTS.value}")
+      if kind == "policy":  # sampled sides: up to a bucket + 6 new tokens
+        flags_ += ["--config.reward_model.policy_prompts="
+                   f"{8 if quick else _POLICY_PROMPTS.value}",
+                   "--config.reward_model.max_length=22"]
       print(f"seed {seed}: reward model {kind} ...", flush=True)
       _run("launch.train_reward_model", flags_, env)
       rm_dirs.append(rm_dir)
