@@ -16,7 +16,7 @@ from rljax import advantages, sharding
 from tests.compile_count import no_compiles
 from rljax.train import build as build_lib
 from rljax.train import algorithm as alg_lib
-from rljax.train import schema
+from rljax.train import model_rewards, schema
 
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 CONFIGS = sorted(p for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))
@@ -73,14 +73,35 @@ def jsonl_file(path):
   return str(path)
 
 
+def reward_model_dir(path):
+  """A tiny sequence-classification reward model (what ``model:`` reads)."""
+  from rljax import models  # pylint: disable=import-outside-toplevel
+  from rljax.models import reward_model as rm  # pylint: disable=import-outside-toplevel
+  config = rm.RewardModelConfig(models.get_preset("tiny"))
+  rm.save_hf_reward_model(path, config, rm.init_params(config,
+                                                       jax.random.key(0)))
+  return str(path)
+
+
 def with_local_files(config, directory):
   """``config`` with the files it names made under ``directory``: a JSONL
-  task's files, and a checkpoint where its chat template needs one."""
+  task's files, a checkpoint where its chat template needs one, and the
+  reward models of an ``ensemble:`` reward (made by ``launch.
+  train_reward_model`` before such a run)."""
   for field in ("path", "heldout_path"):
     if config.task[field]:
       config.task[field] = jsonl_file(os.path.join(directory, f"{field}.jsonl"))
   if config.tokenizer.chat_template and not config.model.path:
     config.model.path = checkpoint_dir(os.path.join(directory, "ckpt"))
+  names = []
+  for name in config.rewards.names:
+    if model_rewards.is_ensemble(name):
+      members = model_rewards.ensemble_members(name)
+      name = "ensemble:" + ",".join(
+          reward_model_dir(os.path.join(directory, f"rm{i}"))
+          for i in range(len(members)))
+    names.append(name)
+  config.rewards.names = tuple(names)
   return config
 
 
