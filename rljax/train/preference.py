@@ -449,7 +449,7 @@ def _packing(c: Any, input_mask: np.ndarray):
 
 
 def _precompute(c, data_pairs: EncodedPairs, reference: _Reference,
-                policy_params, unpaired: bool, batch_size: int) -> np.ndarray:
+                policy_params, batch_size: int) -> np.ndarray:
   """``[num_pairs, 2]`` (chosen, rejected) reference log-probabilities of
   every pair, in batches of the step's shape."""
   p = c.config.preference
@@ -457,17 +457,14 @@ def _precompute(c, data_pairs: EncodedPairs, reference: _Reference,
   out = np.zeros((n, 2), np.float32)
   for lo in range(0, n, batch_size):
     idx = np.arange(lo, lo + batch_size) % n
-    arrays = rows([data_pairs.prompts[i] for i in idx] * 2,
-                  [data_pairs.chosen[i] for i in idx]
-                  + [data_pairs.rejected[i] for i in idx], p.max_length,
-                  c.tokenizer.pad_id)
+    arrays = batch_rows(data_pairs, idx, False, p.max_length,
+                        c.tokenizer.pad_id)
     with jax.set_mesh(c.mesh):
       ref = _to_host(c, reference(policy_params, *_put(c, arrays),
                                   _packing(c, arrays[1])))
     k = min(batch_size, n - lo)
     out[lo:lo + k, 0] = ref[:k]
     out[lo:lo + k, 1] = ref[batch_size:batch_size + k]
-  del unpaired
   return out
 
 
@@ -482,10 +479,8 @@ def heldout_accuracy(c, data_pairs: EncodedPairs, reference: _Reference,
   wins = []
   for lo in range(0, n, batch_size):
     idx = np.arange(lo, lo + batch_size) % n
-    arrays = rows([data_pairs.prompts[i] for i in idx] * 2,
-                  [data_pairs.chosen[i] for i in idx]
-                  + [data_pairs.rejected[i] for i in idx], p.max_length,
-                  c.tokenizer.pad_id)
+    arrays = batch_rows(data_pairs, idx, False, p.max_length,
+                        c.tokenizer.pad_id)
     with jax.set_mesh(c.mesh):
       placed = _put(c, arrays)
       packing = _packing(c, arrays[1])
@@ -548,7 +543,7 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
   if p.precompute_reference and e.reference and not e.unpaired and not online:
     t = time.time()
     precomputed = _precompute(c, data.train, reference, state.params,
-                              e.unpaired, p.batch_size)
+                              p.batch_size)
     log.info("reference log-probabilities of %d pairs precomputed in %.1f s",
              len(precomputed), time.time() - t)
     reference.params = None if not c.lora else reference.params
