@@ -173,13 +173,8 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
              "first step takes longer)", step + 1)
   while step < s.num_steps:
     # A signal to any process stops them all at the same step.
-    if c.group.any(bool(stop_signal.received)):
-      run.save(step, state, ref_params, extras=plan.checkpoint_extras())
-      run.manager.wait()
-      log.warning("%s received: saved a checkpoint at step %d in %s; run the "
-                  "same command (same --workdir) to resume.",
-                  stop_signal.received or "a stop signal (another process)",
-                  step, run.manager.directory)
+    if session.saved_on_signal(run, stop_signal, step, state, ref_params,
+                               plan.checkpoint_extras):
       preempted = True
       break
     t_start = time.time()

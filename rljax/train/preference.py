@@ -567,13 +567,7 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
                     "held-out": "eval/accuracy"}, initial=step,
       active=c.group.primary)
   while step < s.num_steps:
-    if c.group.any(bool(stop_signal.received)):
-      run.save(step, state, None)
-      run.manager.wait()
-      log.warning("%s received: saved a checkpoint at step %d in %s; run the "
-                  "same command (same --workdir) to resume.",
-                  stop_signal.received or "a stop signal (another process)",
-                  step, run.manager.directory)
+    if session.saved_on_signal(run, stop_signal, step, state):
       preempted = True
       break
     t_start = time.time()

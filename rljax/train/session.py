@@ -142,6 +142,23 @@ class Session:
     self.seconds["checkpoint"] += time.time() - t
 
 
+def saved_on_signal(run: Session, stop_signal: Any, step: int, state: TrainState,
+                    ref_params: Any = None, extras: Any = None) -> bool:
+  """Whether a stop signal reached any process (``guards.StopSignal``):
+  then the run is checkpointed at ``step`` (``extras``: a callable giving
+  ``Session.save``'s extras) and the user is told how to resume. Every
+  process decides alike, so all stop at the same step."""
+  if not run.c.group.any(bool(stop_signal.received)):
+    return False
+  run.save(step, state, ref_params, extras=extras() if extras else None)
+  run.manager.wait()
+  log.warning("%s received: saved a checkpoint at step %d in %s; run the "
+              "same command (same --workdir) to resume.",
+              stop_signal.received or "a stop signal (another process)",
+              step, run.manager.directory)
+  return True
+
+
 def _greso(run: Session) -> Any:
   """The run's GRESO filter or DOTS queue (the checkpoint's ``selection``
   item), or None."""
