@@ -11,13 +11,13 @@ and the position of column ``j`` is ``prompt length + j``, so a row is one
 contiguous sequence and the trainer's forward over ``prompt + completion``
 sees what the sampler saw.
 
-A turn. ``_decode_turn`` runs decode steps (one ``lax.while_loop``) until
+A turn. ``turns.decode_turn`` (``rljax/rollout/turns.py``) runs decode steps (one ``lax.while_loop``) until
 every live row has ended its turn: at an end-of-turn (EOS) token, at one of
 the environment's stop sequences (a tool call such as ``</calc>``), at
 ``max_turn_tokens``, or at the budget ``T``. The host then decodes each
 ended turn to text, steps the environments (``EnvRunner``, in worker
 processes), encodes each observation (``ObservationFormat``) and
-``_insert`` prefills it into the row's cache at the row's own index: the
+``turns.insert`` prefills it into the row's cache at the row's own index: the
 row's history is never prefilled again, and only the ``O``-wide observation
 is computed. The row then decodes its next turn.
 
@@ -43,26 +43,23 @@ import dataclasses
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from rljax import distributed
-from rljax import sharding
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
 from rljax.rollout import env_steps
+from rljax.rollout import turns as turns_lib
 from rljax.rollout.env_steps import StepCall
 from rljax.rollout.episodes import EpisodeLog, Episodes, SlotOutputs
 from rljax.rollout.observations import ObservationFormat
-from rljax.models import ModelConfig, compute_logits, init_cache
-from rljax.models.kv_cache import KVCache
+from rljax.models import ModelConfig
 from rljax.sampling.decode_cache import shrink_levels
-from rljax.sampling.sampler import (Rollout, SamplerConfig, fused_logprobs,
-                                    pick_logprob, decode_setup, pad_prompts,
-                                    token_keys)
+from rljax.sampling.sampler import (SamplerConfig, pad_prompts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,238 +100,6 @@ class TurnConfig:
     if any(not s for s in self.stop_sequences):
       raise ValueError("env.stop_strings: a stop string encodes to no "
                        "tokens.")
-
-
-class _Turns(NamedTuple):
-  cache: KVCache           # [N, K, S, H] per layer, index [N] (= P + column)
-  logits: jax.Array        # [N, V] fp32, predicting each row's next token
-  tokens: jax.Array        # [N, T] int32
-  mask: jax.Array          # [N, T] bool, real tokens
-  observed: jax.Array      # [N, T] bool, inserted observation tokens
-  sampler_logp: jax.Array  # [N, T]
-  policy_logp: jax.Array | None
-  column: jax.Array        # [N] int32, completion column of the next token
-  position: jax.Array      # [N] int32
-  turn_start: jax.Array    # [N] int32, column where the current turn began
-  keys: jax.Array          # [N] typed keys (row_keys)
-  live: jax.Array          # [N] bool, decoding its turn
-  ended_turn: jax.Array    # [N] bool, its turn ended (waits for the env)
-  done: jax.Array          # [N] bool, episode over
-  finished: jax.Array      # [N] bool, ended by the environment
-  row: jax.Array           # [N] int32, the episode row each cache row plays
-  steps: jax.Array         # [] int32, decode steps run so far
-
-
-def _start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N, *, mc, sc,
-           obs_width):
-  """Each row's prompt prefilled into its own cache row; every row live.
-  ``row_N``: the episode row each cache row plays (its draws are that
-  row's: ``row_keys``)."""
-  n, p = prompt_tokens_NxP.shape
-  t = sc.max_new_tokens
-  mask = prompt_mask_NxP.astype(jnp.bool_)
-  model, w_DxV, cache_dtype, _ = decode_setup(params, mask[:1], mc, sc)
-  cache = init_cache(mc, n, p + t + obs_width, cache_dtype)
-  hidden, cache = model.apply(
-      {"params": params}, prompt_tokens_NxP,
-      jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0), cache,
-      input_mask_BxT=mask)
-  cache = cache._replace(index=jnp.full((n,), p, jnp.int32))
-  logits = compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0]
-  zeros = jnp.zeros((n, t), jnp.float32)
-  false = jnp.zeros((n,), jnp.bool_)
-  return _Turns(
-      cache=cache, logits=logits,
-      tokens=jnp.full((n, t), sc.pad_id, jnp.int32),
-      mask=jnp.zeros((n, t), jnp.bool_), observed=jnp.zeros((n, t), jnp.bool_),
-      sampler_logp=zeros,
-      policy_logp=zeros if sc.record_policy_logprobs else None,
-      column=jnp.zeros((n,), jnp.int32),
-      position=jnp.sum(mask.astype(jnp.int32), -1),
-      turn_start=jnp.zeros((n,), jnp.int32),
-      keys=jax.vmap(jax.random.fold_in, (None, 0))(
-          key, row_N.astype(jnp.uint32)),
-      live=~false, ended_turn=false, done=false, finished=false,
-      row=row_N.astype(jnp.int32), steps=jnp.zeros((), jnp.int32))
-
-
-def _refill(params, state: _Turns, refill_N, prompt_tokens_NxP,
-            prompt_mask_NxP, key, row_N, *, mc, sc, obs_width) -> _Turns:
-  """The slots in ``refill_N`` start the episodes ``row_N`` (their prompts
-  prefilled, every buffer reset); the other slots are unchanged. Every slot
-  is prefilled and the refilled ones kept: one program, whatever the
-  count."""
-  fresh = _start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N,
-                 mc=mc, sc=sc, obs_width=obs_width)
-
-  def pick(new, old):
-    if new is None or new.ndim == 0:
-      return old
-    where = refill_N.reshape((-1,) + (1,) * (new.ndim - 1))
-    if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
-      return jax.random.wrap_key_data(jnp.where(
-          where[:, None], jax.random.key_data(new), jax.random.key_data(old)))
-    return jnp.where(where, new, old)
-  return jax.tree.map(pick, fresh, state, is_leaf=lambda x: x is None)
-
-
-def _turn_ended(tokens_NxT, column_N, token_N, turn_start_N, eos_V,
-                stop_sequences):
-  """Whether ``token_N`` (just written at ``column_N``) ends the turn: an EOS
-  id, or the last token of a stop sequence that lies within the turn."""
-  hit = jnp.any(token_N[:, None] == eos_V[None], axis=1)
-  for seq in stop_sequences:
-    offsets = jnp.arange(1 - len(seq), 1, dtype=jnp.int32)
-    cols = column_N[:, None] + offsets[None]
-    window = jnp.take_along_axis(tokens_NxT, jnp.maximum(cols, 0), axis=1)
-    hit = hit | jnp.all((window == jnp.asarray(seq, jnp.int32))
-                        & (cols >= turn_start_N[:, None]), axis=1)
-  return hit
-
-
-def _decode_turn(params, state: _Turns, clear_N, min_waiting, fits=0, *,
-                 mc: ModelConfig, sc: SamplerConfig, turns: TurnConfig,
-                 prompt_width: int) -> _Turns:
-  """Decode steps until no row is live, until ``min_waiting`` rows have
-  ended a turn, or until no more than ``fits`` rows are live (traced ints;
-  ``fits``: the next smaller batch of a shrinking one, ``_decode_rows``);
-  ``clear_N``: rows whose ended turn the host has taken (their
-  ``ended_turn`` is cleared first)."""
-  state = state._replace(ended_turn=state.ended_turn & ~clear_N)
-  model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
-  n, t = state.tokens.shape
-  eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
-  samples = state.row % sc.num_samples
-  max_turn = turns.max_turn_tokens or t
-
-  def body(s: _Turns) -> _Turns:
-    live = s.live
-    token, sampler_logp = sc.method.get_next_tokens(
-        s.logits, token_keys(s.keys, s.column), samples)
-    token = jnp.where(live, token, sc.pad_id)
-    column = jnp.minimum(s.column, t - 1)
-    at = (jnp.arange(t)[None] == column[:, None]) & live[:, None]
-
-    def put(buffer, value):
-      return jnp.where(at, value[:, None].astype(buffer.dtype), buffer)
-
-    tokens = put(s.tokens, token)
-    policy_logp = s.policy_logp
-    if policy_logp is not None:
-      lp = (sampler_logp if fused_logprobs(sc) else pick_logprob(
-          jax.nn.log_softmax(s.logits / sc.training_temperature, -1), token))
-      policy_logp = put(policy_logp, lp)
-    ended = live & _turn_ended(tokens, column, token, s.turn_start, eos,
-                               turns.stop_sequences)
-    cache = s.cache._replace(index=prompt_width + s.column)
-    hidden, cache = model.apply(
-        {"params": params}, token[:, None], s.position[:, None], cache,
-        input_mask_BxT=live[:, None])
-    logits = compute_logits(hidden, w_DxV, mc.final_logit_softcap)[:, 0]
-    new_column = s.column + live.astype(jnp.int32)
-    over_budget = live & (new_column >= t)
-    long_turn = live & (new_column - s.turn_start >= max_turn)
-    return s._replace(
-        cache=cache._replace(index=prompt_width + new_column),
-        logits=jnp.where(live[:, None], sharding.constrain(
-            logits, ("batch", "act_vocab")), s.logits),
-        tokens=tokens, mask=s.mask | at,
-        sampler_logp=put(s.sampler_logp, sampler_logp),
-        policy_logp=policy_logp, column=new_column,
-        position=s.position + live.astype(jnp.int32),
-        live=live & ~ended & ~over_budget & ~long_turn,
-        ended_turn=s.ended_turn | ((ended | long_turn) & ~over_budget),
-        done=s.done | over_budget, steps=s.steps + 1)
-
-  def more(s: _Turns) -> jax.Array:
-    waiting = jnp.sum((s.ended_turn & ~s.done).astype(jnp.int32))
-    return ((jnp.sum(s.live.astype(jnp.int32)) > fits)
-            & (waiting < min_waiting))
-
-  return jax.lax.while_loop(more, body, state)
-
-
-def _rows(state: _Turns, rows_L) -> _Turns:
-  """The state of the cache rows ``rows_L`` (``steps`` is shared)."""
-  return jax.tree.map(
-      lambda x: x if x.ndim == 0 else jnp.take(x, rows_L, axis=0), state)
-
-
-def _put_rows(state: _Turns, rows_L, part: _Turns) -> _Turns:
-  """``state`` with its rows ``rows_L`` set to ``part``'s (and its
-  ``steps``)."""
-  def put(full, new):
-    if full.ndim == 0:
-      return new
-    if jax.dtypes.issubdtype(full.dtype, jax.dtypes.prng_key):
-      return jax.random.wrap_key_data(jax.random.key_data(full).at[
-          rows_L].set(jax.random.key_data(new)))
-    return full.at[rows_L].set(new)
-  return jax.tree.map(put, state, part)
-
-
-def _decode_rows(params, state: _Turns, clear_N, min_waiting, rows_L, fits,
-                 **kw) -> _Turns:
-  """``_decode_turn`` on the cache rows ``rows_L`` only (a shrinking static
-  batch: ``sampler.shrink_batch_to``): they are gathered into a batch of
-  ``len(rows_L)`` rows, decoded, and written back. ``rows_L`` holds every
-  row that decodes (``live``); the others do not change in a decode. The
-  rows outside that wait for their environment count towards
-  ``min_waiting``, as they would in the whole batch."""
-  state = state._replace(ended_turn=state.ended_turn & ~clear_N)
-  inside = jnp.zeros(state.live.shape, jnp.bool_).at[rows_L].set(True)
-  waiting_outside = jnp.sum((state.ended_turn & ~state.done
-                             & ~inside).astype(jnp.int32))
-  part = _decode_turn(params, _rows(state, rows_L),
-                      jnp.zeros(rows_L.shape, jnp.bool_),
-                      min_waiting - waiting_outside, fits, **kw)
-  return _put_rows(state, rows_L, part)
-
-
-def _insert(params, state: _Turns, obs_NxO, obs_len_N, resume_N, end_N,
-            env_done_N, *, mc: ModelConfig, sc: SamplerConfig,
-            prompt_width: int) -> _Turns:
-  """Appends each resumed row's observation (prefilled at its own index)
-  and makes it live; ends the rows in ``end_N``. Rows in neither (decoding
-  their turn, or done) are unchanged."""
-  model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
-  n, t = state.tokens.shape
-  o = obs_NxO.shape[1]
-  obs_len_N = jnp.where(resume_N, obs_len_N, 0)
-  valid = jnp.arange(o)[None] < obs_len_N[:, None]
-  cache = state.cache._replace(index=prompt_width + state.column)
-  hidden, cache = model.apply(
-      {"params": params}, obs_NxO, state.position[:, None] + jnp.arange(o),
-      cache, input_mask_BxT=valid)
-  last = jnp.take_along_axis(
-      hidden, jnp.maximum(obs_len_N - 1, 0)[:, None, None], 1)
-  logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
-  # Completion column c holds observation token c - column.
-  offset = jnp.arange(t)[None] - state.column[:, None]
-  inside = (offset >= 0) & (offset < obs_len_N[:, None])
-  obs_at = jnp.take_along_axis(obs_NxO, jnp.clip(offset, 0, o - 1), axis=1)
-  column = state.column + obs_len_N
-  return state._replace(
-      cache=cache._replace(index=prompt_width + column),
-      logits=jnp.where((obs_len_N > 0)[:, None], logits, state.logits),
-      tokens=jnp.where(inside, obs_at, state.tokens),
-      mask=state.mask | inside, observed=state.observed | inside,
-      column=column, position=state.position + obs_len_N,
-      turn_start=jnp.where(resume_N, column, state.turn_start),
-      live=state.live | resume_N,
-      done=state.done | end_N,
-      finished=state.finished | (end_N & env_done_N))
-
-
-def _to_rollout(prompt_tokens_NxP, prompt_mask_NxP, s: _Turns,
-                turn_rewards_NxT) -> Rollout:
-  return Rollout(
-      prompt_tokens=prompt_tokens_NxP, prompt_mask=prompt_mask_NxP,
-      completion_tokens=s.tokens, completion_mask=s.mask,
-      lengths=jnp.sum(s.mask & ~s.observed, -1).astype(jnp.int32),
-      finished=s.finished, policy_logprobs=s.policy_logp,
-      sampler_logprobs=s.sampler_logp, observation_mask=s.observed,
-      turn_rewards=turn_rewards_NxT)
 
 
 def _state_copy(state: Any) -> Any:
@@ -398,15 +163,15 @@ class MultiTurnSampler(env_steps.EnvSteps):
                                     eos_ids=config.eos_ids)
     kw = dict(mc=model_config, sc=config)
     self._start = jax.jit(functools.partial(
-        _start, obs_width=turns.max_observation_tokens, **kw))
+        turns_lib.start, obs_width=turns.max_observation_tokens, **kw))
     self._refill = jax.jit(functools.partial(
-        _refill, obs_width=turns.max_observation_tokens, **kw))
-    self._decode = jax.jit(functools.partial(_decode_turn, turns=turns, **kw),
+        turns_lib.refill, obs_width=turns.max_observation_tokens, **kw))
+    self._decode = jax.jit(functools.partial(turns_lib.decode_turn, turns=turns, **kw),
                            static_argnames=("prompt_width",))
-    self._insert = jax.jit(functools.partial(_insert, **kw),
+    self._insert = jax.jit(functools.partial(turns_lib.insert, **kw),
                            static_argnames=("prompt_width",))
     self._decode_rows = jax.jit(
-        functools.partial(_decode_rows, turns=turns, **kw),
+        functools.partial(turns_lib.decode_rows, turns=turns, **kw),
         static_argnames=("prompt_width",))
     if slots is not None and config.shrink_batch_to is not None:
       raise ValueError(
@@ -549,7 +314,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
       if out is None:
         if self.group.single:
           tokens_NxP, mask_NxP = jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP)
-        rollout = self._split_by_blocks(_to_rollout(
+        rollout = self._split_by_blocks(turns_lib.to_rollout(
             tokens_NxP, mask_NxP, state,
             ep.turn_rewards(self.config.max_new_tokens)))
         if len(levels) > 1:
