@@ -13,6 +13,7 @@ import optax
 import pytest
 
 from rljax import advantages, sharding
+from tests import reward_models
 from tests.compile_count import no_compiles
 from rljax.train import build as build_lib
 from rljax.train import algorithm as alg_lib
@@ -73,16 +74,6 @@ def jsonl_file(path):
   return str(path)
 
 
-def reward_model_dir(path):
-  """A tiny sequence-classification reward model (what ``model:`` reads)."""
-  from rljax import models  # pylint: disable=import-outside-toplevel
-  from rljax.models import reward_model as rm  # pylint: disable=import-outside-toplevel
-  config = rm.RewardModelConfig(models.get_preset("tiny"))
-  rm.save_hf_reward_model(path, config, rm.init_params(config,
-                                                       jax.random.key(0)))
-  return str(path)
-
-
 def with_local_files(config, directory):
   """``config`` with the files it names made under ``directory``: a JSONL
   task's files, a checkpoint where its chat template needs one, and the
@@ -98,7 +89,7 @@ def with_local_files(config, directory):
     if model_rewards.is_ensemble(name):
       members = model_rewards.ensemble_members(name)
       name = "ensemble:" + ",".join(
-          reward_model_dir(os.path.join(directory, f"rm{i}"))
+          reward_models.tiny_reward_model(os.path.join(directory, f"rm{i}"))
           for i in range(len(members)))
     names.append(name)
   config.rewards.names = tuple(names)

@@ -23,6 +23,7 @@ from rljax import distributed, metrics, models, rewards, sampling, train
 from rljax import tokenizers as tok_lib
 from rljax.models import reward_model as rm
 from rljax.train import build, model_rewards
+from tests import reward_models
 from tests.hf_extra import requires_hf
 from tests.test_train import tiny_config
 
@@ -291,14 +292,8 @@ def test_a_run_trains_on_a_reward_model_ensemble(tmp_path):
   config.eval.every = 100
   task, train_examples, _ = build.load_task(config)
   tokenizer = build.make_tokenizer(config, task, train_examples)
-  rm_config = rm.RewardModelConfig(models.get_preset("tiny").replace(
-      vocab_size=tokenizer.vocab_size))
-  paths = []
-  for seed in (0, 3):
-    path = tmp_path / f"rm{seed}"
-    rm.save_hf_reward_model(path, rm_config, _params(rm_config, seed))
-    (path / "tokenizer.model").write_bytes(tokenizer.serialized)
-    paths.append(str(path))
+  paths = [reward_models.tiny_reward_model(tmp_path / f"rm{seed}", tokenizer,
+                                           seed) for seed in (0, 3)]
   config.rewards.names = ("ensemble:" + ",".join(paths), "numeric_match")
   config.rewards.weights = (1.0, 0.0)
   config.rewards.ensemble.aggregation = "mean_minus_std"

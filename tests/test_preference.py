@@ -467,26 +467,15 @@ def test_the_rlhf_recipe_config_trains_on_an_ensemble(tmp_path):
   """configs/arithmetic_rlhf.py (tiny), its two reward models stood in by
   random-headed ones with the policy's tokenizer."""
   from configs import arithmetic_rlhf  # pylint: disable=import-outside-toplevel
-  from rljax import models  # pylint: disable=import-outside-toplevel
-  from rljax.models import reward_model as rm  # pylint: disable=import-outside-toplevel
+  from tests import reward_models  # pylint: disable=import-outside-toplevel
   config = arithmetic_rlhf.get_config("tiny")
   config.rl.num_steps, config.sft.num_steps, config.eval.every = 2, 0, 2
   config.preference.num_pairs, config.preference.num_heldout = 64, 16
   config.eval.num_examples = 8
   task, examples, _ = build.load_task(config)
   tokenizer = build.make_tokenizer(config, task, examples)
-  rm_config = rm.RewardModelConfig(models.get_preset("tiny").replace(
-      vocab_size=tokenizer.vocab_size))
-  dirs = []
-  for seed in (0, 1):
-    params = rm.init_params(rm_config, jax.random.key(seed))
-    kernel = jax.random.normal(jax.random.key(seed + 7),
-                               (rm_config.decoder.d_model, 1))
-    path = tmp_path / f"rm{seed}"
-    rm.save_hf_reward_model(path, rm_config, {"decoder": params["decoder"],
-                                              "score": {"kernel": kernel}})
-    (path / "tokenizer.model").write_bytes(tokenizer.serialized)
-    dirs.append(str(path))
+  dirs = [reward_models.tiny_reward_model(tmp_path / f"rm{seed}", tokenizer,
+                                          seed) for seed in (0, 1)]
   assert config.rewards.names[0].startswith("ensemble:")
   config.rewards.names = ("ensemble:" + ",".join(dirs), "numeric_match")
   train.run(config, str(tmp_path / "run"))
