@@ -17,8 +17,6 @@ TRIGGERS = {
                          "rl.rollout": "continuous"}, 1),
     "episodes-partial": ({"env.name": "calculator",
                           "rl.rollout": "partial"}, 1),
-    "episodes-with-spec-rl": ({"env.name": "calculator",
-                               "sampler.speculative": True}, 1),
     "allocation-with-partial": ({"rl.allocation.name": "vigor",
                                  "rl.rollout": "partial"}, 1),
     "sgpo-with-selection": ({"rl.allocation.name": "sgpo",

@@ -387,7 +387,11 @@ KILLED = {
     # checkpoint: steps 3-4 draft from steps 1-2), sampled ahead.
     "async-mc-spec": ({**MC_SPEC, "rl.max_staleness": 1},
                       "configs/arithmetic_grpo.py"),
-    "calculator": ({"env.num_workers": 1,
+    # Episodes stepped in workers, each turn drafted from the prompt's
+    # last episode (SPEC-RL; 16 training prompts: steps 3-4 revisit steps
+    # 1-2's, drafting from the store restored with the checkpoint).
+    "calculator": ({"env.num_workers": 1, "sampler.speculative": True,
+                    "task.num_train": 16,
                     "rewards.names": ("env", "tests.reward_fixtures:parity"),
                     "rewards.weights": (1.0, 0.5)},
                    "configs/calculator_grpo.py"),
@@ -431,8 +435,9 @@ def test_every_feature_of_the_pairwise_test_runs_on_two_processes():
 @pytest.mark.parametrize("case", list(KILLED))
 def test_a_killed_process_stops_the_other_and_the_run_resumes(case, tmp_path,
                                                              jax_cache):
-  """Process 1 of an asynchronous run (and of an environment run, its
-  workers with it) is SIGKILLed once checkpoint 2 is on disk: process 0
+  """Process 1 of an asynchronous run (and of an environment run with
+  SPEC-RL drafting its turns, its workers with it) is SIGKILLed once
+  checkpoint 2 is on disk: process 0
   stops within 2 minutes with a non-zero code, naming it; relaunched, the
   run resumes from checkpoint 2 and ends as the uninterrupted one-process
   run, every step's metrics (steps 1-2 from the first launch, 3-4 from the
@@ -466,9 +471,9 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes(case, tmp_path,
   got_rows = rows(workdir)
   assert_same_metrics(got_rows, rows(want))
   assert_same_params(workdir, want)
-  if case == "async-mc-spec":  # drafts from the restored store
-    assert [r["spec/drafted_rows"] > 0 for r in _rl(got_rows)] == [
-        False, False, True, True]
+  # Drafts from the restored store (episodes: their turns).
+  assert [r["spec/drafted_rows"] > 0 for r in _rl(got_rows)] == [
+      False, False, True, True]
 
 
 @pytest.mark.slow

@@ -95,7 +95,6 @@ SAME_FIELD = {frozenset(("continuous", "partial"))}
 # reasons).
 REFUSED = {
     frozenset(("partial", "env")): "episodes-partial",
-    frozenset(("env", "spec_rl")): "episodes-with-spec-rl",
 }
 
 MAX_FEATURES = 7  # per run

@@ -30,6 +30,17 @@ Draws. Row ``r``'s token at completion column ``j`` is drawn with
 ``fold_in(fold_in(key, r), j)`` (``sampling.row_keys``), so an episode that
 ends after its first turn is exactly the static sampler's row.
 
+SPEC-RL (``drafts``, ``sampler.speculative``). Every episode is stored as
+the next draft of its prompt and sample (``sampling.DraftStore``, with its
+observation mask). A turn drafts from the stored episode when the row's
+history so far, model and observation tokens, is the stored one's to the
+token: turn 1 always (the prompt is the history), a later turn when every
+turn before was kept whole and the environment answered the same. The
+draft is the stored turn; ``turns.verify`` keeps it up to the first token
+the acceptance rule rejects, and the row decodes on from there. A turn
+kept whole that ended the stored turn ends this one, and the environment
+steps it without a decode.
+
 References:
   The token-in, token-out contract of verl's agent loop
   (``verl/experimental/agent_loop``) and TRL's rollout-source RFC; the
@@ -59,6 +70,7 @@ from rljax.rollout.episodes import EpisodeLog, Episodes, SlotOutputs
 from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig
 from rljax.sampling.decode_cache import shrink_levels
+from rljax.sampling.drafts import DraftStore
 from rljax.sampling.sampler import (SamplerConfig, pad_prompts)
 
 
@@ -135,6 +147,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
       all episodes in lockstep (on slots too: a slot plays any process's
       episode, and the process that reset it steps it); the rollout comes
       back split by process blocks as the static sampler's.
+    drafts: SPEC-RL's store (module docstring): each turn drafts from the
+      prompt's last episode where its history matches; None: no drafts.
+    log_lenience: the acceptance rule's ``log l >= 0``
+      (``sampling.speculative``).
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
@@ -143,7 +159,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
                mesh: jax.sharding.Mesh | None = None,
                param_shardings: Any = None, observation_role: str = "user",
                slots: int | None = None, refill_rows: int = 1,
-               group: distributed.ProcessGroup | None = None):
+               group: distributed.ProcessGroup | None = None,
+               drafts: DraftStore | None = None, log_lenience: float = 0.0):
     for name, value in (("rl.rollout_slots", slots),
                         ("rl.rollout_refill_rows", refill_rows)):
       if value is not None and (isinstance(value, bool)
@@ -162,10 +179,24 @@ class MultiTurnSampler(env_steps.EnvSteps):
     self.format = ObservationFormat(tokenizer, role=observation_role,
                                     eos_ids=config.eos_ids)
     kw = dict(mc=model_config, sc=config)
+    if not log_lenience >= 0:
+      raise ValueError(f"sampler.spec_log_lenience={log_lenience!r}: a "
+                       "number >= 0 is required.")
+    self.drafts = drafts
+    # A draft is at most a turn; its forward writes that many cache slots
+    # past each row's index, so the cache has room for the wider of it and
+    # an observation.
+    t = config.max_new_tokens
+    self._draft_width = min(turns.max_turn_tokens or t, t)
+    extra = turns.max_observation_tokens if drafts is None else max(
+        turns.max_observation_tokens, self._draft_width)
     self._start = jax.jit(functools.partial(
-        turns_lib.start, obs_width=turns.max_observation_tokens, **kw))
+        turns_lib.start, obs_width=extra, **kw))
     self._refill = jax.jit(functools.partial(
-        turns_lib.refill, obs_width=turns.max_observation_tokens, **kw))
+        turns_lib.refill, obs_width=extra, **kw))
+    self._verify = jax.jit(functools.partial(
+        turns_lib.verify, turns=turns, log_lenience=float(log_lenience), **kw),
+                           static_argnames=("prompt_width",))
     self._decode = jax.jit(functools.partial(turns_lib.decode_turn, turns=turns, **kw),
                            static_argnames=("prompt_width",))
     self._insert = jax.jit(functools.partial(turns_lib.insert, **kw),
@@ -248,6 +279,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
     tokens_BxP, mask_BxP = pad_prompts(encoded, self.buckets,
                                        self.tokenizer.pad_id)
     p = tokens_BxP.shape[1]
+    spec = (_Speculation(self, encoded, g, ep) if self.drafts is not None
+            else None)
     tokens_NxP = np.repeat(tokens_BxP, g, 0)
     mask_NxP = np.repeat(mask_BxP, g, 0)
     m = min(self.slots or n, n)
@@ -267,6 +300,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
       if not decoding.all():  # rows whose reset failed never decode
         state = state._replace(live=state.live & decoding,
                                done=state.done | ~decoding)
+      if spec is not None:
+        state = spec.verify(params, state, decoding, slot_row, p)
       taken = np.zeros(0, np.int64)  # slots whose turn waits for its env
       taken_turns = None
       calls: dict[int, StepCall] = {}  # environment calls in flight, by ticket
@@ -292,6 +327,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
         if ended:
           inserts, resumed = self._apply(ended, states, ep, m)
           state = self._insert(params, state, *inserts, prompt_width=p)
+          if spec is not None:
+            state = spec.verify(params, state, resumed, slot_row, p)
         host = self._host((state.column, state.turn_start,
                            state.ended_turn, state.done))
         column, start, ended, done = (np.asarray(x) for x in host)
@@ -310,10 +347,13 @@ class MultiTurnSampler(env_steps.EnvSteps):
         if out is not None:
           state, decoding = self._turnover(
               params, state, out, slot_row, queue, done & ~decoding,
-              decoding, tokens_NxP, mask_NxP, key, ep)
+              decoding, tokens_NxP, mask_NxP, key, ep, spec, p)
       if out is None:
         if self.group.single:
           tokens_NxP, mask_NxP = jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP)
+        if spec is not None:
+          spec.store(self._host((state.tokens, state.mask,
+                                 state.sampler_logp, state.observed)))
         rollout = self._split_by_blocks(turns_lib.to_rollout(
             tokens_NxP, mask_NxP, state,
             ep.turn_rewards(self.config.max_new_tokens)))
@@ -325,10 +365,14 @@ class MultiTurnSampler(env_steps.EnvSteps):
               / max(row_steps, 1)}
       else:
         out.retire(state, slot_row >= 0, slot_row, self._host)
+        if spec is not None:
+          spec.store((out.tokens, out.mask, out.sampler_logp, out.observed))
         rollout = self._split_by_blocks(out.rollout(
             tokens_NxP, mask_NxP, ep.turn_rewards(self.config.max_new_tokens),
             xp=jnp if self.group.single else np))
         ep.slot_metrics = out.metrics(int(self._host(state.steps)), m)
+      if spec is not None:
+        ep.slot_metrics.update(spec.metrics())
     return ep.episodes(rollout, prompts,
                        sum(self.group.gather_json(self.runner.restarts)))
 
@@ -354,7 +398,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
     return int(np.sum(np.asarray(mask) & ~np.asarray(observed)))
 
   def _turnover(self, params, state, out: "SlotOutputs", slot_row, queue,
-                over, decoding, tokens_NxP, mask_NxP, key, ep):
+                over, decoding, tokens_NxP, mask_NxP, key, ep, spec,
+                prompt_width):
     """Slots: the episodes that are over leave their slots (``out`` keeps
     them), and queued episodes take the free slots once
     ``refill_rows`` are free (or the queue's last ones). Updates
@@ -380,8 +425,103 @@ class MultiTurnSampler(env_steps.EnvSteps):
     if failed.any():  # their reset failed: over at once
       state = state._replace(live=state.live & ~failed,
                              done=state.done | failed)
+    if spec is not None:
+      state = spec.verify(params, state, refill & ~failed, slot_row,
+                          prompt_width)
     out.prefills += len(slots)
     return state, decoding | (refill & ~failed)
+
+
+class _Speculation:
+  """One ``run``'s SPEC-RL drafts (the module docstring): the stored
+  episodes of its prompts, each turn's draft, and the ``spec/*`` figures.
+  Every process holds the same (the prompts and the buffers are global)."""
+
+  def __init__(self, sampler: MultiTurnSampler, encoded, g: int,
+               ep: EpisodeLog):
+    self.sampler, self.encoded, self.g, self.ep = sampler, encoded, g, ep
+    t = sampler.config.max_new_tokens
+    self.stored = sampler.drafts.lookup_turns(encoded, g, t)
+    n = len(encoded) * g
+    self.drafted_rows = np.zeros(n, bool)
+    self.turns = self.full = 0
+    self.drafted_tokens = self.accepted_tokens = 0
+
+  def drafts(self, slots_M, slot_row, host) -> tuple[np.ndarray, ...]:
+    """``[M, D]`` draft tokens and logprobs and ``[M]`` lengths of the
+    slots ``slots_M`` about to decode a turn (0 where no draft)."""
+    d = self.sampler._draft_width  # pylint: disable=protected-access
+    m = len(slots_M)
+    tokens = np.zeros((m, d), np.int32)
+    logprobs = np.zeros((m, d), np.float32)
+    length = np.zeros(m, np.int32)
+    if self.stored is None:
+      return tokens, length, logprobs
+    s_tokens, s_mask, s_lp, s_observed = self.stored
+    b_tokens, b_observed, column = host
+    t = s_tokens.shape[1]
+    for s in np.flatnonzero(slots_M):
+      r, c = slot_row[s], int(column[s])
+      if r < 0 or c >= t or not s_mask[r, c] or s_observed[r, c]:
+        continue  # the stored episode has no model turn here
+      if c and not (s_mask[r, :c].all()
+                    and np.array_equal(b_tokens[s, :c], s_tokens[r, :c])
+                    and np.array_equal(b_observed[s, :c], s_observed[r, :c])):
+        continue  # the history differs from the stored episode's
+      end = c
+      while end < t and s_mask[r, end] and not s_observed[r, end]:
+        end += 1
+      k = min(end - c, d)
+      tokens[s, :k] = s_tokens[r, c:c + k]
+      logprobs[s, :k] = s_lp[r, c:c + k]
+      length[s] = k
+    return tokens, length, logprobs
+
+  def verify(self, params, state, slots_M, slot_row, prompt_width):
+    """``turns.verify`` of the slots ``slots_M``' drafts (those with one)."""
+    if self.stored is None or not slots_M.any():
+      return state
+    sampler = self.sampler
+    # pylint: disable=protected-access
+    host = sampler._host((state.tokens, state.observed, state.column))
+    before = np.asarray(host[2])
+    tokens, length, logprobs = self.drafts(slots_M, slot_row, host)
+    if not length.any():
+      return state
+    state = sampler._verify(params, state, tokens, length, logprobs,
+                            prompt_width=prompt_width)
+    accepted = np.asarray(sampler._host(state.column)) - before
+    has = length > 0
+    self.drafted_rows[slot_row[has]] = True
+    self.turns += int(has.sum())
+    self.full += int(np.sum(accepted[has] == length[has]))
+    self.drafted_tokens += int(length.sum())
+    self.accepted_tokens += int(accepted[has].sum())
+    return state
+
+  def store(self, buffers) -> None:
+    """Each episode of the run as its prompt's next draft (the prompts whose
+    reset failed are left out)."""
+    tokens, mask, logprobs, observed = (np.asarray(x) for x in buffers)
+    g = self.g
+    ok = [i for i in range(len(self.encoded))
+          if not self.ep.failed[i * g:(i + 1) * g].all()]
+    rows = np.concatenate([np.arange(i * g, (i + 1) * g) for i in ok]
+                          ) if ok else np.zeros(0, np.int64)
+    if ok:
+      self.sampler.drafts.update([self.encoded[i] for i in ok], tokens[rows],
+                                 mask[rows], logprobs[rows], observed[rows])
+
+  def metrics(self) -> dict[str, float]:
+    out = {"spec/drafted_rows": float(self.drafted_rows.sum()),
+           "spec/drafted_turns": float(self.turns)}
+    if self.turns:
+      out.update({
+          "spec/accepted_tokens/mean": self.accepted_tokens / self.turns,
+          "spec/accept_rate": self.accepted_tokens / max(
+              self.drafted_tokens, 1),
+          "spec/full_accept_fraction": self.full / self.turns})
+    return out
 
 
 def _mask(n: int, rows: np.ndarray) -> np.ndarray:

@@ -4,8 +4,9 @@
 ``start`` and ``refill`` prefill prompts into cache rows, ``decode_turn``
 decodes until rows end their turns (``decode_rows``: on a subset of rows,
 the shrinking static batch), ``insert`` prefills observations, and
-``to_rollout`` hands the buffers over. The layout and the draws are
-described in ``multi_turn``'s docstring.
+``to_rollout`` hands the buffers over; ``verify`` keeps what SPEC-RL
+accepts of a turn's draft. The layout and the draws are described in
+``multi_turn``'s docstring.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache
+from rljax.sampling.continuous import ACCEPT_FOLD, accept_draft
 from rljax.sampling.sampler import (Rollout, SamplerConfig, decode_setup,
                                     fused_logprobs, pick_logprob, token_keys)
 
@@ -241,6 +243,90 @@ def insert(params, state: Turns, obs_NxO, obs_len_N, resume_N, end_N,
       live=state.live | resume_N,
       done=state.done | end_N,
       finished=state.finished | (end_N & env_done_N))
+
+
+def verify(params, state: Turns, draft_NxD, draft_len_N, draft_lp_NxD, *,
+           mc: ModelConfig, sc: SamplerConfig, turns: Any, prompt_width: int,
+           log_lenience: float) -> Turns:
+  """SPEC-RL on the turn each row is about to decode: the rows with a
+  draft (``draft_len_N > 0``; the others are unchanged) run it through the
+  model in one forward at their own index, keep it up to the first token
+  the acceptance rule rejects (``continuous.accept_draft``; the uniform of
+  the token at completion column ``j`` is drawn from
+  ``fold_in(token key of j, ACCEPT_FOLD)``), and decode on from there. A
+  kept token's sampler logprob is the current policy's (SPEC-RL's rule).
+  A row whose kept draft ends its turn (an EOS id, a stop sequence,
+  ``max_turn_tokens``) waits for its environment; one that reaches the
+  budget ``T`` is done. Rejected tokens stay in the cache, never attended
+  to: the mask clears them and the next token overwrites them."""
+  model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
+  n, t = state.tokens.shape
+  d = draft_NxD.shape[1]
+  has = draft_len_N > 0
+  draft_len_N = jnp.minimum(jnp.where(has, draft_len_N, 0), t - state.column)
+  cols_D = jnp.arange(d, dtype=jnp.int32)
+  valid = cols_D[None] < draft_len_N[:, None]
+  cache = state.cache._replace(index=prompt_width + state.column)
+  hidden, cache = model.apply(
+      {"params": params}, draft_NxD, state.position[:, None] + cols_D[None],
+      cache, input_mask_BxT=valid)
+  # Row j of `before` predicts draft token j: the state's logits, then the
+  # draft's own hidden states.
+  logits = jnp.concatenate([state.logits[:, None], compute_logits(
+      hidden[:, :-1], w_DxV, mc.final_logit_softcap)], 1)
+  columns = jnp.minimum(state.column[:, None] + cols_D[None], t - 1)
+
+  def uniforms(key, columns_D):  # one per draft token, keyed by its column
+    return jax.vmap(lambda c: jax.random.uniform(jax.random.fold_in(
+        jax.random.fold_in(key, c.astype(jnp.uint32)), ACCEPT_FOLD)))(
+            columns_D)
+
+  log_u = jnp.log(jax.vmap(uniforms)(state.keys, columns))
+  accepted, sampler_lp, policy_lp = accept_draft(
+      logits, draft_NxD, draft_len_N, draft_lp_NxD, log_u,
+      state.row % sc.num_samples, sc=sc, log_lenience=log_lenience)
+  kept_D = cols_D[None] < accepted[:, None]
+  # Completion column c holds draft token c - column.
+  offset = jnp.arange(t)[None] - state.column[:, None]
+  inside = (offset >= 0) & (offset < accepted[:, None])
+  at = jnp.clip(offset, 0, d - 1)
+
+  def put(buffer, values_NxD):
+    return jnp.where(inside, jnp.take_along_axis(values_NxD, at, 1).astype(
+        buffer.dtype), buffer)
+
+  tokens = put(state.tokens, draft_NxD)
+  column = state.column + accepted
+  last = jnp.maximum(column - 1, 0)
+  eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
+  ended = (accepted > 0) & turn_ended(
+      tokens, last, jnp.take_along_axis(tokens, last[:, None], 1)[:, 0],
+      state.turn_start, eos, turns.stop_sequences)
+  long_turn = (accepted > 0) & (
+      column - state.turn_start >= (turns.max_turn_tokens or t))
+  over_budget = (accepted > 0) & (column >= t)
+  # The next token's logits: after the last kept draft token.
+  after = jnp.take_along_axis(
+      hidden, jnp.maximum(accepted - 1, 0)[:, None, None], 1)
+  next_logits = compute_logits(after, w_DxV, mc.final_logit_softcap)[:, 0]
+  slots = cache.mask.shape[1]
+  start = prompt_width + state.column
+  rejected = ((jnp.arange(slots)[None] >= (start + accepted)[:, None])
+              & (jnp.arange(slots)[None] < (start + d)[:, None]))
+  cache = cache._replace(index=prompt_width + column,
+                         mask=cache.mask & ~(rejected & has[:, None]))
+  stop = ended | long_turn | over_budget
+  return state._replace(
+      cache=cache,
+      logits=jnp.where((accepted > 0)[:, None], next_logits, state.logits),
+      tokens=tokens, mask=state.mask | inside,
+      sampler_logp=put(state.sampler_logp, jnp.where(kept_D, sampler_lp, 0.0)),
+      policy_logp=(None if state.policy_logp is None else put(
+          state.policy_logp, jnp.where(kept_D, policy_lp, 0.0))),
+      column=column, position=state.position + accepted,
+      live=state.live & ~stop,
+      ended_turn=state.ended_turn | ((ended | long_turn) & ~over_budget),
+      done=state.done | over_budget)
 
 
 def to_rollout(prompt_tokens_NxP, prompt_mask_NxP, s: Turns,

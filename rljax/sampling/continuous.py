@@ -48,7 +48,7 @@ from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
 from rljax.models.kv_cache import KVCache, LayerKV
 from rljax.sampling.sampler import (SamplerConfig, _ended, fused_logprobs,
-                                    pick_logprob, decode_setup, _token_logprobs,
+                                    pick_logprob, decode_setup, sampled_logprobs,
                                     token_keys)
 
 
@@ -191,23 +191,22 @@ class _State(NamedTuple):
   accepted: jax.Array      # [Q] int32, draft tokens kept
 
 
-def _verify(hidden_RxWxD, tokens_RxT, length_R, old_lp_RxT, key_rows, sample_R,
-            *, p: int, w_DxV, mc: ModelConfig, sc: SamplerConfig,
-            log_lenience: float):
+def accept_draft(logits_RxTxV, tokens_RxT, length_R, old_lp_RxT, log_u_RxT,
+                 sample_R, *, sc: SamplerConfig, log_lenience: float):
   """SPEC-RL's acceptance of drafted tokens (``sampling.speculative``):
-  ``(accepted_R, sampler_lp_RxT, policy_lp_RxT)``. Row ``r`` draws its
-  uniforms from ``fold_in(key_r, ACCEPT_FOLD)``."""
+  ``(accepted_R, sampler_lp_RxT, policy_lp_RxT)``. ``logits_RxTxV[:, j]``
+  predicts draft token ``j``; ``length_R`` draft tokens are real;
+  ``log_u_RxT``: the uniforms' logs of the rule; ``sample_R``: each row's
+  sample index in its group (ReMax's greedy row accepts argmax tokens
+  only). Shared by the slots (``_verify``) and the multi-turn rollout
+  (``rljax/rollout/turns.py``)."""
   t = tokens_RxT.shape[1]
-  logits = compute_logits(hidden_RxWxD[:, p - 1:p - 1 + t], w_DxV,
-                          mc.final_logit_softcap)
-  sampler_lp, policy_lp = _token_logprobs(logits, tokens_RxT, sc)
-  is_argmax = tokens_RxT == jnp.argmax(logits, -1).astype(jnp.int32)
+  sampler_lp, policy_lp = sampled_logprobs(logits_RxTxV, tokens_RxT, sc)
+  is_argmax = tokens_RxT == jnp.argmax(logits_RxTxV, -1).astype(jnp.int32)
   if sc.method.greedy:
     accept = is_argmax
   else:
-    u = jax.vmap(lambda k: jax.random.uniform(
-        jax.random.fold_in(k, ACCEPT_FOLD), (t,)))(key_rows)
-    accept = jnp.log(u) <= log_lenience + sampler_lp - old_lp_RxT
+    accept = log_u_RxT <= log_lenience + sampler_lp - old_lp_RxT
     every = getattr(sc.method, "greedy_every", 0)
     if every:  # ReMax's greedy row of each group
       greedy_row = (sample_R % every == every - 1)[:, None]
@@ -216,6 +215,20 @@ def _verify(hidden_RxWxD, tokens_RxT, length_R, old_lp_RxT, key_rows, sample_R,
   accept = accept & (jnp.arange(t)[None] < length_R[:, None])
   accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
   return accepted, sampler_lp, policy_lp
+
+
+def _verify(hidden_RxWxD, tokens_RxT, length_R, old_lp_RxT, key_rows, sample_R,
+            *, p: int, w_DxV, mc: ModelConfig, sc: SamplerConfig,
+            log_lenience: float):
+  """``accept_draft`` of the rows prefilled with their drafts. Row ``r``
+  draws its uniforms from ``fold_in(key_r, ACCEPT_FOLD)``."""
+  t = tokens_RxT.shape[1]
+  logits = compute_logits(hidden_RxWxD[:, p - 1:p - 1 + t], w_DxV,
+                          mc.final_logit_softcap)
+  log_u = jnp.log(jax.vmap(lambda k: jax.random.uniform(
+      jax.random.fold_in(k, ACCEPT_FOLD), (t,)))(key_rows))
+  return accept_draft(logits, tokens_RxT, length_R, old_lp_RxT, log_u,
+                      sample_R, sc=sc, log_lenience=log_lenience)
 
 
 ACCEPT_FOLD = 0x7FFFFFFF  # a column no token has: the acceptance draws' key

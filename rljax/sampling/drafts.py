@@ -3,7 +3,9 @@
 Host-side and bounded: at most ``max_prompts`` prompts, least recently used
 dropped first; each entry is the ``[G, T]`` completion tokens, mask and
 sampler logprobs of the prompt's latest rollout (numpy, so a store of
-``M`` prompts holds ``M * G * T * 9`` bytes).
+``M`` prompts holds ``M * G * T * 10`` bytes), and for a multi-turn
+episode its observation mask (``lookup_turns``: each turn drafts from the
+earlier episode's turn, ``rljax/rollout/multi_turn.py``).
 
 Checkpointed: the training loop saves ``arrays()`` with each checkpoint
 (an ``ocp`` item beside the train state) and a resume ``load_arrays()`` it,
@@ -29,6 +31,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from rljax.sampling.speculative import Draft
+
+
+_FIELDS = ("tokens", "mask", "logprobs", "observed")
 
 
 class DraftStore:
@@ -77,10 +82,23 @@ class DraftStore:
     ``[c G, (c + 1) G)``, or an empty draft past the entry's rows, so no
     stored row drafts two new ones. Returns None when no prompt has one.
     """
+    out = self._gather(prompts, num_samples, max_new_tokens)
+    return None if out is None else Draft(*out[:3])
+
+  def lookup_turns(self, prompts: Sequence[Sequence[int]], num_samples: int,
+                   max_new_tokens: int) -> tuple[np.ndarray, ...] | None:
+    """``lookup`` for multi-turn episodes: ``(tokens, mask, logprobs,
+    observed)``, each ``[B * G, T]``, where ``observed`` marks the earlier
+    episode's observation tokens (all False for a single-turn entry).
+    None when no prompt has an entry."""
+    return self._gather(prompts, num_samples, max_new_tokens)
+
+  def _gather(self, prompts, num_samples, max_new_tokens):
     g, t = num_samples, max_new_tokens
     tokens = np.zeros((len(prompts) * g, t), np.int32)
     mask = np.zeros((len(prompts) * g, t), bool)
     logprobs = np.zeros((len(prompts) * g, t), np.float32)
+    observed = np.zeros((len(prompts) * g, t), bool)
     found = False
     for i, prompt in enumerate(prompts):
       key = self._key(prompt)
@@ -98,9 +116,9 @@ class DraftStore:
         block = tuple(x[c * g:(c + 1) * g] for x in entry)
       self._entries.move_to_end(key)
       rows = slice(i * g, (i + 1) * g)
-      tokens[rows], mask[rows], logprobs[rows] = block
+      tokens[rows], mask[rows], logprobs[rows], observed[rows] = block
       found = True
-    return Draft(tokens, mask, logprobs) if found else None
+    return (tokens, mask, logprobs, observed) if found else None
 
   @contextlib.contextmanager
   def frozen(self) -> Iterator[None]:
@@ -129,25 +147,31 @@ class DraftStore:
       self._trim()
 
   def update(self, prompts: Sequence[Sequence[int]], tokens_NxT: np.ndarray,
-             mask_NxT: np.ndarray, logprobs_NxT: np.ndarray) -> None:
+             mask_NxT: np.ndarray, logprobs_NxT: np.ndarray,
+             observed_NxT: np.ndarray | None = None) -> None:
     """Stores each prompt's ``G`` rows (``N = B * G``, group-contiguous);
-    inside ``frozen``, at its exit."""
+    inside ``frozen``, at its exit. ``observed_NxT``: a multi-turn
+    episode's observation tokens (None: none)."""
+    if observed_NxT is None:
+      observed_NxT = np.zeros(np.shape(mask_NxT), bool)
     if self._pending is not None:
       self._pending.append((list(prompts), np.array(tokens_NxT),
-                            np.array(mask_NxT), np.array(logprobs_NxT)))
+                            np.array(mask_NxT), np.array(logprobs_NxT),
+                            np.array(observed_NxT)))
       return
     g = len(tokens_NxT) // len(prompts)
     for i, prompt in enumerate(prompts):
       rows = slice(i * g, (i + 1) * g)
       self._store(self._key(prompt), (tokens_NxT[rows], mask_NxT[rows],
-                                      logprobs_NxT[rows]))
+                                      logprobs_NxT[rows], observed_NxT[rows]))
     self._trim()
 
   def _store(self, key: bytes, entry: tuple[np.ndarray, ...]) -> None:
-    tokens, mask, logprobs = entry
+    tokens, mask, logprobs, observed = entry
     self._entries[key] = (np.asarray(tokens, np.int32),
                           np.asarray(mask, bool),
-                          np.asarray(logprobs, np.float32))
+                          np.asarray(logprobs, np.float32),
+                          np.asarray(observed, bool))
     self._entries.move_to_end(key)
 
   def _trim(self) -> None:
@@ -158,8 +182,9 @@ class DraftStore:
     """The store as arrays, least recently used first (None when empty).
 
     ``prompts`` ``[M, P]`` int32 is each prompt padded with -1 to the
-    longest; ``tokens``/``mask``/``logprobs`` are ``[M, G, T]``, each
-    entry's rows padded (zeros, mask False) to the most any has, and
+    longest; ``tokens``/``mask``/``logprobs``/``observed`` are
+    ``[M, G, T]``, each entry's rows padded (zeros, masks False) to the
+    most any has, and
     ``rows`` ``[M]`` its own count. Entries of another width ``T`` than the
     newest one are left out (a loop uses one; ``lookup`` would not return
     them for it).
@@ -176,23 +201,27 @@ class DraftStore:
       prompts[i, :len(p)] = p
     out = {"prompts": prompts,
            "rows": np.array([len(v[0]) for _, v in items], np.int32)}
-    for j, name in enumerate(("tokens", "mask", "logprobs")):
+    for j, name in enumerate(_FIELDS):
       out[name] = np.stack([np.pad(v[j], ((0, most - len(v[j])), (0, 0)))
                             for _, v in items])
     return out
 
   def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
     """Replaces the entries with ``arrays()``'s (the newest kept if over
-    ``max_prompts``; without ``rows``, every entry has all the rows)."""
+    ``max_prompts``; without ``rows``, every entry has all the rows;
+    without ``observed``, a store written before episodes drafted, no
+    token is an observation)."""
     self._entries.clear()
     prompts = np.asarray(arrays["prompts"], np.int32)
     rows = np.asarray(arrays.get("rows", [arrays["tokens"].shape[1]]
                                  * len(prompts)))
+    arrays = dict(arrays)
+    if "observed" not in arrays:
+      arrays["observed"] = np.zeros(np.shape(arrays["mask"]), bool)
     for i, row in enumerate(prompts):
       n = int(rows[i])
       self._store(row[row >= 0].tobytes(),
-                  tuple(arrays[name][i][:n]
-                        for name in ("tokens", "mask", "logprobs")))
+                  tuple(arrays[name][i][:n] for name in _FIELDS))
     self._trim()
 
 

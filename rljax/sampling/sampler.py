@@ -262,7 +262,8 @@ def _ended(tokens_NxT, column_N, token_N, eos_V, stop_sequences):
 
 # The decode API the samplers share (this module's, continuous.py's,
 # speculative.py's and the multi-turn rollout's, rljax/rollout/multi_turn.py):
-# decode_setup, pick_logprob, fused_logprobs, row_keys and token_keys.
+# decode_setup, pick_logprob, sampled_logprobs, fused_logprobs, row_keys and
+# token_keys.
 
 
 def pick_logprob(logp_xV, token_x):
@@ -270,7 +271,7 @@ def pick_logprob(logp_xV, token_x):
   return jnp.take_along_axis(logp_xV, token_x[..., None], -1)[..., 0]
 
 
-def _token_logprobs(logits_xV, token_x, sc: SamplerConfig):
+def sampled_logprobs(logits_xV, token_x, sc: SamplerConfig):
   """``(sampler_logp_x, policy_logp_x)`` of ``token_x`` (any leading shape).
 
   The sampler's is under the sampled distribution (0 for greedy); the

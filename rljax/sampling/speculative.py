@@ -61,7 +61,7 @@ from rljax.sampling.sampler import (Rollout, SamplerConfig, _decode, _ended,
                                     mesh_shardings, pad_rows,
                                     _LoopState, _grow, _prefill,
                                     _round_up, decode_setup, _to_rollout,
-                                    _token_logprobs)
+                                    sampled_logprobs)
 
 _VERIFY_CHUNK = 128  # draft positions whose [N, chunk, V] logits exist at once
 
@@ -106,7 +106,7 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
     hi = min(lo + _VERIFY_CHUNK, t)
     logits = compute_logits(before_NxTxD[:, lo:hi], w_DxV,
                             mc.final_logit_softcap)
-    s, p = _token_logprobs(logits, draft.tokens[:, lo:hi], sc)
+    s, p = sampled_logprobs(logits, draft.tokens[:, lo:hi], sc)
     sampler_lp.append(s)
     policy_lp.append(p)
     argmax.append(jnp.argmax(logits, -1).astype(jnp.int32))

@@ -49,13 +49,16 @@ class Samplers:
   ``env``, ``turns``, ``buckets``, ``group`` and ``train_examples``)."""
 
   def episodes(self, num_samples: int, *, greedy: bool = False,
-               record_policy_logprobs: bool = False, training: bool = False
+               record_policy_logprobs: bool = False, training: bool = False,
+               drafts: sampling.DraftStore | None = None
                ) -> rollout_lib.MultiTurnSampler | None:
     """The multi-turn rollout of ``num_samples`` episodes per example
     (``env.name``), sampled as ``sampler``'s rows; None without an
     environment. ``training``: on the sampler's devices
     (``rl.sampler_devices``), and with ``rl.rollout="continuous"`` on
-    ``rl.rollout_slots`` slots refilled as episodes end."""
+    ``rl.rollout_slots`` slots refilled as episodes end. ``drafts``:
+    SPEC-RL's store (``speculation().store``), each turn drafted from the
+    prompt's last episode."""
     if self.env is None:
       return None
     alg = self.algorithm
@@ -74,7 +77,8 @@ class Samplers:
         observation_role=self.config.env.observation_role,
         slots=None if partial is None else partial.slots,
         refill_rows=1 if partial is None else partial.refill_rows,
-        group=self.group)
+        group=self.group, drafts=drafts,
+        log_lenience=float(self.config.sampler.spec_log_lenience))
 
   @property
   def split(self) -> bool:
@@ -189,7 +193,7 @@ class Samplers:
     samples = schedule.sampler_samples
     if self.env is not None:
       return self.episodes(samples, record_policy_logprobs=bool(
-          record_policy_logprobs), training=True)
+          record_policy_logprobs), training=True, drafts=drafts)
     slots = self.slot_rollouts(record_policy_logprobs=record_policy_logprobs,
                                num_samples=samples,
                                num_prompts=schedule.round_entries,

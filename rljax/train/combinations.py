@@ -73,11 +73,6 @@ RULES: tuple[Rule, ...] = (
          "carried to the next step: an unfinished episode's environment "
          "state is not kept", "rl.rollout='continuous' or 'static'",
          "missing"),
-    Rule("episodes-with-spec-rl", ("sampler.speculative", "env.name"),
-         lambda c, p: bool(c.env.name) and bool(c.sampler.speculative),
-         "SPEC-RL's drafts are single-turn completions; the multi-turn "
-         "rollout verifies none", "sampler.speculative=False, or "
-         "env.name=''", "missing"),
     Rule("allocation-with-partial", (_ALLOCATION, "rl.rollout"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and c.rl.rollout == "partial"),

@@ -210,7 +210,8 @@ def start(c: build_lib.Components, workdir: str) -> Session:
           drafts=speculation.store if speculation else None),
       sample_mesh=c.sample_mesh,
       episodes=c.episodes(s.group_size + alg.extra_samples,
-                          record_policy_logprobs=sampler_old, training=True),
+                          record_policy_logprobs=sampler_old, training=True,
+                          drafts=speculation.store if speculation else None),
       selection=selection, replay=c.replay(),
       allocation=schedule, allocation_sampler=None if schedule is None
       else c.allocation_rollouts(
