@@ -24,6 +24,16 @@ and, for the reward-model runs, the proxy reward (the reward model's score)
 and the true reward (the verifier's, on the training rollouts) over the
 first and last 50 steps: a proxy that rises while the true reward falls is
 reward hacking.
+
+The over-optimisation curve (Gao et al. 2022, "Scaling Laws for Reward
+Model Overoptimization", https://arxiv.org/abs/2210.10760): every policy
+run logs its KL to the SFT policy with no penalty (``rl.log_kl``: the
+estimator ``rl.kl_estimator``, averaged over the run's tokens, the same
+training as without it), and at each held-out evaluation the record keeps
+the KL and the proxy reward (each the mean over the steps since the
+evaluation before). ``bench_rlhf_overoptimization.png``, beside the
+record, plots held-out verifier accuracy and the reward model's score
+against that KL, one line per method and seed.
 """
 
 from __future__ import annotations
@@ -106,6 +116,60 @@ def reward_columns(workdir: str, names: tuple[str, ...]) -> dict[str, dict]:
     out[name] = {"first": float(np.mean(values[:_WINDOW])),
                  "last": float(np.mean(values[-_WINDOW:]))}
   return out
+
+
+def kl_curve(workdir: str, proxy: str | None) -> dict[str, list[float]]:
+  """At each held-out evaluation (``data_efficiency.curve``'s steps): the
+  mean ``kl`` (``rl.log_kl``) and, with ``proxy`` (a reward column), its
+  mean over the RL steps since the evaluation before (step 0: KL 0, the
+  proxy of the first step)."""
+  rows = [json.loads(line) for line in open(
+      os.path.join(workdir, "metrics.jsonl")) if line.strip()]
+  rl = [r for r in rows if r["step"] > 0 and "kl" in r]
+  steps = curve(workdir)["steps"]
+  out: dict[str, list[float]] = {"kl": [], "proxy": []}
+  for i, step in enumerate(steps):
+    lo = steps[i - 1] if i else 0
+    window = [r for r in rl if lo < r["step"] <= step] or rl[:1]
+    out["kl"].append(float(np.mean([r["kl"] for r in window]))
+                     if step else 0.0)
+    if proxy is not None:
+      out["proxy"].append(float(np.mean(
+          [r[f"reward/{proxy}/mean"] for r in window])))
+  return out
+
+
+def plot_overoptimization(runs: list[dict], kinds: tuple[str, ...],
+                          path: str) -> None:
+  """Held-out accuracy and the proxy reward against KL(pi || pi_SFT), one
+  line per method and seed (Gao et al. 2022, figure 1's axes)."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+  colors = dict(zip(kinds, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  for run in runs:
+    for kind in kinds:
+      r = run[kind]
+      label = (f"{kind} reward model" if kind != "verifier"
+               else "verifier (the true reward)")
+      label = label if run is runs[0] else None
+      left.plot(r["kl"], r["accuracy"], marker="o", ms=3,
+                color=colors[kind], label=label)
+      if r.get("proxy"):
+        right.plot(r["kl"], r["proxy"], marker="o", ms=3,
+                   color=colors[kind], label=label)
+  left.set_ylabel("held-out accuracy (the verifier)")
+  left.set_ylim(0, 1)
+  right.set_ylabel("reward model score (the proxy)")
+  for ax in (left, right):
+    ax.set_xlabel("KL(policy || SFT policy), per token")
+    ax.grid(alpha=0.3)
+    ax.legend()
+  fig.suptitle("Over-optimisation on the main job: one line per seed")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -213,12 +277,16 @@ def main(argv):
       workdir = os.path.join(base, f"policy_{kind}_seed{seed}")
       print(f"seed {seed}: policy on the {kind} reward ...", flush=True)
       seconds = _run("launch.train", [*common, f"--workdir={workdir}",
-                                      *flags_], env)
+                                      "--config.rl.log_kl=True", *flags_],
+                     env)
       c = curve(workdir)
+      k = kl_curve(workdir, None if kind == "verifier"
+                   else os.path.basename(rm_dir))
       result[kind] = {"accuracy": c["accuracy"], "steps": c["steps"],
                       "before": c["accuracy"][0], "after": c["accuracy"][-1],
                       "gain": c["accuracy"][-1] - c["accuracy"][0],
-                      "seconds": seconds}
+                      "seconds": seconds, "kl": k["kl"],
+                      "proxy": k["proxy"]}
       if kind != "verifier":
         result[kind]["rewards"] = reward_columns(
             workdir, (os.path.basename(rm_dir), "numeric_match"))
@@ -257,6 +325,13 @@ def main(argv):
     print(line)
   out_dir = _RECORD_DIR.value or base
   os.makedirs(out_dir, exist_ok=True)
+  for kind in kinds:
+    print(f"{kind:>8} reward: KL to the SFT policy at the last evaluation "
+          f"{np.mean([r[kind]['kl'][-1] for r in runs]):.3f} per token")
+  png = os.path.join(out_dir, "bench_rlhf_overoptimization"
+                     + ("_quick" if quick else "") + ".png")
+  plot_overoptimization(runs, kinds, png)
+  print("plot:", png)
   print("record:", benchlib.write_record(
       "bench_rlhf" + ("_quick" if quick else ""),
       {"summary": summary, "runs": runs, "seeds": seeds, "quick": quick},

@@ -49,3 +49,29 @@ def test_the_coefficient_follows_the_measured_kl_and_resumes(tmp_path):
   # The KL moved both ways around the target, so did the coefficient.
   assert len({round(r["kl_coef"], 6) for r in rows}) == len(rows)
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 2)
+
+
+@pytest.mark.slow
+def test_log_kl_reports_the_kl_and_trains_as_without_it(tmp_path):
+  """``rl.log_kl`` with ``kl_coef = 0``: each step reports a KL to the
+  reference (0 at the first update, the params still the reference's; > 0
+  after), and the run's other figures and final params are the run's
+  without it (a gradient from the KL would move them)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  base = {"rl.num_steps": 3}
+  train.run(loop_config(**base), str(tmp_path / "plain"))
+  train.run(loop_config(**base, **{"rl.log_kl": True}), str(tmp_path / "kl"))
+  plain, logged = rl_rows(tmp_path / "plain"), rl_rows(tmp_path / "kl")
+  assert all("kl" not in r for r in plain)
+  assert [r["kl"] for r in logged][0] == pytest.approx(0.0, abs=1e-6)
+  assert all(r["kl"] > 0 for r in logged[1:])
+  for a, b in zip(plain, logged):
+    for k in ("loss", "grad_norm", "reward/total/mean", "pg_loss"):
+      if k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+  for x, y in zip(jax.tree.leaves(train.load_policy(tmp_path / "plain").params),
+                  jax.tree.leaves(train.load_policy(tmp_path / "kl").params)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0,
+                               atol=1e-5 * float(np.abs(y).max()))

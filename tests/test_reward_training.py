@@ -301,4 +301,17 @@ def test_bench_rlhf_quick_trains_both_reward_models_and_three_policies(
   for kind in ("near", "mixed"):
     assert 0.0 <= run[f"rm_{kind}"]["heldout_accuracy"] <= 1.0
     assert set(run[kind]["rewards"]) == {"proxy", "numeric_match"}
+    assert len(run[kind]["proxy"]) == 3
   assert "verifier_gain" in figures["summary"]
+  # The over-optimisation curve: the KL to the SFT policy at each
+  # evaluation (0 before RL, > 0 once RL moved the policy), its plot.
+  for kind in ("near", "mixed", "verifier"):
+    assert run[kind]["kl"][0] == 0.0 and run[kind]["kl"][-1] > 0, run[kind]
+  assert os.path.getsize(tmp_path / "bench_rlhf_overoptimization_quick.png")
+  # Each point's KL is the mean logged kl of the steps up to it.
+  rows = [json.loads(line) for line in open(
+      tmp_path / "policy_mixed_seed0" / "metrics.jsonl")]
+  kl = [r["kl"] for r in rows if r["step"] > 0 and "kl" in r]
+  assert len(kl) == 4
+  assert run["mixed"]["kl"] == pytest.approx(
+      [0.0, np.mean(kl[:2]), np.mean(kl[2:])])

@@ -61,6 +61,8 @@ def kl_term(fwd: Forward, mb: StepInputs, cfg: RLStepConfig, norm: Normalizers):
       obj_lib.kl_penalty(fwd.logprobs, mb.ref_logprobs_NxT, cfg.kl_estimator,
                          old_logprobs_BxT=fwd.old_logprobs),
       fwd.mask, cfg.aggregation, **norm._asdict())
+  if not cfg.kl_coef and mb.kl_coef_N is None:  # rl.log_kl: reported only
+    return jnp.zeros((), kl.dtype), {"kl": jax.lax.stop_gradient(kl)}
   if mb.kl_coef_N is None:
     return cfg.kl_coef * kl, {"kl": kl}
   coef = jax.lax.stop_gradient(jnp.mean(mb.kl_coef_N))  # one value, N copies
@@ -108,6 +110,6 @@ LossTerm = Callable[[Forward, StepInputs, RLStepConfig, Normalizers],
 def loss_terms(cfg: RLStepConfig) -> tuple[LossTerm, ...]:
   """The terms besides the policy gradient that ``cfg`` switches on."""
   return tuple(term for term, on in (
-      (entropy_term, cfg.entropy_coef), (kl_term, cfg.kl_coef),
+      (entropy_term, cfg.entropy_coef), (kl_term, cfg.kl_coef or cfg.log_kl),
       (ess_kl_term, cfg.ess_kl_coef), (kl_cov_term, cfg.kl_cov_coef),
       (dro_term, cfg.dro_beta)) if on)

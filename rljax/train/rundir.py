@@ -32,7 +32,8 @@ LOCK_FILE = ".lock"
 RESUME_FIELDS = (
     "seed", "model", "tokenizer", "task", "rl.prompts_per_step",
     "rl.group_size", "rl.advantage", "rl.rank_weights", "rl.objective",
-    "rl.is_correction", "rl.kl_coef", "optimizer.name", "optimizer.ess_scaling",
+    "rl.is_correction", "rl.kl_coef", "rl.log_kl", "optimizer.name",
+    "optimizer.ess_scaling",
     "optimizer.max_grad_norm", "optimizer.max_consecutive_nonfinite",
     "rewards.names", "critic.max_grad_norm",
 )

@@ -277,6 +277,9 @@ _BASE: dict[str, Field] = {
                               "the fewest microbatches within this budget "
                               "(verl's dynamic batch size; padding-free)"),
     "rl.kl_coef": F(0.0, ">=0", "weight of the KL to the reference params"),
+    "rl.log_kl": F(False, None, "log the KL to the reference params (kl) "
+                   "with no penalty: a copy of the SFT params is kept; the "
+                   "loss and its gradient are those without it"),
     "rl.kl_target": F(None, ">0?", "adapt rl.kl_coef to hold this KL "
                       "(Ziegler et al. 2019; None: fixed)", float),
     "rl.kl_horizon": F(10000, "int>=1", "the adaptive KL controller's "

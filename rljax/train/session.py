@@ -289,7 +289,7 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
   """``(state, ref_params)``: a fresh start (SFT, the before-RL evaluation)
   or the newest readable checkpoint's."""
   c, s = run.c, run.c.settings
-  kl = bool(c.step_config.kl_coef)
+  kl = bool(c.step_config.kl_coef or c.step_config.log_kl)
   params = c.init_params(run.init_key)
   devices = jax.devices()
   log.info("model: %s params, vocab %d; %d %s device(s), mesh %s; "

@@ -116,6 +116,9 @@ class RLStepConfig:
       ``T`` positions, not ``L - 1``); False scores every column (the same
       loss, more work).
     kl_coef: weight of the KL to the reference params.
+    log_kl: with ``kl_coef = 0``, the KL to the reference params is still
+      computed and reported (``kl``), with no penalty: the loss and its
+      gradient are unchanged (over-optimisation curves, ``rl.log_kl``).
     entropy_coef: weight of the entropy bonus.
     training_temperature: logits are divided by it.
     logprob_chunk_size: time chunk of the logprob computation.
@@ -176,6 +179,7 @@ class RLStepConfig:
   old_logprobs: str = "recompute"
   ess_kl_coef: float = 0.0
   ess_pooling: str = "microbatch"
+  log_kl: bool = False
   critic: critic_lib.CriticConfig | None = None
   distill_coef: float = 0.0
   teacher_temperature: float = 1.0

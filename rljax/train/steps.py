@@ -279,10 +279,11 @@ def prepare_inputs(cfg: RLStepConfig, model_config: models.ModelConfig,
     if cfg.critic.whiten:
       adv = gae_lib.whiten_advantages(adv, loss_mask)
   ref = None
-  if cfg.kl_coef and ref_params is None and model_config.lora is not None:
+  kl = cfg.kl_coef or cfg.log_kl
+  if kl and ref_params is None and model_config.lora is not None:
     # LoRA: the reference is the frozen base, read from the same params.
     ref = no_grad_logprobs(state.params, model_config.base_config())
-  elif cfg.kl_coef:
+  elif kl:
     ref = no_grad_logprobs(ref_params)
   inputs = StepInputs(
       tokens, input_mask, loss_mask, adv, sampler_lp,
