@@ -86,6 +86,7 @@ class _ScriptedCollector:
 
   failed_rewards = "exclude"
   speculation = None  # no SPEC-RL drafts
+  allocation_fresh = None  # no replay
 
   def sample_global(self, params, examples, key, version, on_dispatch=None,
                     *, sampler, samples, longest):
@@ -205,7 +206,9 @@ def _vigor_config(**overrides):
 @pytest.mark.parametrize("overrides,match", [
     ({"rl.selection.name": "dapo"}, r"rl.allocation.name='vigor' with "
      r"rl.selection.name='dapo'"),
-    ({"rl.replay.fraction": 0.25}, r"with rl.replay.fraction=0.25"),
+    ({"rl.allocation.name": "sgpo", "rl.replay.fraction": 0.25},
+     r"rl.allocation.name='sgpo' with rl.replay.fraction=0.25: sGPO's "
+     r"curriculum"),
     ({"rl.rollout": "partial"}, r"with rl.rollout='partial': allocation "
      r"chooses each round's prompts"),
     ({"rl.advantage": "mc_grpo"}, r"with rl.advantage='mc_grpo': the "
@@ -245,6 +248,49 @@ def test_a_run_stopped_after_step_1_resumes_exactly(tmp_path, name):
   else:  # profiled once, at the first step
     assert ["alloc/pool" in r for r in rows] == [True, False, False]
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
+
+
+@pytest.mark.slow
+def test_allocation_with_replay_trains_replayed_groups_and_resumes(tmp_path):
+  """VIGOR (2 rounds) with replay (R = 2 of 8 groups): once the buffer
+  holds two informative groups, a step samples 6 fresh prompts in VIGOR's
+  rounds of 6 (6 * G rows) and trains the 2 replayed groups, of G rows,
+  as groups of their own; the stored groups are G rows of informative
+  allocated groups. Stopped after step 2 and resumed, the run is the
+  uninterrupted one (the buffer is checkpointed)."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import (  # pylint: disable=import-outside-toplevel
+      assert_stop_and_resume_matches, loop_config, rl_rows)
+  config = loop_config(**{"rl.allocation.name": "vigor",
+                          "rl.allocation.rounds": 2,
+                          "rl.replay.fraction": 0.25, "rl.num_steps": 4})
+  train.run(config, str(tmp_path / "whole"))
+  rows = rl_rows(tmp_path / "whole")
+  replayed = [r for r in rows if r["replay/fraction"] > 0]
+  assert replayed, [r["replay/stored_groups"] for r in rows]
+  g = config.rl.group_size
+  for r in rows:
+    assert r["alloc/rounds"] == 2 and np.isfinite(r["pg_loss"])
+    # VIGOR's groups: g/2 samples for all, then g for the better half.
+    assert r["alloc/max_group"] == g // 2 + g
+  for r in replayed:
+    assert r["replay/fraction"] == 0.25 and r["replay/mean_age"] >= 1
+  assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 2)
+
+
+def test_allocation_with_replay_needs_rounds_for_the_fresh_prompts():
+  from tests.test_loop import loop_config  # pylint: disable=import-outside-toplevel
+  # 8 prompts, 2 replayed: VIGOR's 4 rounds keep half 3 times (a multiple
+  # of 8); 6 fresh prompts are refused, naming both fields.
+  c = loop_config(**{"rl.allocation.name": "vigor",
+                     "rl.replay.fraction": 0.25})
+  with pytest.raises(ValueError, match=r"rl.replay.fraction=0.25 replays 2 "
+                     r"of rl.prompts_per_step=8 groups and leaves 6 fresh.*"
+                     r"a multiple of 8"):
+    build.validate(c)
+  build.validate(loop_config(**{"rl.allocation.name": "vigor",
+                                "rl.allocation.rounds": 2,
+                                "rl.replay.fraction": 0.25}))
 
 
 @pytest.mark.slow
@@ -328,7 +374,7 @@ def test_vigor_samples_the_prompts_dots_chooses(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
+def test_bench_quick_runs_vigor_and_refuses_sgpo_with_replay(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
@@ -342,9 +388,9 @@ def test_bench_quick_runs_vigor_and_refuses_it_with_replay(tmp_path):
          f"--methods={methods}", f"--workdir={tmp_path}", *extra], cwd=root,
         env=env, capture_output=True, text=True, timeout=900)
 
-  result = bench("vigor+replay")
+  result = bench("sgpo+replay")
   assert result.returncode != 0
-  assert "rollout allocation runs without replay" in result.stderr
+  assert "sGPO runs without replay (rule sgpo-with-replay" in result.stderr
   # --override: a field the bench sets, or a flag instead of FIELD=VALUE.
   result = bench("vigor", "--override=seed=3")
   assert result.returncode != 0

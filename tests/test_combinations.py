@@ -23,8 +23,8 @@ TRIGGERS = {
                              "rl.selection.name": "dots"}, 1),
     "allocation-with-refills": ({"rl.allocation.name": "vigor",
                                  "rl.selection.name": "dapo"}, 1),
-    "allocation-with-replay": ({"rl.allocation.name": "vigor",
-                                "rl.replay.fraction": 0.25}, 1),
+    "sgpo-with-replay": ({"rl.allocation.name": "sgpo",
+                          "rl.replay.fraction": 0.25}, 1),
     "allocation-with-extra-rows": ({"rl.allocation.name": "vigor",
                                     "rl.advantage": "mc_grpo"}, 1),
 }

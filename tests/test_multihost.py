@@ -311,12 +311,16 @@ CASES = {
                                         and r["env/failed_episodes"] == 0
                                         and r["rollout/slots"] == 8
                                         for r in rl)),
-    # LoRA adapters on a frozen base, PPO's critic (GAE), VIGOR's rounds.
-    "lora-critic-vigor": ({"model.lora.rank": 4, "rl.advantage": "gae",
-                           "rl.allocation.name": "vigor",
-                           "rl.allocation.rounds": 2}, None,
-                          lambda rl: all(r["alloc/rounds"] == 2 and np.isfinite(
-                              r["critic/value_loss"]) for r in rl)),
+    # LoRA adapters on a frozen base, PPO's critic (GAE), VIGOR's rounds
+    # with replay (step 2 samples 6 fresh prompts in rounds and replays 2
+    # groups of step 1's).
+    "lora-critic-vigor-replay": (
+        {"model.lora.rank": 4, "rl.advantage": "gae",
+         "rl.allocation.name": "vigor", "rl.allocation.rounds": 2,
+         "rl.replay.fraction": 0.25, **_PARITY}, None,
+        lambda rl: all(r["alloc/rounds"] == 2 and np.isfinite(
+            r["critic/value_loss"]) for r in rl)
+        and rl[-1]["replay/fraction"] > 0),
     # sGPO's profiling pass over the pool at the first step, then its
     # curriculum's group sizes (16 training prompts: a short pass; the
     # untrained tiny model solves few, so the unsolved ones are kept), with
@@ -405,8 +409,8 @@ COLUMN = {
     "continuous": "slots-devices-async-greso", "partial": "partial-replay",
     "async": "async-mc-spec", "sampler_devices": "slots-devices-async-greso",
     "env": "calculator", "spec_rl": "async-mc-spec",
-    "lora": "lora-critic-vigor", "padded": "default",
-    "dapo": "teachers", "critic": "lora-critic-vigor",
+    "lora": "lora-critic-vigor-replay", "padded": "default",
+    "dapo": "teachers", "critic": "lora-critic-vigor-replay",
     "reward_model": "teachers", "distillation": "teachers",
 }
 

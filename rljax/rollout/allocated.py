@@ -43,10 +43,13 @@ def _sample(collector, params, examples, key, version, on_dispatch):
   schedule = collector.allocation
   if isinstance(schedule, allocation_lib.Sgpo):
     return _sample_sgpo(collector, params, key, version, on_dispatch)
-  per_entry = schedule.sampler_samples
   # ``examples`` is the global batch (``Collector.collect``): the rounds are
   # the same on every process, each sampling its block of a round's entries.
   batch_size = len(examples["prompt"])
+  fresh = collector.allocation_fresh
+  if fresh is not None and batch_size == fresh.prompts[0]:
+    schedule = fresh  # a step that replays groups: its fresh prompts
+  per_entry = schedule.sampler_samples
   if batch_size != schedule.prompts[0]:
     raise ValueError(f"rollout allocation: a batch of {batch_size} prompts "
                      f"for a schedule of {schedule.prompts[0]} "

@@ -167,6 +167,10 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       (a sampler, or with ``slots`` a ``SlotRollouts`` of continuous
       batching, or with ``episodes`` a ``MultiTurnSampler``), for at least
       ``allocation.round_entries`` entries a round.
+    allocation_fresh: with ``allocation`` and ``replay``, the rounds of a
+      step that replays ``R`` groups: its ``B - R`` fresh prompts get
+      ``(B - R) * G`` rows (``build.fresh_allocation``); the replayed
+      groups, of ``G`` rows, follow them as groups of their own.
     allocation_speculation: with ``speculation`` and a static
       ``allocation_sampler``, SPEC-RL's speculative twin of it (the same
       draft store): each prompt entry's rows draft from the prompt's last
@@ -186,6 +190,7 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
                selection: selection_lib.Selection | None = None,
                replay: selection_lib.ReplayBuffer | None = None,
                allocation: Any = None, allocation_sampler: Any = None,
+               allocation_fresh: Any = None,
                allocation_speculation: sampling.Speculation | None = None):
     self.sampler, self.tokenizer, self.evaluator = sampler, tokenizer, evaluator
     # Which features combine is train/combinations.py's (build.validate
@@ -209,6 +214,10 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       raise ValueError("rollout allocation (rl.allocation) samples its "
                        "rounds with allocation_sampler: pass it.")
     self.allocation, self.allocation_sampler = allocation, allocation_sampler
+    if allocation_fresh is not None and (allocation is None or replay is None):
+      raise ValueError("allocation_fresh is the rounds of a step that "
+                       "replays groups: pass allocation and replay too.")
+    self.allocation_fresh = allocation_fresh
     if allocation_speculation is not None and (
         speculation is None
         or allocation_speculation.store is not speculation.store):
@@ -238,7 +247,10 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
           group_size=self.group_size, mesh=self.mesh,
           has_old_logprobs=has_old_logprobs,
           groups=None if self.allocation is None else (
-              self.allocation.prompts[0], self.allocation.max_group),
+              self.allocation.prompts[0], max(
+                  s.max_group for s in (self.allocation,
+                                        self.allocation_fresh)
+                  if s is not None)),
           env_column=self._env_column, episodes=self.episodes is not None)
     return self._jitted[has_old_logprobs]
 
@@ -306,10 +318,16 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       # Generated this step: the fresh rows' tokens (every round's).
       metrics.setdefault("num_generated_tokens",
                          float(np.sum(sampled.lengths)))
-      self._store(sampled, trained_B, version)
+      self._store(sampled, trained_B, version, group_ids_N)
       sampled, trained_B, replay_metrics = self._with_replay(
           sampled, trained_B, replayed, version)
       metrics.update(replay_metrics)
+      if group_ids_N is not None and replayed is not None:
+        # Replayed group j follows the fresh ones: group B - R + j.
+        fresh = len(examples["prompt"])
+        group_ids_N = np.concatenate([group_ids_N, np.repeat(
+            np.arange(fresh, fresh + len(replayed[0]), dtype=np.int32),
+            self.samples_per_prompt)])
     return self._finish(sampled, adv_state, trained_B=trained_B,
                         extra_metrics=metrics, group_ids_N=group_ids_N)
 

@@ -91,9 +91,15 @@ class SelectionAndReplay:
                                      self._scored(sampled), correct,
                                      self.samples_per_prompt)
 
-  def _store(self, sampled: Sampled, trained_B, version: int) -> None:
+  def _store(self, sampled: Sampled, trained_B, version: int,
+             group_ids_N: np.ndarray | None = None) -> None:
     """Pushes the fresh batch's informative, trained groups to the replay
-    buffer (host copies)."""
+    buffer (host copies). Groups of unequal size (rollout allocation's
+    ``group_ids_N``) are stored as ``G`` of their rows, the first drawn,
+    where the group has that many and they are informative themselves."""
+    if group_ids_N is not None:
+      self._store_allocated(sampled, group_ids_N, version)
+      return
     keep = self._kinds(sampled) == selection_lib.INFORMATIVE
     if trained_B is not None:
       keep &= np.asarray(trained_B, bool)
@@ -101,6 +107,24 @@ class SelectionAndReplay:
       self.replay.push(rounds_lib.host_groups(
           sampled, np.flatnonzero(keep), self.samples_per_prompt,
           to_host=self._host_rows), version)
+
+  def _store_allocated(self, sampled: Sampled, group_ids_N: np.ndarray,
+                       version: int) -> None:
+    g = self.samples_per_prompt
+    rows = [np.flatnonzero(group_ids_N == i)[:g]
+            for i in range(int(group_ids_N.max()) + 1)]
+    rows = [r for r in rows if len(r) == g]
+    if not rows:
+      return
+    idx = np.concatenate(rows)
+    correct = np.nan_to_num(sampled.result.rewards_NxR[idx, self.correct_column],
+                            nan=0.0) >= 1.0
+    kinds = selection_lib.group_kinds(sampled.result.total_N[idx],
+                                      self._scored(sampled)[idx], correct, g)
+    keep = [r for r, k in zip(rows, kinds) if k == selection_lib.INFORMATIVE]
+    if keep:  # every process stores every group (one buffer)
+      self.replay.push(rounds_lib.host_groups(
+          sampled, keep, g, to_host=self._host_rows), version)
 
   def _with_replay(self, sampled: Sampled, trained_B, replayed,
                    version: int):

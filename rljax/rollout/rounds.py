@@ -160,12 +160,14 @@ def merge_metrics(metrics: Sequence[Mapping[str, float]],
 _OPTIONAL = ("policy_logprobs", "observation_mask", "turn_rewards")
 
 
-def host_groups(sampled: Sampled, groups: Sequence[int],
+def host_groups(sampled: Sampled, groups: Sequence[Any],
                 group_rows: int, to_host: Any = np.asarray
                 ) -> list[dict[str, np.ndarray]]:
   """Host copies of the given groups' rows, the fields a replay buffer
-  keeps (``selection.ReplayBuffer``). ``to_host``: every row of a batch
-  array on the host (with several processes, gathered from their blocks)."""
+  keeps (``selection.ReplayBuffer``): group ``i`` is rows ``[i G, (i + 1)
+  G)``, or, given as an array of row indices, those rows. ``to_host``:
+  every row of a batch array on the host (with several processes,
+  gathered from their blocks)."""
   r, result = sampled.rollout, sampled.result
   rows = {"prompt_tokens": r.prompt_tokens, "prompt_mask": r.prompt_mask,
           "completion_tokens": r.completion_tokens,
@@ -181,7 +183,8 @@ def host_groups(sampled: Sampled, groups: Sequence[int],
     rows["token_versions"] = sampled.token_versions
   host = {k: to_host(v) for k, v in rows.items()}
   g = group_rows
-  return [{k: v[i * g:(i + 1) * g] for k, v in host.items()} for i in groups]
+  return [{k: v[i * g:(i + 1) * g] if np.ndim(i) == 0 else v[np.asarray(i)]
+           for k, v in host.items()} for i in groups]
 
 
 def from_groups(groups: Sequence[Mapping[str, np.ndarray]], like: Sampled, *,

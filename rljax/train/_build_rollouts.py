@@ -95,6 +95,7 @@ def _validate_rollout(config: Any) -> None:
         "must be sampled fresh.")
   if rl.allocation.name != "none":
     allocation(config)  # the schedule's own checks
+    fresh_allocation(config)  # with replay, the fresh prompts' rounds
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
   if rl.rollout == "static":
@@ -108,15 +109,55 @@ def _validate_rollout(config: Any) -> None:
   partial_config(config)  # checks slots against refill rows
 
 
-def allocation(config: Any) -> Any:
-  """The rounds of ``rl.allocation`` (``rljax/data/allocation.py``): a
+def allocation(config: Any, batch_size: int | None = None) -> Any:
+  """The rounds of ``rl.allocation`` (``rljax/data/allocation.py``) for
+  ``batch_size`` prompts (default ``rl.prompts_per_step``): a
   ``Schedule``, for sGPO a fresh ``Sgpo``; None for ``"none"``."""
   a, rl = config.rl.allocation, config.rl
   return allocation_lib.make_schedule(
-      a.name, batch_size=rl.prompts_per_step, group_size=rl.group_size,
+      a.name, batch_size=batch_size or rl.prompts_per_step,
+      group_size=rl.group_size,
       rounds=a.rounds, growth=a.growth, pilot_fraction=a.pilot_fraction,
       commit_fraction=a.commit_fraction, profile_samples=a.profile_samples,
       max_group=a.max_group, unsolved_keep=a.unsolved_keep, seed=config.seed)
+
+
+def fresh_allocation(config: Any) -> allocation_lib.Schedule | None:
+  """With replay (``rl.replay.fraction``), the rounds of the ``B - R``
+  fresh prompts of a step that replays ``R`` groups; None without both
+  (sGPO is refused with replay: ``rljax/train/combinations.py``).
+
+  Raises:
+    ValueError: when ``B - R`` prompts have no rounds, naming the fields.
+  """
+  rl = config.rl
+  if rl.allocation.name in ("none", "sgpo") or not rl.replay.fraction:
+    return None
+  b = rl.prompts_per_step
+  count = int(round(rl.replay.fraction * b))
+  try:
+    fresh = allocation(config, b - count)
+    full = allocation(config)
+    if fresh.sampler_samples != full.sampler_samples:
+      raise ValueError(
+          f"its rounds of {b - count} prompts draw multiples of "
+          f"{fresh.sampler_samples} samples per prompt and those of {b} "
+          f"multiples of {full.sampler_samples}: one sampler draws both")
+    return fresh
+  except ValueError as e:
+    raise ValueError(
+        f"rl.replay.fraction={rl.replay.fraction!r} replays {count} of "
+        f"rl.prompts_per_step={b} groups and leaves {b - count} fresh prompts "
+        f"to rollout allocation's rounds, which refuse them (read "
+        f"rl.prompts_per_step as {b - count}): {e}") from None
+
+
+def max_group(config: Any) -> int:
+  """The largest group rollout allocation can give a prompt (with replay,
+  of either schedule: ``fresh_allocation``)."""
+  schedules = [s for s in (allocation(config), fresh_allocation(config))
+               if s is not None]
+  return max(s.max_group for s in schedules)
 
 
 def with_allocation(config: Any, alg: alg_lib.Algorithm) -> alg_lib.Algorithm:
@@ -126,7 +167,7 @@ def with_allocation(config: Any, alg: alg_lib.Algorithm) -> alg_lib.Algorithm:
   if schedule is None:
     return alg
   return dataclasses.replace(alg, advantage=advantages_lib.by_group_ids(
-      alg.advantage, schedule.prompts[0], schedule.max_group))
+      alg.advantage, schedule.prompts[0], max_group(config)))
 
 
 def selection(config: Any, pool_size: int | None = None

@@ -47,8 +47,8 @@ from rljax.train._build_inputs import (  # noqa: F401  (re-exported)
     load_task, make_evaluator, make_tokenizer, preset_model_config, reward_fn,
     reward_specs, run_model_and_tokenizer, save_hf_files)
 from rljax.train._build_rollouts import (  # noqa: F401  (re-exported)
-    allocation, meshes, partial_config, replay_buffer, selection,
-    with_allocation)
+    allocation, fresh_allocation, max_group, meshes, partial_config,
+    replay_buffer, selection, with_allocation)
 from rljax.train._validate import validate  # noqa: F401  (re-exported)
 # The samplers and rollout plans of a run: split off for length.
 from rljax.train import _build_samplers

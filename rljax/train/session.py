@@ -217,6 +217,7 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       else c.allocation_rollouts(
           schedule, record_policy_logprobs=sampler_old,
           drafts=speculation.store if speculation else None),
+      allocation_fresh=build_lib.fresh_allocation(c.config),
       allocation_speculation=None if schedule is None or not speculation
       else c.speculation(record_policy_logprobs=sampler_old,
                          num_samples=schedule.sampler_samples,
