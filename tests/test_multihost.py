@@ -49,10 +49,6 @@ COMMON = {
     # different configs) train packed.
     "rl.padding_free": False,
 }
-# MC-GRPO's pivot drop and SPEC-RL's draft store (16 training prompts: the
-# last two steps revisit the first two's prompts and draft from them).
-MC_SPEC = {"rl.advantage": "mc_grpo", "sampler.speculative": True,
-           "task.num_train": 16}
 # Wall-clock figures differ between any two runs.
 _CLOCKS = ("time/", "tokens_per_s/", "reward/eval_seconds")
 
@@ -387,18 +383,17 @@ def assert_one_tracker_run_each(workdir, jsonl_rows):
 
 
 KILLED = {
-    # MC-GRPO's pivot drop, SPEC-RL's draft store (restored with the
-    # checkpoint: steps 3-4 draft from steps 1-2), sampled ahead.
-    "async-mc-spec": ({**MC_SPEC, "rl.max_staleness": 1},
-                      "configs/arithmetic_grpo.py"),
-    # Episodes stepped in workers, each turn drafted from the prompt's
-    # last episode (SPEC-RL; 16 training prompts: steps 3-4 revisit steps
+    # Calculator episodes stepped in workers, sampled ahead of the update,
+    # MC-GRPO's pivot drop, and SPEC-RL drafting each turn from the
+    # prompt's last episode (16 training prompts: steps 3-4 revisit steps
     # 1-2's, drafting from the store restored with the checkpoint).
-    "calculator": ({"env.num_workers": 1, "sampler.speculative": True,
-                    "task.num_train": 16,
-                    "rewards.names": ("env", "tests.reward_fixtures:parity"),
-                    "rewards.weights": (1.0, 0.5)},
-                   "configs/calculator_grpo.py"),
+    "calculator-async-mc-spec": (
+        {"env.num_workers": 1, "rl.max_staleness": 1,
+         "rl.advantage": "mc_grpo", "sampler.speculative": True,
+         "task.num_train": 16,
+         "rewards.names": ("env", "tests.reward_fixtures:parity"),
+         "rewards.weights": (1.0, 0.5)},
+        "configs/calculator_grpo.py"),
 }
 
 
@@ -407,8 +402,9 @@ KILLED = {
 # for the killed runs, resumes to it).
 COLUMN = {
     "continuous": "slots-devices-async-greso", "partial": "partial-replay",
-    "async": "async-mc-spec", "sampler_devices": "slots-devices-async-greso",
-    "env": "calculator", "spec_rl": "async-mc-spec",
+    "async": "calculator-async-mc-spec",
+    "sampler_devices": "slots-devices-async-greso",
+    "env": "calculator-async-mc-spec", "spec_rl": "calculator-async-mc-spec",
     "lora": "lora-critic-vigor-replay", "padded": "default",
     "dapo": "teachers", "critic": "lora-critic-vigor-replay",
     "reward_model": "teachers", "distillation": "teachers",
@@ -439,9 +435,9 @@ def test_every_feature_of_the_pairwise_test_runs_on_two_processes():
 @pytest.mark.parametrize("case", list(KILLED))
 def test_a_killed_process_stops_the_other_and_the_run_resumes(case, tmp_path,
                                                              jax_cache):
-  """Process 1 of an asynchronous run (and of an environment run with
-  SPEC-RL drafting its turns, its workers with it) is SIGKILLed once
-  checkpoint 2 is on disk: process 0
+  """Process 1 of an asynchronous environment run (SPEC-RL drafting its
+  turns, MC-GRPO; its workers with it) is SIGKILLed once checkpoint 2 is
+  on disk: process 0
   stops within 2 minutes with a non-zero code, naming it; relaunched, the
   run resumes from checkpoint 2 and ends as the uninterrupted one-process
   run, every step's metrics (steps 1-2 from the first launch, 3-4 from the
