@@ -25,21 +25,34 @@ and the true reward (the verifier's, on the training rollouts) over the
 first and last 50 steps: a proxy that rises while the true reward falls is
 reward hacking.
 
+Iterated RLHF (``--iterated_rounds=K``; Bai et al. 2022, "Training a
+Helpful and Harmless Assistant with Reinforcement Learning from Human
+Feedback", https://arxiv.org/abs/2204.05862, section 4.5): one policy run
+on the first ``--rms`` reward model for ``--round_steps`` steps; then, K - 1
+times, the reward model is trained on (``reward_model.init_path``: from
+where it was) for ``--retrain_steps`` more steps on its pairs plus pairs of
+the policy's own samples on ``--policy_prompts`` prompts, labelled by the
+verifier (``reward_model.policy_path``, ``reward_model.labeller``), and the
+policy run resumes for ``--round_steps`` more steps on it (the run's reward
+directory ``rm_current_seed<s>`` holds the newest model: same config, so
+the run resumes).
+
 The over-optimisation curve (Gao et al. 2022, "Scaling Laws for Reward
 Model Overoptimization", https://arxiv.org/abs/2210.10760): every policy
 run logs its KL to the SFT policy with no penalty (``rl.log_kl``: the
 estimator ``rl.kl_estimator``, averaged over the run's tokens, the same
 training as without it), and at each held-out evaluation the record keeps
 the KL and the proxy reward (each the mean over the steps since the
-evaluation before). ``bench_rlhf_overoptimization.png``, beside the
-record, plots held-out verifier accuracy and the reward model's score
-against that KL, one line per method and seed.
+evaluation before). A PNG of the record's name, beside it, plots held-out
+verifier accuracy and the reward model's score against that KL, one line
+per method and seed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,6 +80,16 @@ _POLICY_PROMPTS = flags.DEFINE_integer("policy_prompts", 2000,
                                        "reward_model.policy_prompts of 'policy'")
 _VERIFIER = flags.DEFINE_bool("verifier", True, "also train on the verifier "
                               "reward (the baseline)")
+_HACKED = flags.DEFINE_bool("hacked", True, "train a policy on each --rms "
+                            "reward model alone")
+_ITERATED = flags.DEFINE_integer("iterated_rounds", 0, "rounds of iterated "
+                                 "RLHF (0: none)")
+_ROUND_STEPS = flags.DEFINE_integer("round_steps", 100, "RL steps per round "
+                                    "of iterated RLHF")
+_RETRAIN_STEPS = flags.DEFINE_integer("retrain_steps", 300, "reward-model "
+                                      "steps per retraining")
+_ITER_PROMPTS = flags.DEFINE_integer("iterated_prompts", 500, "prompts whose "
+                                     "policy samples are labelled each round")
 _RECIPE = flags.DEFINE_bool(
     "recipe", False, "instead: configs/arithmetic_rlhf.py, online DPO on a "
     "worst-case ensemble of the 'mixed' and 'policy' reward models, per seed")
@@ -118,6 +141,57 @@ def reward_columns(workdir: str, names: tuple[str, ...]) -> dict[str, dict]:
   return out
 
 
+def iterated(seed: int, base: str, common: list[str], rm_dir: str,
+             rm_flags: list[str], env: dict[str, str], quick: bool
+             ) -> tuple[str, str, dict]:
+  """Iterated RLHF (the module docstring) from the reward model of the run
+  ``rm_dir`` (trained with ``rm_flags``: its pairs, kept). Returns ``(policy workdir, the reward column's label, the
+  reward models' held-out pair accuracy and new pairs per round)``."""
+  rounds, steps = _ITERATED.value, 2 if quick else _ROUND_STEPS.value
+  current = os.path.join(base, f"rm_current_seed{seed}")
+  shutil.copytree(os.path.join(rm_dir, "reward_model"), current,
+                  dirs_exist_ok=True)
+  workdir = os.path.join(base, f"policy_iterated_seed{seed}")
+  reward = [f'--config.rewards.names=("model:{current}","numeric_match")',
+            "--config.rewards.weights=(1.0,0.0)",
+            "--config.eval.reward=numeric_match",
+            f"--config.checkpoint.every={steps}", "--config.rl.log_kl=True"]
+  with open(os.path.join(rm_dir, "summary.json")) as f:
+    info = {"rm_accuracy": [json.load(f)["heldout_accuracy"]],
+            "policy_pairs": [0]}
+  previous = rm_dir
+  for i in range(1, rounds + 1):
+    print(f"seed {seed}: iterated round {i}: policy to step {i * steps} ...",
+          flush=True)
+    _run("launch.train", [*common, f"--workdir={workdir}", *reward,
+                          f"--config.rl.num_steps={i * steps}"], env)
+    if i == rounds:
+      break
+    retrained = os.path.join(base, f"rm_iterated_seed{seed}_round{i}")
+    _run("launch.train_reward_model", [
+        *common, f"--workdir={retrained}", *rm_flags,
+        f"--config.reward_model.init_path={previous}",
+        f"--config.reward_model.policy_path={workdir}",
+        f"--config.reward_model.policy_prompts="
+        f"{8 if quick else _ITER_PROMPTS.value}",
+        f"--config.reward_model.num_steps="
+        f"{20 if quick else _RETRAIN_STEPS.value}"], env)
+    with open(os.path.join(retrained, "summary.json")) as f:
+      accuracy = json.load(f)["heldout_accuracy"]
+    rows = [json.loads(line) for line in open(
+        os.path.join(retrained, "metrics.jsonl")) if line.strip()]
+    pairs = [r["rm/policy_pairs"] for r in rows if "rm/policy_pairs" in r]
+    info["rm_accuracy"].append(accuracy)
+    info["policy_pairs"].append(pairs[0] if pairs else 0.0)
+    print(f"  reward model retrained on {info['policy_pairs'][-1]:.0f} pairs "
+          f"of the policy's samples: held-out pair accuracy {accuracy:.3f}",
+          flush=True)
+    shutil.copytree(os.path.join(retrained, "reward_model"), current,
+                    dirs_exist_ok=True)
+    previous = retrained
+  return workdir, os.path.basename(current), info
+
+
 def kl_curve(workdir: str, proxy: str | None) -> dict[str, list[float]]:
   """At each held-out evaluation (``data_efficiency.curve``'s steps): the
   mean ``kl`` (``rl.log_kl``) and, with ``proxy`` (a reward column), its
@@ -151,8 +225,8 @@ def plot_overoptimization(runs: list[dict], kinds: tuple[str, ...],
   for run in runs:
     for kind in kinds:
       r = run[kind]
-      label = (f"{kind} reward model" if kind != "verifier"
-               else "verifier (the true reward)")
+      label = {"verifier": "verifier (the true reward)",
+               "iterated": "iterated RLHF"}.get(kind, f"{kind} reward model")
       label = label if run is runs[0] else None
       left.plot(r["kl"], r["accuracy"], marker="o", ms=3,
                 color=colors[kind], label=label)
@@ -249,7 +323,12 @@ def main(argv):
   if unknown:
     raise app.UsageError(f"--rms: unknown {unknown}; accepted "
                          f"{sorted(_RM_FLAGS)}.")
-  kinds = rms + (("verifier",) if _VERIFIER.value else ())
+  if _ITERATED.value < 0 or (_ITERATED.value and not rms):
+    raise app.UsageError(f"--iterated_rounds={_ITERATED.value}: a number of "
+                         "rounds >= 0, from the first --rms reward model.")
+  kinds = ((rms if _HACKED.value else ())
+           + (("verifier",) if _VERIFIER.value else ())
+           + (("iterated",) if _ITERATED.value else ()))
   runs = []
   for seed in seeds:
     common = [f"--config={config}", f"--config.seed={seed}", *extra]
@@ -268,30 +347,38 @@ def main(argv):
       print(f"  pair accuracy {result[f'rm_{negatives}']['heldout_accuracy']:.3f}"
             f" ({seconds:.0f} s)", flush=True)
     for kind in kinds:
-      flags_ = []
-      if kind != "verifier":
+      flags_, label = [], None
+      if kind not in ("verifier", "iterated"):
         rm_dir = os.path.join(base, f"rm_{kind}_seed{seed}")
+        label = os.path.basename(rm_dir)
         flags_ = [f'--config.rewards.names=("model:{rm_dir}","numeric_match")',
                   "--config.rewards.weights=(1.0,0.0)",
                   "--config.eval.reward=numeric_match"]
       workdir = os.path.join(base, f"policy_{kind}_seed{seed}")
-      print(f"seed {seed}: policy on the {kind} reward ...", flush=True)
-      seconds = _run("launch.train", [*common, f"--workdir={workdir}",
-                                      "--config.rl.log_kl=True", *flags_],
-                     env)
+      if kind == "iterated":
+        start = time.time()
+        workdir, label, rounds_info = iterated(
+            seed, base, common, os.path.join(base, f"rm_{rms[0]}_seed{seed}"),
+            list(_RM_FLAGS[rms[0]]), env, quick)
+        seconds = time.time() - start
+      else:
+        print(f"seed {seed}: policy on the {kind} reward ...", flush=True)
+        seconds = _run("launch.train", [*common, f"--workdir={workdir}",
+                                        "--config.rl.log_kl=True", *flags_],
+                       env)
       c = curve(workdir)
-      k = kl_curve(workdir, None if kind == "verifier"
-                   else os.path.basename(rm_dir))
+      k = kl_curve(workdir, label)
       result[kind] = {"accuracy": c["accuracy"], "steps": c["steps"],
                       "before": c["accuracy"][0], "after": c["accuracy"][-1],
                       "gain": c["accuracy"][-1] - c["accuracy"][0],
                       "seconds": seconds, "kl": k["kl"],
                       "proxy": k["proxy"]}
-      if kind != "verifier":
-        result[kind]["rewards"] = reward_columns(
-            workdir, (os.path.basename(rm_dir), "numeric_match"))
-        result[kind]["rewards"]["proxy"] = result[kind]["rewards"].pop(
-            os.path.basename(rm_dir))
+      if kind == "iterated":
+        result[kind].update(rounds_info)
+      if label is not None:
+        result[kind]["rewards"] = reward_columns(workdir,
+                                                 (label, "numeric_match"))
+        result[kind]["rewards"]["proxy"] = result[kind]["rewards"].pop(label)
       print(f"  held-out {c['accuracy'][0]:.3f} -> {c['accuracy'][-1]:.3f} "
             f"({seconds:.0f} s)", flush=True)
     runs.append(result)
@@ -328,15 +415,19 @@ def main(argv):
   for kind in kinds:
     print(f"{kind:>8} reward: KL to the SFT policy at the last evaluation "
           f"{np.mean([r[kind]['kl'][-1] for r in runs]):.3f} per token")
-  png = os.path.join(out_dir, "bench_rlhf_overoptimization"
-                     + ("_quick" if quick else "") + ".png")
-  plot_overoptimization(runs, kinds, png)
-  print("plot:", png)
-  print("record:", benchlib.write_record(
+  record = benchlib.write_record(
       "bench_rlhf" + ("_quick" if quick else ""),
       {"summary": summary, "runs": runs, "seeds": seeds, "quick": quick},
       out_dir, {"config": config, "flags": extra, "rms": rms,
-                "policy_prompts": _POLICY_PROMPTS.value}))
+                "policy_prompts": _POLICY_PROMPTS.value, "kinds": kinds,
+                "iterated_rounds": _ITERATED.value,
+                "round_steps": _ROUND_STEPS.value,
+                "retrain_steps": _RETRAIN_STEPS.value,
+                "iterated_prompts": _ITER_PROMPTS.value})
+  png = os.path.splitext(record)[0] + ".png"  # the record's name
+  plot_overoptimization(runs, kinds, png)
+  print("record:", record)
+  print("plot:", png)
 
 
 if __name__ == "__main__":

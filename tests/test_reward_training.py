@@ -215,6 +215,88 @@ def test_policy_pairs_need_the_sft_model(tmp_path):
     rt.run(config, str(tmp_path))
 
 
+@pytest.fixture(scope="module")
+def rm_and_policy(tmp_path_factory):
+  """A tiny reward-model run and a tiny RL policy run of the same config."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp("iterated")
+  rm_dir = str(root / "rm")
+  first = rt.run(_tiny(10), rm_dir)
+  policy = tiny_config()
+  policy.rl.num_steps = 1
+  policy.sft.num_steps = 40
+  policy.eval.every = 100
+  train.run(policy, str(root / "policy"))
+  return rm_dir, first, str(root / "policy")
+
+
+@pytest.mark.slow
+def test_iterated_rlhf_retrains_the_reward_model_on_the_policy_s_samples(
+    rm_and_policy, tmp_path):
+  """``reward_model.init_path`` continues a reward model (its held-out
+  accuracy before is where the first run ended; no warm-up), and
+  ``reward_model.policy_path`` labels the RL policy's samples (pairs of
+  right over wrong answers by the verifier, kept in policy_pairs.jsonl)."""
+  rm_dir, first, policy_dir = rm_and_policy
+  config = _tiny(10)
+  config.reward_model.init_path = rm_dir
+  config.reward_model.policy_path = policy_dir
+  config.reward_model.policy_prompts = 32
+  config.reward_model.policy_samples = 4
+  summary = rt.run(config, str(tmp_path))
+  assert summary["heldout_accuracy_before"] == pytest.approx(
+      first["heldout_accuracy"])
+  rows = metrics.read_jsonl(os.path.join(str(tmp_path), "metrics.jsonl"))
+  assert not any("sft/sft_loss" in r for r in rows)
+  [count] = [r["rm/policy_pairs"] for r in rows if "rm/policy_pairs" in r]
+  path = os.path.join(str(tmp_path), "policy_pairs.jsonl")
+  pairs = rt.read_pairs(path) if os.path.getsize(path) else []
+  assert len(pairs) == count
+  for p in pairs:
+    answer = str(eval(p["prompt"].rstrip("=")))  # pylint: disable=eval-used
+    assert re.findall(r"-?\d+", p["chosen"])[-1] == answer
+  # The continued model differs from the one it started from.
+  _, before = rm.load_hf_reward_model(os.path.join(rm_dir, "reward_model"))
+  _, after = rm.load_hf_reward_model(os.path.join(str(tmp_path),
+                                                  "reward_model"))
+  assert any(not np.array_equal(a, b) for a, b in zip(
+      jax.tree.leaves(before), jax.tree.leaves(after)))
+
+
+@pytest.mark.slow
+def test_iterated_rlhf_paths_are_checked_before_training(rm_and_policy,
+                                                         tmp_path):
+  rm_dir, _, policy_dir = rm_and_policy
+  cases = [
+      ({"init_path": str(tmp_path / "nowhere")}, FileNotFoundError,
+       "reward_model.init_path="),
+      ({"policy_path": str(tmp_path), "policy_prompts": 8},
+       FileNotFoundError, r"reward_model.policy_path=.*config.json does not "
+       "exist"),
+      ({"policy_path": policy_dir}, ValueError,
+       "reward_model.policy_path=.* with reward_model.policy_prompts=0"),
+  ]
+  for fields, error, match in cases:
+    config = _tiny(10)
+    for k, v in fields.items():
+      config.reward_model[k] = v
+    with pytest.raises(error, match=match):
+      rt.run(config, str(tmp_path / "run"))
+  # Another tokenizer (a larger vocabulary): both refused, naming the field.
+  other = _tiny(10)
+  other.tokenizer.vocab_size = other.tokenizer.vocab_size + 16
+  other.reward_model.init_path = rm_dir
+  with pytest.raises(ValueError, match="reward_model.init_path=.*tokenizer"):
+    rt.run(other, str(tmp_path / "other"))
+  other = _tiny(10)
+  other.tokenizer.vocab_size = other.tokenizer.vocab_size + 16
+  other.reward_model.policy_path = policy_dir
+  other.reward_model.policy_prompts = 8
+  with pytest.raises(ValueError, match="reward_model.policy_path=.*tokenizer"):
+    rt.run(other, str(tmp_path / "other2"))
+  assert not os.path.exists(tmp_path / "run" / "checkpoints")
+
+
 def _build():
   from rljax.train import build  # pylint: disable=g-import-not-at-top
   return build
@@ -282,36 +364,57 @@ def test_a_killed_reward_model_run_resumes_exactly(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_rlhf_quick_trains_both_reward_models_and_three_policies(
+def test_bench_rlhf_quick_trains_a_reward_model_and_three_policies(
     tmp_path):
+  """The near-miss reward model (the mixed one differs by a flag), a
+  policy on it alone, one on the verifier, and iterated RLHF from it."""
   env = subprocess_env.one_device_env()
   result = subprocess.run(
-      [sys.executable, "-m", "launch.bench_rlhf", "--quick",
-       f"--workdir={tmp_path}"], cwd=ROOT, env=env, capture_output=True,
-      text=True, timeout=900)
+      [sys.executable, "-m", "launch.bench_rlhf", "--quick", "--rms=near",
+       "--iterated_rounds=2", f"--workdir={tmp_path}"], cwd=ROOT, env=env,
+      capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   [record] = [f for f in os.listdir(tmp_path) if f.endswith(".json")]
   with open(tmp_path / record) as f:
     figures = json.load(f)["figures"]
   [run] = figures["runs"]
-  for kind in ("near", "mixed", "verifier"):
+  assert "mixed" not in run
+  for kind in ("near", "verifier", "iterated"):
     assert run[kind]["steps"] == [0, 2, 4]
     assert run[kind]["gain"] == pytest.approx(run[kind]["after"]
                                               - run[kind]["before"])
-  for kind in ("near", "mixed"):
-    assert 0.0 <= run[f"rm_{kind}"]["heldout_accuracy"] <= 1.0
+  assert 0.0 <= run["rm_near"]["heldout_accuracy"] <= 1.0
+  for kind in ("near", "iterated"):
     assert set(run[kind]["rewards"]) == {"proxy", "numeric_match"}
     assert len(run[kind]["proxy"]) == 3
   assert "verifier_gain" in figures["summary"]
   # The over-optimisation curve: the KL to the SFT policy at each
   # evaluation (0 before RL, > 0 once RL moved the policy), its plot.
-  for kind in ("near", "mixed", "verifier"):
+  for kind in ("near", "verifier", "iterated"):
     assert run[kind]["kl"][0] == 0.0 and run[kind]["kl"][-1] > 0, run[kind]
-  assert os.path.getsize(tmp_path / "bench_rlhf_overoptimization_quick.png")
+  # Iterated RLHF: 2 rounds of 2 steps from the 'near' reward model (the
+  # first of --rms), retrained once on the policy's samples in between.
+  it = run["iterated"]
+  assert it["steps"] == [0, 2, 4]
+  assert it["rm_accuracy"][0] == run["rm_near"]["heldout_accuracy"]
+  assert len(it["rm_accuracy"]) == len(it["policy_pairs"]) == 2
+  retrained = [json.loads(line) for line in open(
+      tmp_path / "rm_iterated_seed0_round1" / "metrics.jsonl")]
+  [before] = [r["rm/heldout_accuracy"] for r in retrained
+              if r["step"] == 0 and "rm/heldout_accuracy" in r]
+  assert before == pytest.approx(it["rm_accuracy"][0])  # continued
+  # The policy's second round read the retrained model.
+  import filecmp  # pylint: disable=import-outside-toplevel
+  current = tmp_path / "rm_current_seed0"
+  export = tmp_path / "rm_iterated_seed0_round1" / "reward_model"
+  names = sorted(os.listdir(export))
+  assert names and filecmp.cmpfiles(current, export, names,
+                                    shallow=False)[0] == names
+  assert os.path.getsize(tmp_path / (os.path.splitext(record)[0] + ".png"))
   # Each point's KL is the mean logged kl of the steps up to it.
   rows = [json.loads(line) for line in open(
-      tmp_path / "policy_mixed_seed0" / "metrics.jsonl")]
+      tmp_path / "policy_near_seed0" / "metrics.jsonl")]
   kl = [r["kl"] for r in rows if r["step"] > 0 and "kl" in r]
   assert len(kl) == 4
-  assert run["mixed"]["kl"] == pytest.approx(
+  assert run["near"]["kl"] == pytest.approx(
       [0.0, np.mean(kl[:2]), np.mean(kl[2:])])

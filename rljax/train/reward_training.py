@@ -348,6 +348,44 @@ def task_is_jsonl(config: Any) -> bool:
   return bool(config.task.path)
 
 
+def _check_init(directory: str, path: str, tokenizer: Any
+                ) -> rm_lib.RewardModelConfig:
+  """The config of the reward model ``reward_model.init_path`` starts from;
+  it must read this run's tokens (the same tokenizer).
+
+  Raises:
+    ValueError: naming the field, when its tokenizer is another.
+  """
+  config = model_rewards.check(model_rewards.PREFIX + directory)
+  if not model_rewards.shares_tokenizer(tokenizer, directory):
+    raise ValueError(
+        f"reward_model.init_path={path!r}: its tokenizer ({directory}) is not "
+        "this config's; accepted: a reward model trained from the same "
+        "config (the same task and tokenizer settings).")
+  return config
+
+
+def _sampling_policy(path: str, tokenizer: Any) -> Any:
+  """``reward_model.policy_path``'s latest policy (``train.load_policy``),
+  with this run's tokenizer.
+
+  Raises:
+    ValueError: naming the field, when its tokenizer is another.
+  """
+  from rljax.train import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  policy = policy_lib.load_policy(path)
+  theirs = getattr(getattr(policy.tokenizer, "tokenizer", policy.tokenizer),
+                   "serialized", None)
+  ours = getattr(getattr(tokenizer, "tokenizer", tokenizer), "serialized",
+                 None)
+  if theirs is None or theirs != ours:
+    raise ValueError(
+        f"reward_model.policy_path={path!r}: the run's tokenizer is not this "
+        "config's; accepted: a policy trained from the same config (the same "
+        "task and tokenizer settings).")
+  return policy
+
+
 def run(config: Any, workdir: str) -> dict[str, Any]:
   """Trains a reward model (``reward_model.*`` of an RL config) in ``workdir``.
 
@@ -365,12 +403,36 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   if r.init not in INITS:
     raise ValueError(f"reward_model.init={r.init!r}: accepted {INITS}.")
   build.validate(config)
-  if r.policy_prompts and (r.init != "sft" or not config.sft.num_steps
-                           or task_is_jsonl(config)):
+  if r.policy_prompts and task_is_jsonl(config):
+    raise ValueError(
+        f"reward_model.policy_prompts={r.policy_prompts}: pairs from a "
+        "policy's samples need a built-in task (its prompts and verifier); "
+        "accepted: 0 with task.path.")
+  if r.policy_prompts and not r.policy_path and (
+      r.init != "sft" or not config.sft.num_steps):
     raise ValueError(
         f"reward_model.policy_prompts={r.policy_prompts}: pairs from the SFT "
-        "model's samples need reward_model.init='sft', sft.num_steps > 0 and "
-        "a built-in task; accepted: 0 otherwise.")
+        "model's samples need reward_model.init='sft' and sft.num_steps > 0 "
+        "(or reward_model.policy_path); accepted: 0 otherwise.")
+  if r.policy_path and not r.policy_prompts:
+    raise ValueError(
+        f"reward_model.policy_path={r.policy_path!r} with "
+        "reward_model.policy_prompts=0: the policy samples no pairs; "
+        "accepted: policy_prompts > 0, or policy_path=''.")
+  init_dir = ""
+  if r.init_path:  # a FileNotFoundError names what was looked for
+    try:
+      init_dir = model_rewards.resolve(r.init_path)
+    except FileNotFoundError as e:
+      raise FileNotFoundError(f"reward_model.init_path={r.init_path!r}: {e}"
+                              ) from None
+  if r.policy_path:
+    for name in ("config.json", "checkpoints"):
+      if not os.path.exists(os.path.join(r.policy_path, name)):
+        raise FileNotFoundError(
+            f"reward_model.policy_path={r.policy_path!r}: "
+            f"{os.path.join(r.policy_path, name)} does not exist; accepted: "
+            "an rljax training run directory.")
   if r.policy_prompts:
     build.reward_fn(r.labeller)
   if config.model.path:
@@ -378,7 +440,8 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                      "model.preset with the run's own tokenizer; accepted: "
                      "model.path=''.")
   t0 = time.time()
-  init = (f"the SFT model ({config.sft.num_steps} warm-up steps)"
+  init = (f"the reward model {init_dir}" if init_dir
+          else f"the SFT model ({config.sft.num_steps} warm-up steps)"
           if r.init == "sft" and config.sft.num_steps else "a fresh decoder")
   log.info("building a Bradley-Terry reward model from %s: %s %d steps x "
            "%d pairs, learning rate %g", init, config.task.path
@@ -392,6 +455,11 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
     raise ValueError("model.lora.rank > 0: a reward model is trained in "
                      "full; accepted: model.lora.rank=0.")
   rm_config = rm_lib.RewardModelConfig(decoder)
+  if init_dir:
+    rm_config = _check_init(init_dir, r.init_path, tokenizer)
+  policy = None
+  if r.policy_path:
+    policy = _sampling_policy(r.policy_path, tokenizer)
   train_pairs, heldout_pairs = load_pairs(config, task)
   chat = config.tokenizer.chat_template
   train = encode_pairs(tokenizer, train_pairs, r.max_length, chat)
@@ -428,20 +496,31 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
       before = meta.get("heldout_accuracy_before")
       log.info("reward model: resumed at step %d", start)
     else:
-      if r.init == "sft" and config.sft.num_steps:
-        policy = sft.run_sft(
+      sft_params = None
+      if r.init == "sft" and config.sft.num_steps and not (
+          init_dir and (policy is not None or not r.policy_prompts)):
+        sft_params = sft.run_sft(
             models.init_params(decoder, key, mesh), build.sft_config(config),
             task=task, tokenizer=tokenizer, model_config=decoder, mesh=mesh,
             param_shardings=models.param_shardings(decoder, mesh),
             writer=writer)
-        if r.policy_prompts:
-          sampled = policy_pairs(config, task, policy, decoder, tokenizer,
-                                 mesh)
-          log.info("reward model: %d pairs from the SFT model's samples "
-                   "(%d prompts)", len(sampled), r.policy_prompts)
-          writer.write(0, {"rm/policy_pairs": float(len(sampled))})
-          _write_pairs(pairs_file, sampled)
-        params = rm_lib.init_params(rm_config, key, mesh, decoder=policy)
+      if r.policy_prompts:
+        source = "the SFT model" if policy is None else r.policy_path
+        sampled = (policy_pairs(config, task, sft_params, decoder, tokenizer,
+                                mesh) if policy is None else policy_pairs(
+                                    config, task, jax.device_put(
+                                        policy.params, models.param_shardings(
+                                            policy.model_config, mesh)),
+                                    policy.model_config, tokenizer, mesh))
+        log.info("reward model: %d pairs from %s's samples (%d prompts)",
+                 len(sampled), source, r.policy_prompts)
+        writer.write(0, {"rm/policy_pairs": float(len(sampled))})
+        _write_pairs(pairs_file, sampled)
+      if init_dir:
+        _, params = rm_lib.load_hf_reward_model(init_dir, mesh)
+        opt_state = jax.jit(opt.init)(params)
+      elif sft_params is not None:
+        params = rm_lib.init_params(rm_config, key, mesh, decoder=sft_params)
         opt_state = jax.jit(opt.init)(params)
       before = pair_accuracy(params, rm_config, heldout, r.batch_size, mesh)
       writer.write(0, {"rm/heldout_accuracy": before})

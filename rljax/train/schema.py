@@ -115,6 +115,14 @@ _BASE: dict[str, Field] = {
                                      "model's own samples on this many "
                                      "prompts, labelled by the labeller"),
     "reward_model.policy_samples": F(8, "int>=1", "samples per such prompt"),
+    "reward_model.policy_path": F("", None, "sample those pairs from this "
+                                  "run's latest policy (an rljax run "
+                                  "directory) instead of the SFT model: "
+                                  "iterated RLHF"),
+    "reward_model.init_path": F("", None, "start from this reward model (a "
+                                "reward-model run or Hugging Face directory) "
+                                "instead of a fresh head on the SFT model: "
+                                "iterated RLHF"),
     "reward_model.labeller": F("numeric_match", None, "the reward that labels "
                                "them (>= 1: right)"),
     "reward_model.num_pairs": F(8000, "int>=1", "built-in training pairs"),
