@@ -178,7 +178,6 @@ def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
 
 @pytest.mark.parametrize("field,value,match", [
     ("rl.rollout", "partial", "rl.rollout='partial' with env.name"),
-    ("sampler.speculative", True, "sampler.speculative=True with env.name"),
     ("env.name", "nope", "env.name='nope'"),
     ("env.name", "tests.env_fixtures:Missing", "cannot be imported"),
     ("env.max_turns", 0, "env.max_turns"),
