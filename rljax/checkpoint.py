@@ -11,6 +11,12 @@ kill mid-save leaves the previous checkpoint intact. Restoring takes an
 abstract target (``jax.ShapeDtypeStruct`` with shardings), so a checkpoint
 saved on one mesh restores onto another.
 
+A replicated shard is written cooperatively by its replicas (orbax's
+replica-parallel saving: each of R replicas writes 1/R of it) only where
+several processes share the writing; one process writes each shard whole
+(``_handler_registry``: the slices would cost it a program per shape and a
+copy, and spread no work).
+
 PRNG keys must be stored as raw ``uint32`` key data
 (``jax.random.key_data``); no pickle is involved anywhere. Exported weights
 (``.safetensors``) are ``rljax.safetensors``'s business, not this module's.
@@ -30,6 +36,37 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from rljax import distributed
+
+
+def _handler_registry(replica_parallel: bool
+                      ) -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  """orbax's handlers for the items this module writes: ``state`` (the
+  pytree) with ``replica_parallel`` set on its array handler, and the
+  standard and JSON handlers for any other item."""
+  scalar = ocp.type_handlers.ScalarHandler()
+  types = ocp.type_handlers.create_type_handler_registry(
+      (int, scalar), (float, scalar), (bytes, scalar), (np.number, scalar),
+      (np.ndarray, ocp.type_handlers.NumpyHandler()),
+      (jax.Array, ocp.type_handlers.ArrayHandler(
+          use_replica_parallel=replica_parallel)),
+      (str, ocp.type_handlers.StringHandler()))
+  state = ocp.PyTreeCheckpointHandler(type_handler_registry=types)
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  registry.add("state", ocp.args.PyTreeSave, state)
+  registry.add("state", ocp.args.PyTreeRestore, state)
+  for save, restore, handler in (
+      (ocp.args.StandardSave, ocp.args.StandardRestore,
+       ocp.StandardCheckpointHandler),
+      (ocp.args.JsonSave, ocp.args.JsonRestore, ocp.JsonCheckpointHandler)):
+    registry.add(None, save, handler)
+    registry.add(None, restore, handler)
+  return registry
+
+
+def _restore_state(abstract: Any) -> ocp.args.PyTreeRestore:
+  return ocp.args.PyTreeRestore(
+      abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
+          abstract))
 
 
 class CheckpointManager:
@@ -56,7 +93,9 @@ class CheckpointManager:
     # the N best only, which could drop the latest checkpoint a resume needs.
     options = ocp.CheckpointManagerOptions(
         max_to_keep=None, enable_async_checkpointing=async_save, create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._manager = ocp.CheckpointManager(
+        self.directory, options=options,
+        handler_registry=_handler_registry(jax.process_count() > 1))
     self._group = distributed.ProcessGroup()
     self._scores_path = os.path.join(self.directory, "best_scores.json")
     self._scores: dict[str, float] = {}
@@ -84,7 +123,7 @@ class CheckpointManager:
       raise ValueError(f"host_arrays names {sorted(extra)}: 'state' and "
                        "'metadata' are taken.")
     args = ocp.args.Composite(
-        state=ocp.args.StandardSave(tree),
+        state=ocp.args.PyTreeSave(tree),
         metadata=ocp.args.JsonSave(metadata or {}), **extra)
     saved = self._manager.save(int(step), args=args, force=force)
     if self.best_metric and metrics and self.best_metric in metrics:
@@ -139,7 +178,7 @@ class CheckpointManager:
     if target is None:  # onto this process's first device, whatever the
       # mesh and process count of the run that saved it
       restored = self._manager.restore(int(step), args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(self._local_target(step)),
+          state=_restore_state(self._local_target(step)),
           metadata=ocp.args.JsonRestore()))
       return restored["state"], dict(restored["metadata"] or {})
     abstract = jax.tree.map(
@@ -147,7 +186,7 @@ class CheckpointManager:
         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
         target)
     restored = self._manager.restore(int(step), args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract),
+        state=_restore_state(abstract),
         metadata=ocp.args.JsonRestore()))
     return restored["state"], dict(restored["metadata"] or {})
 

@@ -140,3 +140,60 @@ def test_restore_onto_a_different_mesh(tmp_path):
   assert again8["layers_0"]["attn"]["q_kernel"].sharding == \
       params8["layers_0"]["attn"]["q_kernel"].sharding
 
+
+
+def _replicated_tree():
+  """Arrays split over fsdp and replicated over data (2 x 4 devices)."""
+  mesh = sharding.make_mesh(data=2, fsdp=4, tensor=1)
+  spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+  rng = np.random.RandomState(0)
+  return {"w": jax.device_put(jnp.asarray(rng.randn(8, 4), jnp.float32), spec),
+          "b": jax.device_put(jnp.asarray(rng.randn(16), jnp.float32), spec)}
+
+
+def test_one_process_writes_each_shard_whole_without_slicing_it(tmp_path):
+  """Replica-parallel saving (each replica of a shard writes part of it)
+  spreads no work in one process: the save lowers no slicing program, and
+  the arrays come back equal on their shardings. The control, orbax's
+  default handler, slices (so the count can fail)."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from tests import compile_count  # pylint: disable=import-outside-toplevel
+  tree = _replicated_tree()
+  m = checkpoint.CheckpointManager(tmp_path / "ours")
+  with compile_count.lowerings() as counts:
+    m.save(1, tree)
+    m.wait()
+  assert counts["slice"] == 0, counts
+  got, _ = m.restore(1, tree)
+  _assert_equal(got, tree)
+  assert all(g.sharding == t.sharding for g, t in
+             zip(jax.tree.leaves(got), jax.tree.leaves(tree)))
+  m.close()
+  control = ocp.CheckpointManager(tmp_path / "default")
+  with compile_count.lowerings() as counts:
+    control.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(
+        {k: v + 1 for k, v in tree.items()})))
+    control.wait_until_finished()
+  control.close()
+  assert counts["slice"] > 0, counts
+
+
+def test_a_checkpoint_of_orbax_s_standard_handler_restores(tmp_path):
+  """Checkpoints written before the state had its own handler (orbax's
+  ``StandardSave``) restore, with their metadata, and a resumed run's next
+  save lands beside them."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  tree = _replicated_tree()
+  old = ocp.CheckpointManager(tmp_path)
+  old.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                      metadata=ocp.args.JsonSave({"s": 3})))
+  old.wait_until_finished()
+  old.close()
+  m = checkpoint.CheckpointManager(tmp_path)
+  step, got, meta = m.restore_latest_valid(tree)
+  assert (step, meta) == (3, {"s": 3})
+  _assert_equal(got, tree)
+  m.save(4, tree, {"s": 4})
+  m.wait()
+  assert m.all_steps() == [3, 4]
+  m.close()
