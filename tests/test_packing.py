@@ -343,3 +343,22 @@ def test_rows_without_completions_pack_and_train_to_zero(params):
   for leaf in jax.tree.leaves(packed[0].params):
     assert np.all(np.isfinite(leaf))
   assert float(packed[1]["grad_norm"]) == 0.0
+
+
+def test_the_projection_can_be_chosen_and_is_checked(params):
+  """``projection="rows"`` and ``"buffers"`` on the same packing give the
+  same logprobs; a wrong name, or the buffers without a packing, is refused
+  naming the argument and what is accepted."""
+  tokens, mask, _ = _rows(2)
+  packing = jax.tree.map(jnp.asarray, packing_lib.pack_rows(
+      mask, packing_lib.buffers_needed(mask.sum(-1), L)))
+  got = {p: np.asarray(models.sequence_logprobs(
+      params, MC, tokens, mask, num_scored=T, packing=packing,
+      projection=p)[0]) for p in ("rows", "buffers")}
+  np.testing.assert_allclose(got["buffers"], got["rows"], atol=1e-6)
+  assert np.abs(got["rows"]).sum() > 0
+  with pytest.raises(ValueError, match=r"projection='row'.*'rows'"):
+    models.sequence_logprobs(params, MC, tokens, mask, packing=packing,
+                             projection="row")
+  with pytest.raises(ValueError, match="needs a packing"):
+    models.sequence_logprobs(params, MC, tokens, mask, projection="buffers")

@@ -28,6 +28,7 @@ def sequence_logprobs(
     with_entropy: bool = True,
     remat: bool | None = None,
     packing: packing_lib.Packing | None = None,
+    projection: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
   """Per-token ``log pi(tokens[t] | tokens[<t])`` and entropy, aligned to T.
 
@@ -61,6 +62,10 @@ def sequence_logprobs(
       (``rljax.logprobs.token_logprobs``; None chooses by size).
     packing: run the decoder padding-free on these rows' ``Packing``
       (``models/packing.py``): the same result, on the real tokens only.
+    projection: with ``packing``, where the output projection runs:
+      ``"auto"`` (the layout with fewer positions, ``on_buffers``),
+      ``"buffers"`` or ``"rows"`` (the same values either way;
+      ``launch/bench_train_step.py`` times both).
 
   Returns:
     ``(logp_BxS, entropy_BxS)`` in fp32 (``S = T`` without ``num_scored``):
@@ -81,7 +86,14 @@ def sequence_logprobs(
       temperature=temperature, softcap=config.final_logit_softcap,
       chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
       with_entropy=with_entropy, remat=remat)
-  if packing is not None and on_buffers(packing, tokens_BxT.shape[0], s):
+  if projection not in PROJECTIONS:
+    raise ValueError(f"projection={projection!r}: accepted {PROJECTIONS}.")
+  if projection == "buffers" and packing is None:
+    raise ValueError("projection='buffers' needs a packing (the buffers).")
+  buffers = packing is not None and (
+      projection == "buffers" or projection == "auto" and on_buffers(
+          packing, tokens_BxT.shape[0], s))
+  if buffers:
     logp, ent = stats(
         packing_lib.buffer_hidden_states(params, config, tokens_BxT, packing),
         targets_BxT=packing_lib.next_targets(tokens_BxT, packing))
@@ -109,6 +121,9 @@ def sequence_logprobs(
   zero = jnp.zeros_like(logp[:, :1])
   return (jnp.concatenate([zero, logp], 1),
           None if ent is None else jnp.concatenate([zero, ent], 1))
+
+
+PROJECTIONS = ("auto", "buffers", "rows")
 
 
 def on_buffers(packing: packing_lib.Packing, rows: int, scored: int) -> bool:
