@@ -141,7 +141,6 @@ def test_restore_onto_a_different_mesh(tmp_path):
       params8["layers_0"]["attn"]["q_kernel"].sharding
 
 
-
 def _replicated_tree():
   """Arrays split over fsdp and replicated over data (2 x 4 devices)."""
   mesh = sharding.make_mesh(data=2, fsdp=4, tensor=1)
