@@ -316,3 +316,48 @@ def batch_ways(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
   target = dict(rules).get("batch")
   axes = () if target is None else (target,) if isinstance(target, str) else target
   return math.prod(mesh.shape[a] for a in axes)
+
+
+def _path_names(path: tuple[Any, ...]) -> tuple[str, ...]:
+  """A key path as names (dict keys, attribute names, sequence indices)."""
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(
+      k, "idx", k)))) for k in path)
+
+
+def shardings_like_params(tree: Any, params: Any, mesh: Mesh) -> Any:
+  """Shardings for ``tree`` (arrays or ``jax.ShapeDtypeStruct``s; an
+  optimizer or training state): a leaf whose key path ends with a leaf of
+  ``params``'s path, with the same shape, takes that param's sharding (an
+  Adam moment is sharded as its param); every other leaf (counts, keys,
+  factored statistics) is replicated.
+
+  ``jax.jit`` does not propagate a param's sharding to the zeros that an
+  optimizer's ``init`` builds from it (they read no data of the param), so
+  without this the moments of a fully sharded model are replicated on
+  every device.
+  """
+  by_path = {_path_names(p): x for p, x in
+             jax.tree_util.tree_flatten_with_path(params)[0]}
+  replicated = NamedSharding(mesh, PartitionSpec())
+
+  def pick(path, leaf):
+    names = _path_names(path)
+    for i in range(len(names)):  # the longest matching suffix first
+      param = by_path.get(names[i:])
+      if param is not None and tuple(param.shape) == tuple(leaf.shape):
+        return param.sharding
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+def init_like_params(init: Any, params: Any, mesh: Mesh, *args: Any) -> Any:
+  """``jax.jit(init)(params, *args)`` with its outputs sharded by
+  ``shardings_like_params``: an optimizer's (or a ``TrainState``'s) fresh
+  state, each moment sharded as its param. A checkpoint restored into this
+  state then has the shardings the step's outputs have, so a resumed run
+  runs the same compiled step as an uninterrupted one."""
+  with jax.set_mesh(mesh):
+    shapes = jax.eval_shape(init, params, *args)
+    return jax.jit(init, out_shardings=shardings_like_params(
+        shapes, params, mesh))(params, *args)

@@ -77,3 +77,44 @@ def test_constrain_is_noop_without_mesh_and_applies_with_mesh():
     y = jax.jit(lambda a: sharding.constrain(a * 2, ("batch", None)))(x)
   assert y.sharding.spec == P(("data", "fsdp"),) or y.sharding.spec == P(
       ("data", "fsdp"), None)
+
+
+def _fsdp_params():
+  mesh = sharding.make_mesh(data=1, fsdp=8, tensor=1)
+  fsdp = jax.sharding.NamedSharding(mesh, P("fsdp"))
+  params = {"layer": {"kernel": jax.device_put(np.ones((16, 4), np.float32),
+                                               fsdp)},
+            "scale": jax.device_put(np.ones((4,), np.float32),
+                                    jax.sharding.NamedSharding(mesh, P()))}
+  return mesh, fsdp, params
+
+
+def test_adam_moments_are_sharded_as_their_params():
+  import optax  # pylint: disable=import-outside-toplevel
+  mesh, fsdp, params = _fsdp_params()
+  opt = optax.adam(1e-3)
+  state = sharding.init_like_params(opt.init, params, mesh)
+  for moments in (state[0].mu, state[0].nu):
+    assert moments["layer"]["kernel"].sharding.spec == fsdp.spec
+    assert moments["scale"].sharding.spec == P()
+  assert state[0].count.sharding.spec == P()
+  # The control: plain jax.jit leaves the zeros replicated on every device,
+  # so the test above can fail.
+  with jax.set_mesh(mesh):
+    plain = jax.jit(opt.init)(params)
+  assert plain[0].mu["layer"]["kernel"].sharding.spec == P()
+
+
+def test_a_leaf_sharded_like_a_param_needs_its_path_and_its_shape():
+  mesh, fsdp, params = _fsdp_params()
+  tree = {"mu": {"layer": {"kernel": jax.ShapeDtypeStruct((16, 4),
+                                                          np.float32)}},
+          # same name, other shape (a factored statistic): replicated
+          "v_row": {"layer": {"kernel": jax.ShapeDtypeStruct((16,),
+                                                             np.float32)}},
+          # same shape, a path no param has: replicated
+          "other": jax.ShapeDtypeStruct((16, 4), np.float32)}
+  out = sharding.shardings_like_params(tree, params, mesh)
+  assert out["mu"]["layer"]["kernel"].spec == fsdp.spec
+  assert out["v_row"]["layer"]["kernel"].spec == P()
+  assert out["other"].spec == P()

@@ -352,15 +352,16 @@ class Components(_build_samplers.Samplers):
 
   def init_state(self, params: Any, key: jax.Array) -> TrainState:
     """A fresh ``TrainState`` around ``params`` (``steps.init_state``,
-    jitted; shardings follow the params)."""
+    jitted; every leaf that mirrors a param is sharded as it,
+    ``sharding.init_like_params``)."""
     s = self.settings
     fn = functools.partial(
         steps_lib.init_state, algorithm=self.algorithm, cfg=self.step_config,
         model_config=self.model_config, num_prompts=s.prompts_per_step,
         group_size=s.group_size, num_rewards=s.num_rewards,
         critic_optimizer=self.critic_optimizer)
-    with jax.set_mesh(self.mesh):  # unsharded leaves (counts, keys) replicate
-      return jax.jit(fn)(params, key)
+    # Each optimizer moment sharded as its param; counts and keys replicate.
+    return sharding.init_like_params(fn, params, self.mesh, key)
 
 def build(config: Any, *, algorithm_override: alg_lib.Algorithm | None = None,
           group: distributed.ProcessGroup | None = None) -> Components:

@@ -335,8 +335,13 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
   state, _ = session.initial_state(run)
   reference = _Reference(c, run, state.params, fresh)
   settings = loss_settings(p.loss, p)
+  # The state keeps its shardings across steps (a restored one has the
+  # fresh one's), so every step runs one compiled program.
   step_fn = jax.jit(make_step(c.model_config, c.algorithm.optimizer, p.loss,
-                              settings), donate_argnums=(0,))
+                              settings), donate_argnums=(0,),
+                    out_shardings=(jax.tree.map(lambda x: x.sharding, state),
+                                   jax.sharding.NamedSharding(
+                                       c.mesh, jax.sharding.PartitionSpec())))
   score = jax.jit(functools.partial(_score, c.model_config))
   precomputed = None
   if p.precompute_reference and e.reference and not e.unpaired and not online:

@@ -488,7 +488,7 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
   key = jax.random.key(config.seed)
   with jax.set_mesh(mesh):
     params = rm_lib.init_params(rm_config, key, mesh)
-    opt_state = jax.jit(opt.init)(params)
+    opt_state = sharding.init_like_params(opt.init, params, mesh)
     start, before = 0, None
     if manager.latest_step() is not None:
       start, (params, opt_state), meta = manager.restore_latest_valid(
@@ -518,10 +518,10 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         _write_pairs(pairs_file, sampled)
       if init_dir:
         _, params = rm_lib.load_hf_reward_model(init_dir, mesh)
-        opt_state = jax.jit(opt.init)(params)
+        opt_state = sharding.init_like_params(opt.init, params, mesh)
       elif sft_params is not None:
         params = rm_lib.init_params(rm_config, key, mesh, decoder=sft_params)
-        opt_state = jax.jit(opt.init)(params)
+        opt_state = sharding.init_like_params(opt.init, params, mesh)
       before = pair_accuracy(params, rm_config, heldout, r.batch_size, mesh)
       writer.write(0, {"rm/heldout_accuracy": before})
       log.info("reward model: held-out pair accuracy before %.3f", before)

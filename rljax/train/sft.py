@@ -201,8 +201,7 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
                     weight_decay=0.0)
   step = make_sft_step(model_config, opt)
   rows = sharding.batch_sharding(mesh, 2)
-  with jax.set_mesh(mesh):  # unsharded leaves (the step count) replicate
-    opt_state = jax.jit(opt.init)(params)
+  opt_state = sharding.init_like_params(opt.init, params, mesh)
   opt_shardings = jax.tree.map(lambda x: x.sharding, opt_state)
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   group = group or distributed.ProcessGroup()
