@@ -518,6 +518,58 @@ def padding_free():
   return out
 
 
+def projection_layout(vocab_sizes=(2048, 32768), rounds=5):
+  """Where padding-free scoring runs the output projection, on the
+  long-tailed workload packed as a step's microbatch: forward + backward of
+  ``sequence_logprobs`` (the completion's columns, no entropy) with the
+  projection on the rows' scored columns against on the packed buffers
+  (``projection="auto"`` picks the buffers here: fewer positions), at the
+  workload's vocabulary and at a 32k one; the median of ``rounds``
+  alternating calls each, and the largest logprob difference."""
+  from rljax.train import packing  # pylint: disable=import-outside-toplevel
+  out = {}
+  print("\noutput projection on the rows' scored columns vs on the packed "
+        "buffers, long-tailed, forward + backward of the logprobs:")
+  for vocab in vocab_sizes:
+    mc = dataclasses.replace(models.get_preset("small"),
+                             **{**TORCH_MODEL, "vocab_size": vocab})
+    params = models.init_params(mc, jax.random.key(0))
+    batch = _lengths_workload("long_tailed", vocab)
+    plan = jax.tree.map(jnp.asarray, packing.pack_microbatch(
+        np.asarray(batch.input_mask_NxL)))
+    tokens, mask = jnp.asarray(batch.tokens_NxL), jnp.asarray(
+        batch.input_mask_NxL)
+
+    def grad_fn(projection):
+      def loss(p):
+        lp, _ = models.sequence_logprobs(
+            p, mc, tokens, mask, num_scored=TORCH_COMPLETION,
+            with_entropy=False, packing=plan, projection=projection)
+        return jnp.sum(lp), lp
+      return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+    fns = {name: grad_fn(name) for name in ("rows", "buffers")}
+    logp = {name: np.asarray(fn(params)[0][1]) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+      for name, fn in fns.items():
+        start = time.perf_counter()
+        jax.block_until_ready(fn(params))
+        times[name].append(time.perf_counter() - start)
+    row = {f"{name}_s": statistics.median(t) for name, t in times.items()}
+    row["ratio"] = row["rows_s"] / row["buffers_s"]
+    row["positions"] = {"rows": int(tokens.shape[0] * TORCH_COMPLETION),
+                        "buffers": int(np.prod(plan.segment_BpxLp.shape))}
+    row["max_abs_logp_diff"] = float(np.abs(logp["rows"]
+                                            - logp["buffers"]).max())
+    print(f"  vocab {vocab:>6}: rows ({row['positions']['rows']} positions) "
+          f"{row['rows_s']:.3f} s, buffers ({row['positions']['buffers']}) "
+          f"{row['buffers_s']:.3f} s: {row['ratio']:.2f}x; max |logp diff| "
+          f"{row['max_abs_logp_diff']:.1e}")
+    out[str(vocab)] = row
+  return out
+
+
 def token_microbatches():
   """Microbatches by rows against microbatches by tokens
   (``rl.microbatch_tokens``, verl's dynamic batch size) on the long-tailed
@@ -708,6 +760,7 @@ def main(argv):
   figures = {"rl_step": part1()}
   if _PACKED.value:
     figures["padding_free"] = padding_free()
+    figures["projection_layout"] = projection_layout()
     if _MICRO.value:
       figures["token_microbatches"] = token_microbatches()
   if _HUGE.value:

@@ -18,6 +18,7 @@ from rljax import models
 from rljax import objectives as obj_lib
 from rljax import train
 from rljax.models import packing as packing_lib
+from rljax.models import scoring
 from rljax.train import algorithm as algorithm_lib
 from rljax.train import critic as critic_lib
 from rljax.train import packing as train_packing
@@ -110,17 +111,24 @@ GEMMA_LIKE = dict(post_norms=True, embed_scale=True, norm_offset=1.0,
 
 @pytest.mark.parametrize("overrides", [{}, GEMMA_LIKE],
                          ids=["llama_like", "gemma_like"])
-def test_packed_logprobs_equal_a_float64_numpy_reference_per_row(overrides):
+@pytest.mark.parametrize("projected_on", ["buffers", "rows"])
+def test_packed_logprobs_equal_a_float64_numpy_reference_per_row(
+    overrides, projected_on):
   """Rows packed several to a buffer (one truncated at T beside short ones)
   score as each row alone: block-diagonal attention, positions restarting
-  per segment (RoPE), sliding windows counted within the segment."""
+  per segment (RoPE), sliding windows counted within the segment. The
+  output projection runs on the buffers (fewer slots than the rows' scored
+  columns: each slot predicts the next of its segment) or, with as many
+  buffers as rows, on the rows' columns."""
   config = models.get_preset("tiny", num_layers=2, sliding_window=3,
                              global_every=2, **overrides)
   params = models.init_params(config, jax.random.key(2))
   tokens, mask, _ = _rows(1, config.vocab_size)
-  packing = packing_lib.pack_rows(mask, packing_lib.buffers_needed(
-      mask.sum(-1), L))
-  assert packing.segment_BpxLp.shape[0] < N
+  needed = packing_lib.buffers_needed(mask.sum(-1), L)
+  assert needed < N
+  packing = packing_lib.pack_rows(
+      mask, needed if projected_on == "buffers" else N)
+  assert scoring.on_buffers(packing, N, L - 1) == (projected_on == "buffers")
   # The truncated row 0 shares its buffer with another row.
   buf = packing.slot_BxL[0, mask[0]][0] // L
   assert len(set(packing.segment_BpxLp[buf]) - {0}) >= 2
@@ -128,6 +136,29 @@ def test_packed_logprobs_equal_a_float64_numpy_reference_per_row(overrides):
                                     packing=jax.tree.map(jnp.asarray, packing))
   want = _reference_logprobs(params, config, tokens, mask)
   np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+def test_the_projection_moves_to_the_buffers_only_when_they_are_smaller():
+  """``Bp * Lp`` against the rows' ``B * S`` scored columns, on both sides
+  of equality (4 rows x 6 columns = 24 positions)."""
+  def packing(bp, lp):
+    return packing_lib.Packing(*[np.zeros((bp, lp), np.int32)] * 3,
+                               np.zeros((4, 7), np.int32))
+  assert not scoring.on_buffers(packing(2, 12), 4, 6)  # 24 = 24
+  assert not scoring.on_buffers(packing(5, 5), 4, 6)  # 25
+  assert scoring.on_buffers(packing(1, 23), 4, 6)  # 23
+
+
+def test_targets_on_the_buffers_are_each_segment_s_next_token():
+  """Hand-made: two rows in one buffer of 6 and an empty slot; a slot's
+  target is the next slot's token while the segment goes on, else 0."""
+  tokens = np.array([[0, 5, 6, 7], [0, 0, 8, 9]], np.int32)
+  mask = tokens > 0
+  packing = packing_lib.pack_rows(mask, 1, buffer_length=6)
+  got = np.asarray(packing_lib.next_targets(jnp.asarray(tokens), jax.tree.map(
+      jnp.asarray, packing)))
+  # First-fit by decreasing length: row 0 (5 6 7) at 0..2, row 1 (8 9) at 3..4.
+  np.testing.assert_array_equal(got, [[6, 7, 0, 9, 0, 0]])
 
 
 # --- the packed step equals the padded step ----------------------------------
@@ -312,3 +343,22 @@ def test_rows_without_completions_pack_and_train_to_zero(params):
   for leaf in jax.tree.leaves(packed[0].params):
     assert np.all(np.isfinite(leaf))
   assert float(packed[1]["grad_norm"]) == 0.0
+
+
+def test_the_projection_can_be_chosen_and_is_checked(params):
+  """``projection="rows"`` and ``"buffers"`` on the same packing give the
+  same logprobs; a wrong name, or the buffers without a packing, is refused
+  naming the argument and what is accepted."""
+  tokens, mask, _ = _rows(2)
+  packing = jax.tree.map(jnp.asarray, packing_lib.pack_rows(
+      mask, packing_lib.buffers_needed(mask.sum(-1), L)))
+  got = {p: np.asarray(models.sequence_logprobs(
+      params, MC, tokens, mask, num_scored=T, packing=packing,
+      projection=p)[0]) for p in ("rows", "buffers")}
+  np.testing.assert_allclose(got["buffers"], got["rows"], atol=1e-6)
+  assert np.abs(got["rows"]).sum() > 0
+  with pytest.raises(ValueError, match=r"projection='row'.*'rows'"):
+    models.sequence_logprobs(params, MC, tokens, mask, packing=packing,
+                             projection="row")
+  with pytest.raises(ValueError, match="needs a packing"):
+    models.sequence_logprobs(params, MC, tokens, mask, projection="buffers")

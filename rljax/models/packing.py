@@ -14,9 +14,15 @@ by segment and positions restarting per segment (``Decoder``'s
 layout. Every real token then sees exactly the tokens it sees in the padded
 forward, at the same RoPE positions, so logprobs, entropies, values and every
 loss read from them are the padded ones (up to float summation order), while
-the decoder runs on ``Bp * Lp`` slots instead of ``B * L``. The output
-projection and everything after it still run in the rows' layout (on the
-scored columns only, ``scoring.sequence_logprobs``).
+the decoder runs on ``Bp * Lp`` slots instead of ``B * L``.
+
+The output projection and the log-softmax (``scoring.sequence_logprobs``)
+run where they have fewer positions: on the buffers themselves
+(``buffer_hidden_states`` with ``next_targets``: each slot predicts the next
+slot of its segment), when ``Bp * Lp`` is below the ``B * S`` scored
+columns of the rows, as it is for long-tailed completions; else on the
+scored columns in the rows' layout. Either is the same per token; the
+choice is made from the shapes alone, so it adds no program.
 
 This is verl's ``use_remove_padding`` and TRL's ``padding_free`` for the
 training forward; ``rljax/train/packing.py`` plans it for the RL step.
@@ -131,6 +137,29 @@ def pack_rows(input_mask_BxL: np.ndarray, num_buffers: int,
                  position.reshape(num_buffers, lp), slot)
 
 
+def buffer_hidden_states(params: Any, config: ModelConfig,
+                         tokens_BxL: jax.Array, packing: Packing) -> jax.Array:
+  """The decoder's final hidden states on the buffers, ``[Bp, Lp, D]``
+  (empty slots hold arbitrary values: read nothing from them)."""
+  segment = packing.segment_BpxLp
+  tokens = jnp.take(tokens_BxL.reshape(-1), packing.source_BpxLp, axis=0)
+  hidden, _ = Decoder(config).apply(
+      {"params": params}, tokens, packing.position_BpxLp,
+      input_mask_BxT=segment > 0, segment_ids_BxT=segment)
+  return hidden
+
+
+def next_targets(tokens_BxL: jax.Array, packing: Packing) -> jax.Array:
+  """``[Bp, Lp]``: the token each slot predicts, the next slot's where it
+  continues the same row (segment), else 0 (a row's last token, an empty
+  slot: masked by the caller)."""
+  tokens = jnp.take(tokens_BxL.reshape(-1), packing.source_BpxLp, axis=0)
+  segment = packing.segment_BpxLp
+  same = (segment[:, 1:] == segment[:, :-1]) & (segment[:, :-1] > 0)
+  nxt = jnp.where(same, tokens[:, 1:], 0)
+  return jnp.concatenate([nxt, jnp.zeros_like(nxt[:, :1])], 1)
+
+
 def hidden_states(params: Any, config: ModelConfig, tokens_BxL: jax.Array,
                   packing: Packing, columns: tuple[int, int] | None = None
                   ) -> jax.Array:
@@ -147,16 +176,12 @@ def hidden_states(params: Any, config: ModelConfig, tokens_BxL: jax.Array,
     ``[B, hi - lo, D]``: at every real column the padded forward's hidden
     state; at padding columns an arbitrary slot's (read nothing from them).
   """
-  segment = packing.segment_BpxLp
-  tokens = jnp.take(tokens_BxL.reshape(-1), packing.source_BpxLp, axis=0)
-  hidden, _ = Decoder(config).apply(
-      {"params": params}, tokens, packing.position_BpxLp,
-      input_mask_BxT=segment > 0, segment_ids_BxT=segment)
+  hidden = buffer_hidden_states(params, config, tokens_BxL, packing)
   slot = packing.slot_BxL
   if columns is not None:
     slot = slot[:, columns[0]:columns[1]]
   return jnp.take(hidden.reshape(-1, hidden.shape[-1]), slot, axis=0)
 
 
-__all__ = ["Packing", "buffers_needed", "first_fit", "hidden_states",
-           "pack_rows", "row_lengths"]
+__all__ = ["Packing", "buffer_hidden_states", "buffers_needed", "first_fit",
+           "hidden_states", "next_targets", "pack_rows", "row_lengths"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -27,6 +28,7 @@ def sequence_logprobs(
     with_entropy: bool = True,
     remat: bool | None = None,
     packing: packing_lib.Packing | None = None,
+    projection: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
   """Per-token ``log pi(tokens[t] | tokens[<t])`` and entropy, aligned to T.
 
@@ -36,6 +38,14 @@ def sequence_logprobs(
   projection, the log-softmax and their backward pass run on ``S`` positions,
   not ``T - 1`` (as ``logits_to_keep`` in transformers and TRL's
   ``_get_per_token_logps``). The decoder itself still runs on every token.
+
+  With ``packing`` the decoder runs on the packed buffers, and the
+  projection and log-softmax run on whichever layout has fewer positions:
+  the buffers' ``Bp * Lp`` slots (each predicting the next slot of its row,
+  gathered back to the rows' columns afterwards) or the ``B * S`` scored
+  columns (hidden states gathered to the rows first). Long-tailed
+  completions fill far fewer slots than ``B * S``; full-length rows, whose
+  buffers also hold the prompts, keep the rows' layout.
 
   Args:
     params: policy params.
@@ -52,6 +62,10 @@ def sequence_logprobs(
       (``rljax.logprobs.token_logprobs``; None chooses by size).
     packing: run the decoder padding-free on these rows' ``Packing``
       (``models/packing.py``): the same result, on the real tokens only.
+    projection: with ``packing``, where the output projection runs:
+      ``"auto"`` (the layout with fewer positions, ``on_buffers``),
+      ``"buffers"`` or ``"rows"`` (the same values either way;
+      ``launch/bench_train_step.py`` times both).
 
   Returns:
     ``(logp_BxS, entropy_BxS)`` in fp32 (``S = T`` without ``num_scored``):
@@ -67,20 +81,37 @@ def sequence_logprobs(
     raise ValueError(
         f"num_scored={num_scored}: between 1 and the row length - 1 = {t - 1} "
         "(the first token has no predecessor) is accepted, or None.")
-  if packing is None:
-    positions = positions_from_mask(input_mask_BxT)
-    hidden, _ = Decoder(config).apply({"params": params}, tokens_BxT,
-                                      positions, input_mask_BxT=input_mask_BxT)
-    hidden = hidden[:, t - s - 1:t - 1]
+  stats = functools.partial(
+      logprobs_lib.token_logprobs, w_DxV=output_projection(params, config),
+      temperature=temperature, softcap=config.final_logit_softcap,
+      chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+      with_entropy=with_entropy, remat=remat)
+  if projection not in PROJECTIONS:
+    raise ValueError(f"projection={projection!r}: accepted {PROJECTIONS}.")
+  if projection == "buffers" and packing is None:
+    raise ValueError("projection='buffers' needs a packing (the buffers).")
+  buffers = packing is not None and (
+      projection == "buffers" or projection == "auto" and on_buffers(
+          packing, tokens_BxT.shape[0], s))
+  if buffers:
+    logp, ent = stats(
+        packing_lib.buffer_hidden_states(params, config, tokens_BxT, packing),
+        targets_BxT=packing_lib.next_targets(tokens_BxT, packing))
+    # Column c's token is predicted at the slot of column c - 1.
+    slot = packing.slot_BxL[:, t - s - 1:t - 1]
+    logp = jnp.take(logp.reshape(-1), slot, axis=0)
+    ent = None if ent is None else jnp.take(ent.reshape(-1), slot, axis=0)
   else:
-    hidden = packing_lib.hidden_states(params, config, tokens_BxT, packing,
-                                       (t - s - 1, t - 1))
-  logp, ent = logprobs_lib.token_logprobs(
-      hidden, output_projection(params, config),
-      tokens_BxT[:, t - s:], temperature=temperature,
-      softcap=config.final_logit_softcap, chunk_size=chunk_size,
-      vocab_chunk_size=vocab_chunk_size, with_entropy=with_entropy,
-      remat=remat)
+    if packing is None:
+      positions = positions_from_mask(input_mask_BxT)
+      hidden, _ = Decoder(config).apply(
+          {"params": params}, tokens_BxT, positions,
+          input_mask_BxT=input_mask_BxT)
+      hidden = hidden[:, t - s - 1:t - 1]
+    else:
+      hidden = packing_lib.hidden_states(params, config, tokens_BxT, packing,
+                                         (t - s - 1, t - 1))
+    logp, ent = stats(hidden, targets_BxT=tokens_BxT[:, t - s:])
   input_mask_BxT = input_mask_BxT.astype(jnp.bool_)
   scored = input_mask_BxT[:, t - s:] & input_mask_BxT[:, t - s - 1:t - 1]
   logp = jnp.where(scored, logp, 0.0)
@@ -90,6 +121,17 @@ def sequence_logprobs(
   zero = jnp.zeros_like(logp[:, :1])
   return (jnp.concatenate([zero, logp], 1),
           None if ent is None else jnp.concatenate([zero, ent], 1))
+
+
+PROJECTIONS = ("auto", "buffers", "rows")
+
+
+def on_buffers(packing: packing_lib.Packing, rows: int, scored: int) -> bool:
+  """Whether ``sequence_logprobs`` projects on the packed buffers: they
+  hold fewer positions than the rows' ``rows x scored`` columns (static
+  shapes: the choice is made while tracing)."""
+  bp, lp = packing.segment_BpxLp.shape
+  return bp * lp < rows * scored
 
 
 def map_row_chunks(fn: Any, chunks: int, *arrays_NxL: jax.Array) -> jax.Array:
