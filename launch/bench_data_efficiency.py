@@ -88,10 +88,6 @@ def method_flags(method: str, replay_fraction: float) -> list[str]:
   if names and names[0] in ALLOCATIONS:
     flags_ = [f"--config.rl.allocation.name={names[0]}"]
     if "replay" in parts:
-      if names[0] == "sgpo":
-        raise app.UsageError(f"--methods: {method!r}: sGPO runs without "
-                             "replay (rule sgpo-with-replay, "
-                             "docs/rollouts.md).")
       flags_.append(f"--config.rl.replay.fraction={replay_fraction}")
     return flags_
   flags_ = [f"--config.rl.selection.name={names[0] if names else 'none'}"]

@@ -206,9 +206,6 @@ def _vigor_config(**overrides):
 @pytest.mark.parametrize("overrides,match", [
     ({"rl.selection.name": "dapo"}, r"rl.allocation.name='vigor' with "
      r"rl.selection.name='dapo'"),
-    ({"rl.allocation.name": "sgpo", "rl.replay.fraction": 0.25},
-     r"rl.allocation.name='sgpo' with rl.replay.fraction=0.25: sGPO's "
-     r"curriculum"),
     ({"rl.rollout": "partial"}, r"with rl.rollout='partial': allocation "
      r"chooses each round's prompts"),
     ({"rl.advantage": "mc_grpo"}, r"with rl.advantage='mc_grpo': the "
@@ -273,6 +270,29 @@ def test_allocation_with_replay_trains_replayed_groups_and_resumes(tmp_path):
     assert r["alloc/rounds"] == 2 and np.isfinite(r["pg_loss"])
     # VIGOR's groups: g/2 samples for all, then g for the better half.
     assert r["alloc/max_group"] == g // 2 + g
+  for r in replayed:
+    assert r["replay/fraction"] == 0.25 and r["replay/mean_age"] >= 1
+  assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 2)
+
+
+@pytest.mark.slow
+def test_sgpo_with_replay_trains_replayed_groups_and_resumes(tmp_path):
+  """sGPO with replay (R = 2 of 8 groups): once the buffer holds two
+  informative groups, a step samples the curriculum's next 6 prompts from
+  6 * G rows and trains the 2 replayed groups of G rows; the curriculum and
+  the buffer are checkpointed, so a run stopped after step 2 resumes
+  exactly."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import (  # pylint: disable=import-outside-toplevel
+      assert_stop_and_resume_matches, loop_config, rl_rows)
+  config = loop_config(**{"rl.allocation.name": "sgpo",
+                          "rl.replay.fraction": 0.25, "rl.num_steps": 4})
+  train.run(config, str(tmp_path / "whole"))
+  rows = rl_rows(tmp_path / "whole")
+  replayed = [r for r in rows if r["replay/fraction"] > 0]
+  assert replayed, [r["replay/stored_groups"] for r in rows]
+  for r in rows:
+    assert np.isfinite(r["pg_loss"]) and r["alloc/min_group"] >= 2
   for r in replayed:
     assert r["replay/fraction"] == 0.25 and r["replay/mean_age"] >= 1
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 2)
@@ -374,7 +394,7 @@ def test_vigor_samples_the_prompts_dots_chooses(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_quick_runs_vigor_and_refuses_sgpo_with_replay(tmp_path):
+def test_bench_quick_runs_vigor_and_refuses_bad_overrides(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
   import os  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
@@ -388,9 +408,6 @@ def test_bench_quick_runs_vigor_and_refuses_sgpo_with_replay(tmp_path):
          f"--methods={methods}", f"--workdir={tmp_path}", *extra], cwd=root,
         env=env, capture_output=True, text=True, timeout=900)
 
-  result = bench("sgpo+replay")
-  assert result.returncode != 0
-  assert "sGPO runs without replay (rule sgpo-with-replay" in result.stderr
   # --override: a field the bench sets, or a flag instead of FIELD=VALUE.
   result = bench("vigor", "--override=seed=3")
   assert result.returncode != 0
@@ -450,6 +467,29 @@ def test_sgpo_pool_and_curriculum_by_hand():
   with pytest.raises(ValueError, match=r"only 1 of 3 training prompts"):
     alloc.Sgpo(batch_size=2, group_size=4, unsolved_keep=0.0).set_profile(
         np.array([1.0, 0.5, 0.0]))
+
+
+def test_sgpo_sizes_fewer_prompts_from_their_share_of_the_budget():
+  """A step that replays R of B groups asks for B - R prompts: the
+  curriculum's next B - R, sized from (B - R) * G rows; the position moves
+  on by B - R. B - R = 1 and B are accepted, 0 and B + 1 are not."""
+  p = np.array([0.75, 0.5, 0.25, 0.5, 0.6])
+  sgpo = alloc.Sgpo(batch_size=3, group_size=4, unsolved_keep=0.0)
+  sgpo.set_profile(p)
+  order = sgpo.state.order.tolist()  # easy to hard
+  idx, sizes = sgpo.next_prompts(2)
+  assert idx.tolist() == order[:2] and sizes.sum() == 8
+  # 0.75 and 0.6: w = 4/3, 5/3 -> 8 * 4/9, 8 * 5/9 = 3.56, 4.44 -> 4, 4.
+  assert sizes.tolist() == [4, 4]
+  assert int(sgpo.state.cursor[0]) == 2
+  idx, sizes = sgpo.next_prompts(1)
+  assert idx.tolist() == order[2:3] and sizes.tolist() == [4]
+  idx, sizes = sgpo.next_prompts(3)  # B itself; wraps around
+  assert idx.tolist() == order[3:] + order[:1] and sizes.sum() == 12
+  for bad in (0, 4):
+    with pytest.raises(ValueError, match=rf"sGPO: {bad} prompts for a step "
+                       r"of rl.prompts_per_step=3: 1 to 3 are accepted"):
+      sgpo.next_prompts(bad)
 
 
 def test_sgpo_state_round_trips_and_refuses_bad_arrays():
@@ -517,6 +557,12 @@ def test_an_sgpo_step_profiles_then_follows_the_curriculum():
   _, _, m2 = allocated.sample(collector, None, {"prompt": ["z"] * 2},
                               jax.random.key(1), 0, None)
   assert "alloc/pool" not in m2 and len(collector.seen) == 5
+  # A step that replays one group: one fresh prompt, G = 4 rows of it.
+  _, ids3, m3 = allocated.sample(collector, None, {"prompt": ["z"]},
+                                 jax.random.key(2), 0, None)
+  assert len(collector.seen[5]) == 4 and len(set(collector.seen[5])) == 1
+  np.testing.assert_array_equal(ids3, [0, 0, 0, 0])
+  assert m3["num_generated_tokens"] == 4 * 3
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -23,8 +23,6 @@ TRIGGERS = {
                              "rl.selection.name": "dots"}, 1),
     "allocation-with-refills": ({"rl.allocation.name": "vigor",
                                  "rl.selection.name": "dapo"}, 1),
-    "sgpo-with-replay": ({"rl.allocation.name": "sgpo",
-                          "rl.replay.fraction": 0.25}, 1),
     "allocation-with-extra-rows": ({"rl.allocation.name": "vigor",
                                     "rl.advantage": "mc_grpo"}, 1),
 }

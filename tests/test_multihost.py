@@ -321,16 +321,19 @@ CASES = {
     # curriculum's group sizes (16 training prompts: a short pass; the
     # untrained tiny model solves few, so the unsolved ones are kept), with
     # SPEC-RL drafting each prompt entry from the rows of its last step
-    # (the profile's, from step 2).
-    "sgpo-spec": ({"rl.allocation.name": "sgpo", "task.num_train": 16,
-                   "rl.allocation.unsolved_keep": 1.0,
-                   "sampler.speculative": True}, None,
-                  lambda rl: "alloc/profile_trivial" in rl[0]
-                  and rl[0]["spec/drafted_rows"] == 0
-                  and all(r["spec/drafted_rows"] > 0 for r in rl[1:])
-                  and all(r["alloc/max_group"] >= r["alloc/min_group"] >= 1
-                          and "alloc/curriculum_position" in r
-                          for r in rl)),
+    # (the profile's, from step 2), and replay (step 2 samples the
+    # curriculum's next 6 prompts and replays 2 groups of step 1's).
+    "sgpo-spec-replay": ({"rl.allocation.name": "sgpo", "task.num_train": 16,
+                          "rl.allocation.unsolved_keep": 1.0,
+                          "sampler.speculative": True,
+                          "rl.replay.fraction": 0.25, **_PARITY}, None,
+                         lambda rl: "alloc/profile_trivial" in rl[0]
+                         and rl[0]["spec/drafted_rows"] == 0
+                         and all(r["spec/drafted_rows"] > 0 for r in rl[1:])
+                         and all(r["alloc/max_group"] >= r["alloc/min_group"]
+                                 >= 1 and "alloc/curriculum_position" in r
+                                 for r in rl)
+                         and rl[-1]["replay/fraction"] > 0),
 }
 
 

@@ -250,15 +250,24 @@ class Sgpo:
     order = kept[np.lexsort((tiebreak[kept], -p[kept]))]
     self.state = SgpoState(p, order.astype(np.int64), np.zeros(1, np.int64))
 
-  def next_prompts(self) -> tuple[np.ndarray, np.ndarray]:
-    """``(prompt indices [B], group sizes [B])`` of the next step: the
-    curriculum's next ``B`` prompts (wrapping around), sized by
-    ``group_sizes``."""
+  def next_prompts(self, count: int | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """``(prompt indices [count], group sizes [count])`` of the next step:
+    the curriculum's next ``count`` prompts (wrapping around; default
+    ``B``), sized by ``group_sizes`` from a budget of ``count * G`` rows. A
+    step that replays ``R`` groups asks for ``B - R``: the replayed groups
+    hold the other ``R * G`` rows, and the curriculum moves on by the
+    prompts it sampled."""
+    count = self.batch_size if count is None else int(count)
+    if not 1 <= count <= self.batch_size:
+      raise ValueError(f"sGPO: {count} prompts for a step of "
+                       f"rl.prompts_per_step={self.batch_size}: 1 to "
+                       f"{self.batch_size} are accepted.")
     order, cursor = self.state.order, int(self.state.cursor[0])
-    idx = order[(cursor + np.arange(self.batch_size)) % len(order)]
+    idx = order[(cursor + np.arange(count)) % len(order)]
     self.state = self.state._replace(cursor=np.asarray(
-        [(cursor + self.batch_size) % len(order)], np.int64))
-    return idx, group_sizes(self.state.success[idx], self.rows,
+        [(cursor + count) % len(order)], np.int64))
+    return idx, group_sizes(self.state.success[idx], count * self.group_size,
                             self.max_group)
 
   def arrays(self) -> dict[str, np.ndarray]:

@@ -31,8 +31,9 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
   Round ``t`` samples with ``fold_in(key, t)`` (the first with ``key``);
   every round's prompts are padded to the batch's longest, so the rounds of
   a step share the sampler's shapes. sGPO (``allocation.Sgpo``) samples
-  one round of its own prompts (``examples`` is not read), after profiling
-  the pool at its first step. With SPEC-RL the rounds draft from earlier
+  one round of its own prompts, as many as ``examples`` holds (``B``, or
+  ``B - R`` in a step that replays ``R`` groups; their fields are not
+  read), after profiling the pool at its first step. With SPEC-RL the rounds draft from earlier
   steps' rows only (``DraftStore.frozen``)."""
   spec = collector.speculation
   with spec.store.frozen() if spec is not None else contextlib.nullcontext():
@@ -42,7 +43,10 @@ def sample(collector: Any, params: Any, examples: Mapping[str, Sequence[Any]],
 def _sample(collector, params, examples, key, version, on_dispatch):
   schedule = collector.allocation
   if isinstance(schedule, allocation_lib.Sgpo):
-    return _sample_sgpo(collector, params, key, version, on_dispatch)
+    # With replay the step's fresh prompts are fewer (B - R): sGPO sizes
+    # that many from their share of the budget.
+    return _sample_sgpo(collector, params, key, version, on_dispatch,
+                        len(examples["prompt"]))
   # ``examples`` is the global batch (``Collector.collect``): the rounds are
   # the same on every process, each sampling its block of a round's entries.
   batch_size = len(examples["prompt"])
@@ -136,7 +140,7 @@ def profile(collector: Any, params: Any, key: jax.Array, version: int
   return correct / k, tokens
 
 
-def _sample_sgpo(collector, params, key, version, on_dispatch):
+def _sample_sgpo(collector, params, key, version, on_dispatch, count):
   sgpo = collector.allocation
   metrics: dict[str, float] = {}
   generated = 0.0
@@ -148,7 +152,7 @@ def _sample_sgpo(collector, params, key, version, on_dispatch):
         "alloc/profile_trivial": float(np.mean(success >= 1.0)),
         "alloc/profile_unsolved": float(np.mean(success <= 0.0)),
         "alloc/pool": float(len(sgpo.state.order))})
-  idx, sizes = sgpo.next_prompts()
+  idx, sizes = sgpo.next_prompts(count)
   entries = np.repeat(np.arange(len(idx)), sizes)
   sampled = collector.sample_global(
       params, _columns(sgpo.pool, idx[entries]), key, version, on_dispatch,

@@ -125,7 +125,7 @@ def allocation(config: Any, batch_size: int | None = None) -> Any:
 def fresh_allocation(config: Any) -> allocation_lib.Schedule | None:
   """With replay (``rl.replay.fraction``), the rounds of the ``B - R``
   fresh prompts of a step that replays ``R`` groups; None without both
-  (sGPO is refused with replay: ``rljax/train/combinations.py``).
+  (sGPO sizes the fresh prompts itself: ``allocation.Sgpo.next_prompts``).
 
   Raises:
     ValueError: when ``B - R`` prompts have no rounds, naming the fields.

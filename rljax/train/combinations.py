@@ -94,14 +94,6 @@ RULES: tuple[Rule, ...] = (
          "batch's fixed rows hold groups of one size or the other",
          "rl.selection.name='none' or 'dots' (DOTS chooses the prompts, "
          "allocation samples them)", "missing"),
-    Rule("sgpo-with-replay", (_ALLOCATION, "rl.replay.fraction"),
-         lambda c, p: (c.rl.allocation.name == "sgpo"
-                       and bool(c.rl.replay.fraction)),
-         "sGPO's curriculum sizes the step's B groups from one budget of "
-         "B * G rows and keeps one profile of the pool; a step that replays "
-         "R groups would size B - R of them, a second curriculum state "
-         "that is not built", "rl.replay.fraction=0, or "
-         "rl.allocation.name='vigor' or 'pilot_commit'", "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),
