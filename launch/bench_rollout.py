@@ -20,6 +20,15 @@ Part 1b: SPEC-RL at lenience 0 with the previous epoch's rollouts as drafts
 (params moved by ``--spec_noise`` stds): plain static sampling, the static
 speculative sampler, continuous slots, and slots verifying the drafts.
 
+Part 1c (``--prefix_prompt_len``, 512 by default; 0 skips it): continuous
+slots on long prompts (``B`` prompts of that many tokens, ``G`` samples,
+each of ``--prefix_new_tokens`` new tokens, 1 (the rollout is its
+prefills) and 32): a group's prompt prefilled once and its KV copied to the
+other slots (``SlotConfig.share_prompts``) against every slot prefilling
+its own prompt. It prints the seconds per rollout (median of
+``--spec_repeats`` after a compile), the rows run through the decoder in
+prefills, and the ratio; the rows drawn are the same.
+
 Part 1 prints slot utilisation (kept tokens over decode row-steps: the static
 batch runs ``N x max length`` row-steps), generated tokens/s, trained
 tokens/s (tokens of the rows handed to the trainer per second of sampling)
@@ -63,6 +72,12 @@ _STEPS = flags.DEFINE_integer("steps", 8, "batches per variant (timed: all "
 _SPEC_NOISE = flags.DEFINE_float("spec_noise", 0.02, "part 1b: the policy "
                                   "moves by this many parameter stds")
 _SPEC_REPEATS = flags.DEFINE_integer("spec_repeats", 3, "part 1b: timed runs")
+_PREFIX_LEN = flags.DEFINE_integer(
+    "prefix_prompt_len", 512, "part 1c: prompt tokens of the shared-prompt "
+    "comparison (0: skip it)")
+_PREFIX_T = flags.DEFINE_list("prefix_new_tokens", ["1", "32"], "part 1c: "
+                              "new tokens per row, each a comparison (1: the "
+                              "rollout is its prefills)")
 _LOOP = flags.DEFINE_bool("loop", True, "also time the RL loop (part 2)")
 _LOOP_STEPS = flags.DEFINE_integer("loop_steps", 20, "RL steps per loop run "
                                    "(the median of steps 3 on is reported)")
@@ -156,6 +171,48 @@ def _sampler_part(params, config) -> dict:
           f"{f['trained_tokens_per_s']:8.0f} tok/s "
           f"({f['trained_tokens_per_s_vs_static']:.2f}x)  staleness "
           f"{f.get('mean_staleness', 0.0):.2f}")
+  return figures
+
+
+def _prefix_part(params, config) -> dict:
+  """Part 1c: shared prompt prefills on slots against one per slot, for
+  each ``--prefix_new_tokens``."""
+  return {f"new_tokens_{t}": _prefix_case(params, config, int(t))
+          for t in _PREFIX_T.value}
+
+
+def _prefix_case(params, config, new_tokens: int) -> dict:
+  from rljax.sampling import continuous as cb  # pylint: disable=import-outside-toplevel
+  b, p = _B.value, _PREFIX_LEN.value
+  config = config.replace(prompt_buckets=(p,), max_new_tokens=new_tokens)
+  rng = np.random.RandomState(1)
+  lists = [list(rng.randint(1, MODEL.vocab_size, p)) for _ in range(b)]
+  tokens, mask = sampling.pad_prompts(lists, config.prompt_buckets)
+  queue = cb.fresh_queue(tokens, mask, jax.random.key(0), config)
+  figures, outs = {}, {}
+  for name, share in (("per_slot", False), ("shared", True)):
+    fn = cb.make_continuous_sampler(MODEL, config, cb.SlotConfig(
+        _SLOTS.value, _REFILL.value, share_prompts=share))
+    outs[name] = jax.device_get(fn(params, queue, b))  # compiles
+    times = []
+    for _ in range(_SPEC_REPEATS.value):
+      t = time.perf_counter()
+      jax.block_until_ready(fn(params, queue, b))
+      times.append(time.perf_counter() - t)
+    figures[name] = {"seconds": float(np.median(times)),
+                     "prefilled_rows": int(outs[name].prefilled_rows),
+                     "generated_tokens": int(outs[name].lengths.sum())}
+  same = bool(np.array_equal(outs["shared"].completion_tokens,
+                             outs["per_slot"].completion_tokens))
+  figures["speedup"] = (figures["per_slot"]["seconds"]
+                        / figures["shared"]["seconds"])
+  figures["same_tokens"] = same
+  print(f"  {new_tokens:3d} new tokens: per-slot prefill "
+        f"{figures['per_slot']['seconds']:.3f} s "
+        f"({figures['per_slot']['prefilled_rows']} rows prefilled), shared "
+        f"{figures['shared']['seconds']:.3f} s "
+        f"({figures['shared']['prefilled_rows']} rows): "
+        f"{figures['speedup']:.2f}x; same tokens: {same}")
   return figures
 
 
@@ -269,6 +326,11 @@ def main(argv):
         f"in {_EOS.value} ends a row; {_SLOTS.value} slots, refill "
         f"{_REFILL.value}; {jax.devices()[0].platform}")
   figures = {"sampler": _sampler_part(params, config)}
+  if _PREFIX_LEN.value:
+    print(f"part 1c: {_B.value} prompts of {_PREFIX_LEN.value} tokens x "
+          f"G={_G.value}, {_SLOTS.value} slots, refill {_REFILL.value}: a "
+          "group's prompt prefilled once vs in every slot")
+    figures["shared_prompts"] = _prefix_part(params, config)
   print(f"part 1b: SPEC-RL, log lenience 0, drafts from the previous epoch, "
         f"params moved by {_SPEC_NOISE.value} std")
   figures["spec_rl"] = _spec_part(params, config)
@@ -282,6 +344,8 @@ def main(argv):
                   "max_new_tokens": _T.value, "eos_every": _EOS.value,
                   "slots": _SLOTS.value, "refill_rows": _REFILL.value,
                   "shrink_batch_to": _SHRINK.value,
+                  "prefix_prompt_len": _PREFIX_LEN.value,
+                  "prefix_new_tokens": _PREFIX_T.value,
                   "steps": _STEPS.value, "loop_steps": _LOOP_STEPS.value}}))
 
 

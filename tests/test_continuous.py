@@ -76,6 +76,51 @@ def test_every_row_equals_the_static_samplers_row(params, prompts, static,
   assert slot_util > 1.3 * static_util, (slot_util, static_util)
 
 
+@pytest.fixture(scope="module")
+def own_prefill4():
+  return cb.make_continuous_sampler(MC, SC, cb.SlotConfig(
+      4, 2, share_prompts=False))
+
+
+def test_shared_prompts_prefill_fewer_rows_and_change_no_row(
+    params, prompts, slots4, own_prefill4):
+  """A row that copies its prompt's KV from a live slot (or from its
+  fill's leader) decodes as the row that prefilled its own: the same tokens
+  and logprobs (to the last bits); without sharing every row prefilled its
+  own prompt."""
+  q = _queue(prompts)
+  shared = jax.device_get(slots4(params, q, B))
+  own = jax.device_get(own_prefill4(params, q, B))
+  np.testing.assert_array_equal(shared.completion_tokens,
+                                own.completion_tokens)
+  # A forward of fewer rows may round its matmuls differently: last bits.
+  np.testing.assert_allclose(shared.sampler_logprobs, own.sampler_logprobs,
+                             atol=2e-6, rtol=0)
+  assert int(own.prefilled_rows) == B * G
+  # One forward per group at least; the first fill (4 slots, one group)
+  # alone saves 3.
+  assert B <= int(shared.prefilled_rows) <= B * G - 3, shared.prefilled_rows
+
+
+def test_rows_of_a_group_with_other_prompts_are_prefilled_each(
+    params, prompts, slots4, own_prefill4):
+  """Sharing follows the prompts, not the group ids: groups whose rows
+  hold different prompts (a queue that only looks grouped) prefill every
+  row, through the fallback when a fill has more prompts than leaders."""
+  lists, _ = prompts
+  rows = [lists[i % B][: 2 + i % 5] + [4 + i] for i in range(B * G)]
+  tokens, mask = sampling.pad_prompts(rows, SC.prompt_buckets)
+  q = cb.fresh_queue(tokens, mask, jax.random.key(3),
+                     SC.replace(num_samples=1))
+  q = q._replace(group=np.repeat(np.arange(B, dtype=np.int32), G),
+                 sample=np.tile(np.arange(G, dtype=np.int32), B))
+  shared = jax.device_get(slots4(params, q, B))
+  own = jax.device_get(own_prefill4(params, q, B))
+  np.testing.assert_array_equal(shared.completion_tokens,
+                                own.completion_tokens)
+  assert int(shared.prefilled_rows) == int(own.prefilled_rows) == B * G
+
+
 def test_refills_do_not_recompile(params, prompts, slots4):
   """Five and more refills, another key and other prompts: one program."""
   lists, _ = prompts

@@ -223,6 +223,7 @@ class SlotRollouts:
         "rollout/slot_utilization": kept / max(steps * p_cfg.slots, 1),
         "rollout/decode_steps": float(steps),
         "rollout/prefills": float(out.prefills),
+        "rollout/prefilled_rows": float(out.prefilled_rows),
         "rollout/carried_groups": float(sum(
             gr.born is not None for gr in self.carried)),
         "rollout/waiting_groups": float(sum(

@@ -121,6 +121,7 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
 
 # Metrics of a round that count its work: a merged batch's are the sums.
 _SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
+           "rollout/prefilled_rows",
            "rollout/generated_tokens", "env/failed_episodes", "env/errors",
            "env/timeouts", "env/observation_tokens",
            "env/observation_truncated", "env/turn_limit", "time/env")

@@ -9,10 +9,12 @@ the lengths. The queue is ``Q`` rows, any ``Q``; ``M < Q`` is the point.
 
 Layout. Each slot has its own KV cache row of ``S = P + T`` slots (prompt
 bucket plus ``max_new_tokens``) written at its own index (``KVCache.index``
-``[M]``). A group's prompt is not shared between slots (rows of a group end
-and start at different times, so their slots are not contiguous): each row
-prefills its prompt, which costs ``G`` prompt forwards per group instead of
-one. Rows that already hold tokens (a partial row carried from an earlier
+``[M]``). Rows of a group end and start at different times, so their slots
+are not contiguous and cannot read one shared prefix; instead a fill of
+prompts runs the decoder once per distinct prompt that no live slot holds
+and copies the prompt's KV into the other rows' slots
+(``SlotConfig.share_prompts``, ``_fill_shared``): a group costs one prompt
+forward, not ``G``. Rows that already hold tokens (a partial row carried from an earlier
 call, APRIL's partial rollouts) prefill prompt and tokens together and go on
 from there: their tokens are never re-sampled.
 
@@ -111,6 +113,9 @@ class SlotRollout(NamedTuple):
     kept_tokens: ``[]`` int32, tokens generated (slot-steps that kept one):
       slot utilisation is ``kept_tokens / (decode_steps * M)``.
     prefills: ``[]`` int32, prefill calls (the first fill and refills).
+    prefilled_rows: ``[]`` int32, rows those calls ran through the decoder
+      (with ``SlotConfig.share_prompts``, one per distinct prompt that no
+      live slot held; else one per started row).
     accepted: ``[Q]`` int32, draft tokens kept (rows with ``verify``).
     started: ``[Q]`` bool, the row was prefilled into a slot (a row not
       started is returned as queued, its draft unverified).
@@ -126,6 +131,7 @@ class SlotRollout(NamedTuple):
   decode_steps: jax.Array
   kept_tokens: jax.Array
   prefills: jax.Array
+  prefilled_rows: jax.Array
   accepted: jax.Array
   started: jax.Array
 
@@ -148,12 +154,20 @@ class SlotConfig:
       ``min(1, e^log_lenience p_new / p_old)``, the kept tokens' sampler
       logprobs are ``p_new``'s), so a row whose draft is rejected early
       decodes in its own slot and no longer holds the batch. None: off.
+    share_prompts: a prefill of prompts alone (no carried tokens, no
+      drafts) runs the decoder once per distinct prompt among its rows that
+      no live slot already holds, and copies each other row's prompt KV
+      (and first-token logits) from a slot that holds its prompt: a group
+      of ``G`` rows costs one prompt forward instead of ``G``. False: every
+      row prefills its own prompt (the baseline ``launch/bench_rollout.py``
+      times it against).
   """
 
   slots: int
   refill_rows: int = 1
   carried: bool = False
   log_lenience: float | None = None
+  share_prompts: bool = True
 
   def __post_init__(self):
     for name in ("slots", "refill_rows"):
@@ -188,7 +202,12 @@ class _State(NamedTuple):
   steps: jax.Array         # [] int32
   kept: jax.Array          # [] int32
   prefills: jax.Array      # [] int32
+  prefilled_rows: jax.Array  # [] int32, rows run through the decoder
   accepted: jax.Array      # [Q] int32, draft tokens kept
+  slot_prompt: jax.Array   # [M, P] int32: the prompt whose KV the slot's
+                           # first P cache slots hold (-1 where masked),
+                           # _NO_PROMPT where none can be shared
+  prompt_logits: jax.Array  # [M, V] fp32, the logits after that prompt
 
 
 def accept_draft(logits_RxTxV, tokens_RxT, length_R, old_lp_RxT, log_u_RxT,
@@ -316,6 +335,11 @@ def _fill(params, state: _State, queue: Queue, num_rows: int, width: int, *,
   cache = KVCache(layers, cache.mask.at[slot].set(fresh.mask, mode="drop"),
                   cache.index.at[slot].set(p + length, mode="drop"))
   prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
+  # A slot filled with its prompt alone can lend it to later rows
+  # (``_fill_shared``); one that holds carried or drafted tokens cannot
+  # (its logits follow the tokens, not the prompt).
+  held = (_masked_prompt(queue, row) if not extra
+          else jnp.full((num_rows, p), _NO_PROMPT, jnp.int32))
   return state._replace(
       slot_row=state.slot_row.at[slot].set(row, mode="drop"),
       live=state.live.at[slot].set(live, mode="drop"),
@@ -325,7 +349,121 @@ def _fill(params, state: _State, queue: Queue, num_rows: int, width: int, *,
       position=state.position.at[slot].set(prompt_len + length, mode="drop"),
       keys=state.keys.at[slot].set(key_rows, mode="drop"),
       next_row=state.next_row + count,
-      prefills=state.prefills + 1)
+      prefills=state.prefills + 1,
+      prefilled_rows=state.prefilled_rows + count,
+      slot_prompt=state.slot_prompt.at[slot].set(held, mode="drop"),
+      prompt_logits=(state.prompt_logits if extra else
+                     state.prompt_logits.at[slot].set(logits, mode="drop")))
+
+
+_NO_PROMPT = -2  # a slot_prompt row no prompt equals (masked tokens are -1)
+
+
+def _masked_prompt(queue: Queue, row: jax.Array) -> jax.Array:
+  """``[R, P]``: the rows' prompt tokens, -1 at masked (padding) slots."""
+  return jnp.where(queue.prompt_mask[row], queue.prompt_tokens[row], -1)
+
+
+def _fill_shared(params, state: _State, queue: Queue, num_rows: int, *,
+                 leaders: int, model, w_DxV, mc: ModelConfig,
+                 sc: SamplerConfig, cache_dtype, limit, **unused) -> _State:
+  """``_fill`` of prompts alone (no carried tokens, no drafts), sharing
+  each distinct prompt's forward (``SlotConfig.share_prompts``).
+
+  A starting row whose prompt a live slot holds copies that slot's prompt
+  KV and first-token logits (a live slot is never refilled, so it is a
+  safe source); of the other rows, the first with each prompt (the
+  leader) is prefilled and the rest copy it. Up to ``leaders`` leaders
+  run in one forward of ``leaders`` rows (none runs when every row
+  copies); more fall back to ``_fill``'s forward of every row. Each row's
+  KV and logits are what its own prefill would give: the prompt's keys
+  and values depend on the prompt alone.
+  """
+  del unused
+  q, p = queue.prompt_tokens.shape
+  m, s = state.live.shape[0], state.cache.mask.shape[1]
+  count = jnp.minimum(jnp.minimum(jnp.sum(~state.live), limit),
+                      queue.num_pending - state.next_row)
+  r = jnp.arange(num_rows)
+  valid = r < count
+  row = jnp.minimum(state.next_row + r, q - 1)
+  prompt = _masked_prompt(queue, row)
+  same_slot = jnp.all(prompt[:, None] == state.slot_prompt[None], -1)
+  same_slot &= state.live[None]
+  from_slot = valid & jnp.any(same_slot, 1)
+  donor = jnp.argmax(same_slot, 1)
+  first = jnp.argmax(jnp.all(prompt[:, None] == prompt[None], -1), 1)
+  leader = valid & ~from_slot & (first == r)
+  num_leaders = jnp.sum(leader)
+
+  def shared(state: _State) -> _State:
+    lead = jnp.nonzero(leader, size=leaders, fill_value=0)[0]
+    rank = jnp.cumsum(leader) - 1  # a leader's index in ``lead``
+    lead_row = row[lead]
+
+    def forward(_):
+      mask = queue.prompt_mask[lead_row]
+      positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
+      hidden, fresh = model.apply(
+          {"params": params}, queue.prompt_tokens[lead_row], positions,
+          init_cache(mc, leaders, s, cache_dtype), input_mask_BxT=mask)
+      logits = compute_logits(hidden[:, p - 1:p], w_DxV,
+                              mc.final_logit_softcap)[:, 0]
+      return fresh.layers, fresh.mask, logits
+
+    def nothing(_):
+      shape = (leaders, mc.num_kv_heads, s, mc.head_dim)
+      return (tuple(LayerKV(jnp.zeros(shape, cache_dtype),
+                            jnp.zeros(shape, cache_dtype))
+                    for _ in range(mc.num_layers)),
+              jnp.zeros((leaders, s), jnp.bool_),
+              jnp.zeros((leaders, mc.vocab_size), jnp.float32))
+
+    fresh_layers, fresh_mask, lead_logits = jax.lax.cond(
+        num_leaders > 0, forward, nothing, None)
+    source = rank[first]  # each row's leader, for rows that do not copy
+    prompt_slots = jnp.arange(s) < p
+    copy = from_slot[:, None, None, None]
+    keep = prompt_slots[None, None, :, None]
+
+    def rows_of(slot_kv, lead_kv):
+      kv = jnp.where(copy, slot_kv[donor], lead_kv[source])
+      return jnp.where(keep, kv, jnp.zeros((), kv.dtype))
+
+    slot = jnp.where(valid, jnp.argsort(state.live, stable=True)[
+        jnp.minimum(r, m - 1)], m)  # m: dropped by the scatters below
+    cache = state.cache
+    layers = tuple(
+        LayerKV(old.k.at[slot].set(rows_of(old.k, new.k), mode="drop"),
+                old.v.at[slot].set(rows_of(old.v, new.v), mode="drop"))
+        for old, new in zip(cache.layers, fresh_layers))
+    mask = jnp.where(from_slot[:, None], cache.mask[donor] & prompt_slots,
+                     fresh_mask[source])
+    cache = KVCache(layers, cache.mask.at[slot].set(mask, mode="drop"),
+                    cache.index.at[slot].set(p, mode="drop"))
+    logits = jnp.where(from_slot[:, None], state.prompt_logits[donor],
+                       lead_logits[source])
+    prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
+    return state._replace(
+        slot_row=state.slot_row.at[slot].set(row, mode="drop"),
+        live=state.live.at[slot].set(valid, mode="drop"),
+        logits=state.logits.at[slot].set(logits, mode="drop"),
+        cache=cache,
+        column=state.column.at[slot].set(0, mode="drop"),
+        position=state.position.at[slot].set(prompt_len, mode="drop"),
+        keys=state.keys.at[slot].set(
+            jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
+        next_row=state.next_row + count,
+        prefills=state.prefills + 1,
+        prefilled_rows=state.prefilled_rows + num_leaders,
+        slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
+        prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
+
+  def every_row(state: _State) -> _State:
+    return _fill(params, state, queue, num_rows, p, model=model, w_DxV=w_DxV,
+                 mc=mc, sc=sc, cache_dtype=cache_dtype, limit=limit)
+
+  return jax.lax.cond(num_leaders <= leaders, shared, every_row, state)
 
 
 def _step(params, state: _State, queue: Queue, *, model, w_DxV,
@@ -403,7 +541,10 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
       done=queue.done, finished=queue.finished,
       next_row=jnp.zeros((), jnp.int32), steps=jnp.zeros((), jnp.int32),
       kept=jnp.zeros((), jnp.int32), prefills=jnp.zeros((), jnp.int32),
-      accepted=jnp.zeros((q,), jnp.int32))
+      prefilled_rows=jnp.zeros((), jnp.int32),
+      accepted=jnp.zeros((q,), jnp.int32),
+      slot_prompt=jnp.full((m, p), _NO_PROMPT, jnp.int32),
+      prompt_logits=jnp.zeros((m, mc.vocab_size), jnp.float32))
   if state.policy_logp is None and sc.record_policy_logprobs:
     raise ValueError("the queue has no policy_logprobs but the sampler "
                      "records them.")
@@ -411,8 +552,20 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
   drafts = slots.log_lenience is not None
   fill = functools.partial(_fill, cache_dtype=cache_dtype,
                            log_lenience=slots.log_lenience, **kw)
-  state = fill(params, state, queue, m,
-               p + (t if slots.carried or drafts else 0), limit=m)
+
+  def fill_rows(state, num_rows, width):
+    """A fill of ``num_rows``: shared prompts where only prompts are
+    prefilled, with room for one leader per group of ``G`` rows (a fill
+    starts at a multiple of the refill size, so groups of ``G`` rows are
+    cut by its edges only when neither divides the other; then
+    ``_fill_shared`` may fall back to a prefill per row)."""
+    if slots.share_prompts and width == p:
+      leaders = min(num_rows, -(-num_rows // sc.num_samples))
+      return _fill_shared(params, state, queue, num_rows, leaders=leaders,
+                          cache_dtype=cache_dtype, limit=num_rows, **kw)
+    return fill(params, state, queue, num_rows, width, limit=num_rows)
+
+  state = fill_rows(state, m, p + (t if slots.carried or drafts else 0))
   r = slots.refill_rows
   refill_width = p + (t if drafts else 0)
 
@@ -421,7 +574,7 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
     free = jnp.sum(~state.live)
     ready = (waiting > 0) & (free >= jnp.minimum(r, waiting))
     state = jax.lax.cond(
-        ready, lambda s: fill(params, s, queue, r, refill_width, limit=r),
+        ready, lambda s: fill_rows(s, r, refill_width),
         lambda s: s, state)
     # No decode step while every slot is empty (rows a prefill ended: whole
     # drafts kept); the next iteration refills.
@@ -440,7 +593,7 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
       done=state.done, policy_logprobs=state.policy_logp,
       sampler_logprobs=state.sampler_logp, decode_steps=state.steps,
       kept_tokens=state.kept, prefills=state.prefills,
-      accepted=state.accepted, started=jnp.arange(q) < state.next_row)
+      prefilled_rows=state.prefilled_rows, accepted=state.accepted, started=jnp.arange(q) < state.next_row)
 
 
 def make_continuous_sampler(model_config: ModelConfig, config: SamplerConfig,
