@@ -58,6 +58,8 @@ def test_each_episode_on_slots_is_its_static_row(params, static, slots,
   n = len(static.env_reward)
   m = got.metrics
   assert m["rollout/slots"] == slots and m["rollout/prefills"] == n
+  # The first fill prefills each of its examples' prompts once.
+  assert 1 <= m["rollout/prefilled_rows"] < n + slots
   assert 0 < m["rollout/slot_utilization"] <= 1
   model_tokens = (a.completion_mask & ~a.observation_mask).sum()
   # Fewer slots than episodes: more decode steps than the static batch's
@@ -66,6 +68,24 @@ def test_each_episode_on_slots_is_its_static_row(params, static, slots,
   for k, v in static.metrics.items():
     if k != "time/env":
       assert m[k] == v, k
+
+
+def test_a_prompt_starting_several_rows_is_prefilled_once_by_hand():
+  """Rows 2 k and 2 k + 1 play example k (G = 2): each example's prompt
+  once, padded to a power of two with the last, and each row's index."""
+  tokens = np.arange(10)[:, None] * np.ones((1, 3), np.int32)
+  mask = np.ones((10, 3), bool)
+  lead, lead_mask, source = mt._distinct_prompts(  # pylint: disable=protected-access
+      np.array([0, 1, 2, 3, 5, 9]), 2, tokens, mask)
+  np.testing.assert_array_equal(lead[:, 0], [0, 2, 4, 8])
+  np.testing.assert_array_equal(source, [0, 0, 1, 1, 2, 3])
+  assert lead_mask.shape == (4, 3)
+  lead, _, source = mt._distinct_prompts(np.array([4, 0, 2]), 2, tokens, mask)
+  np.testing.assert_array_equal(lead[:, 0], [0, 2, 4, 4])  # 3 -> 4 rows
+  np.testing.assert_array_equal(source, [2, 0, 1])
+  lead, _, source = mt._distinct_prompts(np.array([7, 6]), 2, tokens, mask)
+  np.testing.assert_array_equal(lead[:, 0], [6])
+  np.testing.assert_array_equal(source, [0, 0])
 
 
 def test_slot_settings_are_checked():

@@ -54,6 +54,7 @@ class SlotOutputs:
                         if config.record_policy_logprobs else None)
     self.finished = np.zeros(n, bool)
     self.prefills = 0
+    self.prefilled_rows = 0  # prompts run through the decoder (padded)
 
   def retire(self, state: Any, slots_M, slot_row,
              to_host: Any = jax.device_get) -> None:
@@ -93,6 +94,7 @@ class SlotOutputs:
     return {"rollout/slots": float(slots),
             "rollout/decode_steps": float(decode_steps),
             "rollout/prefills": float(self.prefills + slots),
+            "rollout/prefilled_rows": float(self.prefilled_rows),
             "rollout/slot_utilization": model_tokens / max(
                 decode_steps * slots, 1)}
 

@@ -19,7 +19,10 @@ ended turn to text, steps the environments (``EnvRunner``, in worker
 processes), encodes each observation (``ObservationFormat``) and
 ``turns.insert`` prefills it into the row's cache at the row's own index: the
 row's history is never prefilled again, and only the ``O``-wide observation
-is computed. The row then decodes its next turn.
+is computed. The row then decodes its next turn. A prompt is prefilled once
+for the rows that start with it together (``turns.start``: the ``G`` rows of
+an example copy one forward's keys and values), at the start and at each
+refill of the slots.
 
 Token exactness. What the trainer gets is this buffer: the ids that were
 sampled and the ids that were inserted, never a decode and re-encode of the
@@ -294,8 +297,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
               else (m,))
     steps_before, row_steps = 0, 0
     with self._mesh():
-      state = self._start(params, tokens_NxP[:m], mask_NxP[:m], key,
-                          slot_row.astype(np.int32))
+      distinct = _distinct_prompts(slot_row, g, tokens_NxP, mask_NxP)
+      state = self._start(params, *distinct, key, slot_row.astype(np.int32))
+      if out is not None:
+        out.prefilled_rows += len(distinct[0])
       decoding = ~ep.failed[:m]  # the slots live in the decode dispatched next
       if not decoding.all():  # rows whose reset failed never decode
         state = state._replace(live=state.live & decoding,
@@ -417,10 +422,12 @@ class MultiTurnSampler(env_steps.EnvSteps):
     rows = np.asarray([queue.pop(0) for _ in slots])
     slot_row[slots] = rows
     refill = _mask(len(slot_row), slots)
-    # Slots not refilled are prefilled with a valid prompt and discarded.
+    # Slots not refilled take a valid row's prompt and are discarded.
     rows_M = np.where(refill, slot_row, rows[0]).astype(np.int32)
-    state = self._refill(params, state, refill, tokens_NxP[rows_M],
-                         mask_NxP[rows_M], key, rows_M)
+    distinct = _distinct_prompts(rows_M, self.config.num_samples,
+                                 tokens_NxP, mask_NxP)
+    state = self._refill(params, state, refill, *distinct, key, rows_M)
+    out.prefilled_rows += len(distinct[0])
     failed = refill & ep.failed[np.maximum(slot_row, 0)]
     if failed.any():  # their reset failed: over at once
       state = state._replace(live=state.live & ~failed,
@@ -522,6 +529,21 @@ class _Speculation:
               self.drafted_tokens, 1),
           "spec/full_accept_fraction": self.full / self.turns})
     return out
+
+
+def _distinct_prompts(rows_N: np.ndarray, g: int, tokens_NxP: np.ndarray,
+                      mask_NxP: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``(tokens [U, P], mask [U, P], source [N])``: the prompts of the
+  episode rows ``rows_N`` (the ``G`` rows of an example share its prompt),
+  each example once, and the index of each row's. ``U`` is the count of
+  distinct examples rounded up to a power of two (repeats of the last
+  pad it), so a run compiles at most ``log2(M) + 1`` prefills."""
+  examples, source = np.unique(np.asarray(rows_N) // g, return_inverse=True)
+  u = 1 << (len(examples) - 1).bit_length()
+  lead = np.concatenate([examples, np.repeat(examples[-1:],
+                                             u - len(examples))]) * g
+  return tokens_NxP[lead], mask_NxP[lead], source.astype(np.int32)
 
 
 def _mask(n: int, rows: np.ndarray) -> np.ndarray:

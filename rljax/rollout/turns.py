@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
-from rljax.models.kv_cache import KVCache
+from rljax.models.kv_cache import KVCache, LayerKV
 from rljax.sampling.continuous import ACCEPT_FOLD, accept_draft
 from rljax.sampling.sampler import (Rollout, SamplerConfig, decode_setup,
                                     fused_logprobs, pick_logprob, token_keys)
@@ -44,22 +44,31 @@ class Turns(NamedTuple):
   steps: jax.Array         # [] int32, decode steps run so far
 
 
-def start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N, *, mc, sc,
-           obs_width):
-  """Each row's prompt prefilled into its own cache row; every row live.
-  ``row_N``: the episode row each cache row plays (its draws are that
-  row's: ``row_keys``)."""
-  n, p = prompt_tokens_NxP.shape
+def start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, key, row_N,
+          *, mc, sc, obs_width):
+  """Each row's prompt in its own cache row; every row live.
+
+  The ``U`` prompts are distinct ones, each prefilled once; row ``n``'s is
+  prompt ``source_N[n]``, whose keys, values and first-token logits it
+  copies (a group's ``G`` rows cost one prompt forward). ``row_N``: the
+  episode row each cache row plays (its draws are that row's:
+  ``row_keys``)."""
+  p = prompt_tokens_UxP.shape[1]
+  n = source_N.shape[0]
   t = sc.max_new_tokens
-  mask = prompt_mask_NxP.astype(jnp.bool_)
-  model, w_DxV, cache_dtype, _ = decode_setup(params, mask[:1], mc, sc)
-  cache = init_cache(mc, n, p + t + obs_width, cache_dtype)
+  mask_U = prompt_mask_UxP.astype(jnp.bool_)
+  model, w_DxV, cache_dtype, _ = decode_setup(params, mask_U[:1], mc, sc)
   hidden, cache = model.apply(
-      {"params": params}, prompt_tokens_NxP,
-      jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0), cache,
-      input_mask_BxT=mask)
-  cache = cache._replace(index=jnp.full((n,), p, jnp.int32))
-  logits = compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0]
+      {"params": params}, prompt_tokens_UxP,
+      jnp.maximum(jnp.cumsum(mask_U.astype(jnp.int32), -1) - 1, 0),
+      init_cache(mc, mask_U.shape[0], p + t + obs_width, cache_dtype),
+      input_mask_BxT=mask_U)
+  cache = KVCache(tuple(LayerKV(kv.k[source_N], kv.v[source_N])
+                        for kv in cache.layers), cache.mask[source_N],
+                  jnp.full((n,), p, jnp.int32), cache.prefix)
+  logits = compute_logits(hidden[:, -1:], w_DxV,
+                          mc.final_logit_softcap)[source_N, 0]
+  mask = mask_U[source_N]
   zeros = jnp.zeros((n, t), jnp.float32)
   false = jnp.zeros((n,), jnp.bool_)
   return Turns(
@@ -77,14 +86,14 @@ def start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N, *, mc, sc,
       row=row_N.astype(jnp.int32), steps=jnp.zeros((), jnp.int32))
 
 
-def refill(params, state: Turns, refill_N, prompt_tokens_NxP,
-            prompt_mask_NxP, key, row_N, *, mc, sc, obs_width) -> Turns:
-  """The slots in ``refill_N`` start the episodes ``row_N`` (their prompts
-  prefilled, every buffer reset); the other slots are unchanged. Every slot
-  is prefilled and the refilled ones kept: one program, whatever the
-  count."""
-  fresh = start(params, prompt_tokens_NxP, prompt_mask_NxP, key, row_N,
-                 mc=mc, sc=sc, obs_width=obs_width)
+def refill(params, state: Turns, refill_N, prompt_tokens_UxP,
+           prompt_mask_UxP, source_N, key, row_N, *, mc, sc, obs_width
+           ) -> Turns:
+  """The slots in ``refill_N`` start the episodes ``row_N``, slot ``n``
+  with prompt ``source_N[n]`` of the ``U`` given (``start``; every buffer
+  reset); the other slots are unchanged. One program per ``U``."""
+  fresh = start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, key,
+                row_N, mc=mc, sc=sc, obs_width=obs_width)
 
   def pick(new, old):
     if new is None or new.ndim == 0:
