@@ -170,7 +170,9 @@ same rows of the issue-12 model, two workloads of 64 x (64 + 128) slots:
 ``fixed`` (every row full, EOS off) and ``long_tailed`` (prompts of 16..64
 tokens, geometric completions of mean ~32 truncated at 128). Figures are
 real (non-padding) tokens/s; the packed time includes the host's plan.
-Then, on the long-tailed workload, ``--microbatches`` microbatches of
+Each workload also runs packed with ``rl.packing_buckets`` = 64 (every
+buffer count its own program): how full its buffers are and its step time
+against the default 8 buckets'. Then, on the long-tailed workload, ``--microbatches`` microbatches of
 consecutive rows against microbatches split by tokens
 (``rl.microbatch_tokens``, the same count, tokens balanced): a microbatch
 holding the longest rows sets every microbatch's buffers when split by rows.
@@ -482,6 +484,9 @@ def padding_free():
                             jax.random.key_data(jax.random.key(0)))
   padded = jax.jit(train.make_rl_step(mc, cfg, optimizer, coef_tx))
   packed = packing.PaddingFree(padded, cfg)
+  # rl.packing_buckets=TORCH_ROWS: every buffer count a bucket of its own.
+  exact = packing.PaddingFree(padded, dataclasses.replace(
+      cfg, packing_buckets=TORCH_ROWS))
   out = {}
   print(f"\npadding-free vs padded rl_step, {TORCH_ROWS} x ({TORCH_PROMPT} + "
         f"{TORCH_COMPLETION}) slots, {models.count_params(params):,} params "
@@ -501,6 +506,10 @@ def padding_free():
       row[f"{name}_real_tokens_per_s"] = real / seconds
     row["ratio"] = row["padded_s"] / row["packed_s"]
     row["fill"] = packed.last_fill
+    row["exact_buckets_s"] = _timed(lambda: jax.block_until_ready(
+        exact(state0, batch)[1]), _TORCH_STEPS.value, {})
+    row["exact_buckets_fill"] = exact.last_fill
+    row["exact_buckets_vs_8"] = row["packed_s"] / row["exact_buckets_s"]
     row["loss_rel_diff"] = abs(
         float(metrics_of["packed"]["pg_loss"] - metrics_of["padded"]["pg_loss"])
         ) / max(abs(float(metrics_of["padded"]["pg_loss"])), 1e-12)
@@ -514,6 +523,9 @@ def padding_free():
           f"{100 * row['fill']:.0f}% full): {row['ratio']:.2f}x; loss rel "
           f"{row['loss_rel_diff']:.1e}, grad norm rel "
           f"{row['grad_norm_rel_diff']:.1e}")
+    print(f"  {'':<12} rl.packing_buckets={TORCH_ROWS}: buffers "
+          f"{100 * row['exact_buckets_fill']:.1f}% full, "
+          f"{row['exact_buckets_vs_8']:.2f}x the 8 buckets' step")
     out[kind] = row
   return out
 

@@ -59,8 +59,27 @@ class JsonlWriter:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
+  """The rows of a ``metrics.jsonl``, one dict per line.
+
+  A last line without its newline that does not parse is left out: the row
+  a running job is writing, or one a kill cut short (a resumed run writes
+  it again). Any other line that does not parse raises ``ValueError``
+  naming the file and the line.
+  """
   with open(path, encoding="utf-8") as f:
-    return [json.loads(line) for line in f if line.strip()]
+    lines = f.read().split("\n")
+  rows = []
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if number == len(lines):  # unterminated: still being written
+        break
+      raise ValueError(f"{path}:{number}: not a JSON row ({e.msg}); each "
+                       "line of a metrics file is one JSON object.") from None
+  return rows
 
 
 # --- TensorBoard ------------------------------------------------------------

@@ -81,6 +81,8 @@ OTHER_AXES = {
     "rl.replay.fraction": (0.0, 0.25),
     # Microbatches split by tokens: 96 of the ~160 tokens of a minibatch.
     "rl.microbatch_tokens": (0, 96),
+    # Every buffer count its own program (a bucket per count).
+    "rl.packing_buckets": (8, 64),
     "model.overrides.remat": ("none", "full", "dots"),
     # The decode batch halves as rows end, down to 2 rows.
     "sampler.shrink_batch_to": (None, 2),

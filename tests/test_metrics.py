@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from rljax import metrics
 
@@ -213,3 +214,20 @@ def test_a_tensorboard_writer_that_writes_nothing_leaves_no_file(tmp_path):
   w.close()
   assert metrics.read_tensorboard_scalars(_event_file(tmp_path / "tb")) == [
       (4, "x", 1.0)]
+
+
+def test_read_jsonl_leaves_out_a_row_being_written_and_names_a_bad_line(
+    tmp_path):
+  path = tmp_path / "metrics.jsonl"
+  path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n')
+  assert [r["step"] for r in metrics.read_jsonl(path)] == [1, 2]
+  # The last row cut short by a kill, or still being written: left out.
+  path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2, "lo')
+  assert [r["step"] for r in metrics.read_jsonl(path)] == [1]
+  # A whole last row without its newline is a row.
+  path.write_text('{"step": 1, "loss": 0.5}\n{"step": 2}')
+  assert [r["step"] for r in metrics.read_jsonl(path)] == [1, 2]
+  # A bad line that ends is corruption, not a row being written.
+  path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+  with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON row"):
+    metrics.read_jsonl(path)

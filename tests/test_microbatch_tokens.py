@@ -101,6 +101,19 @@ def test_config_refuses_a_budget_without_padding_free():
     train.RLStepConfig(microbatch_tokens=-2)
 
 
+def test_config_refuses_buckets_without_padding_free():
+  c = tiny_config()
+  c.rl.packing_buckets, c.rl.padding_free = 16, False
+  with pytest.raises(ValueError, match=r"rl.packing_buckets=16 needs "
+                     r"rl.padding_free=True"):
+    build.validate(c)
+  c.rl.packing_buckets = 8  # the default: accepted either way
+  build.validate(c)
+  c.rl.packing_buckets, c.rl.padding_free = 0, True
+  with pytest.raises(ValueError, match=r"rl.packing_buckets=0"):
+    build.validate(c)
+
+
 @pytest.mark.slow
 def test_two_epochs_of_two_minibatches_with_kl_and_the_critic(params):  # noqa: F811
   """The host's shuffle, then each minibatch regrouped by tokens: the same

@@ -89,6 +89,28 @@ def test_buckets_are_few_and_cover_the_need():
   assert train_packing.bucket(3, 32, multiple=8) % 8 == 0
 
 
+def test_more_buckets_leave_fewer_buffers_empty():
+  """64 rows needing 23 buffers: 8 buckets round up to 24 (steps of 8);
+  64 give 23, exactly; 1 bucket gives all 64. A step of 3 (22 buckets)
+  rounds 23 and 24 up to 24, and 25 to 27."""
+  assert train_packing.bucket(23, 64) == 24
+  assert train_packing.bucket(23, 64, buckets=64) == 23
+  assert train_packing.bucket(24, 64, buckets=64) == 24
+  assert train_packing.bucket(23, 64, buckets=1) == 64
+  assert [train_packing.bucket(k, 64, buckets=22) for k in (23, 24, 25)] == [
+      24, 24, 27]
+  for n in (1, 8, 22, 64, 100):
+    sizes = {train_packing.bucket(k, 64, buckets=n) for k in range(1, 65)}
+    assert len(sizes) <= n
+
+
+@pytest.mark.parametrize("value", [0, -1, True, 2.5])
+def test_packing_buckets_must_be_a_positive_integer(value):
+  with pytest.raises(ValueError, match=rf"rl.packing_buckets={value!r}: a "
+                     "positive integer"):
+    train.RLStepConfig(packing_buckets=value)
+
+
 def _reference_logprobs(params, config, tokens, mask):
   """Per-row float64 NumPy logprobs of every real token after the first."""
   np_params = jax.tree.map(lambda x: np.asarray(x, np.float64), params)

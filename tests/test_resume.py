@@ -3,7 +3,6 @@
 The kill tests run ``launch.train`` in real subprocesses.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -36,14 +35,6 @@ def _launch(workdir, *extra):
       stderr=subprocess.STDOUT, text=True)
 
 
-def _complete_rows(path):
-  """The rows of a ``metrics.jsonl`` another process is writing: its lines
-  that end, without the one being written (read mid-write, it is cut)."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
-  return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
-
-
 def _wait_for_step(workdir, step, proc, timeout=300):
   """Waits until metrics for ``step`` are written and its checkpoint is complete."""
   path = os.path.join(workdir, "metrics.jsonl")
@@ -52,7 +43,8 @@ def _wait_for_step(workdir, step, proc, timeout=300):
   while time.time() < deadline:
     assert proc.poll() is None, proc.stdout.read()
     if os.path.exists(path) and any(
-        r["step"] == step for r in _complete_rows(path)) and os.path.isdir(ckpt):
+        r["step"] == step for r in metrics.read_jsonl(path)) and os.path.isdir(
+            ckpt):
       return
     time.sleep(0.05)
   raise TimeoutError(f"step {step} not reached")

@@ -90,6 +90,7 @@ def step_config(config: Any) -> RLStepConfig:
       max_log_ratio=float(rl.max_log_ratio),
       count_empty_sequences=bool(rl.count_empty_sequences),
       microbatch_tokens=int(rl.microbatch_tokens),
+      packing_buckets=int(rl.packing_buckets),
       # The rollout's completion is the last max_new_tokens columns of a row.
       completion_length=config.sampler.max_new_tokens,
       # The objective's own loss term, if any (KL-Cov's, DRO's penalty).

@@ -16,9 +16,12 @@ minibatch split are the padded step's, exactly.
 Shapes. A row never exceeds ``L``, so ``k`` rows always fit a buffer of
 ``k L`` and first-fit needs at most ``ceil(M / k)`` buffers for a microbatch
 of ``M`` rows. ``Bp`` is the most buffers any microbatch needs, rounded up to
-a bucket, a multiple of ``ceil(M / k / 8)`` (and of the mesh's batch
-shards): a run compiles at most 8 step programs per ``k``, whatever its
-lengths.
+a bucket, a multiple of ``ceil(M / k / n)`` for ``n = rl.packing_buckets``
+(8 by default; and of the mesh's batch shards): a run compiles at most
+``n`` step programs per ``k``, whatever its lengths. The rounding leaves
+up to ``ceil(M / k / n) - 1`` buffers empty: more buckets fill the buffers
+closer to the real tokens (``n >= M / k``: exactly the buffers first-fit
+needs) at the cost of more programs.
 
 Cost. The decoder's token-wise work (projections, MLP, norms) runs on
 ``Bp * k L`` slots instead of ``M L``; attention on buffers of ``k L`` slots
@@ -63,11 +66,12 @@ NUM_BUCKETS = 8
 BUFFER_ROWS = 2  # a buffer holds this many rows' length (k L slots)
 
 
-def bucket(needed: int, rows: int, multiple: int = 1) -> int:
+def bucket(needed: int, rows: int, multiple: int = 1,
+           buckets: int = NUM_BUCKETS) -> int:
   """``Bp`` for ``needed`` buffers of a microbatch of ``rows`` rows: rounded
-  up to a multiple of ``ceil(rows / NUM_BUCKETS)`` (and of ``multiple``),
-  at most ``rows`` rounded up to ``multiple``."""
-  step = -(-rows // NUM_BUCKETS)
+  up to a multiple of ``ceil(rows / buckets)`` (and of ``multiple``), at
+  most ``rows`` rounded up to ``multiple``."""
+  step = -(-rows // buckets)
   step = -(-step // multiple) * multiple
   top = -(-rows // multiple) * multiple
   return min(max(-(-needed // step) * step, step), top)
@@ -88,8 +92,8 @@ def host_order(cfg: RLStepConfig, key_data: Any, n: int) -> np.ndarray:
   return np.asarray(_order_fn(cfg, n)(np.asarray(key_data)), np.int32)
 
 
-def _pack(masks: list[np.ndarray], row_multiple: int
-          ) -> list[packing_lib.Packing]:
+def _pack(masks: list[np.ndarray], row_multiple: int,
+          buckets: int = NUM_BUCKETS) -> list[packing_lib.Packing]:
   """Each microbatch's ``Packing``, one shape for all: buffers of two rows'
   length only where they save slots (their attention costs more per slot),
   as many as the most any microbatch needs, bucketed."""
@@ -101,7 +105,7 @@ def _pack(masks: list[np.ndarray], row_multiple: int
                       for b, _ in placements[rows])
             for rows in placements}
   rows = BUFFER_ROWS if needed[BUFFER_ROWS] * BUFFER_ROWS < needed[1] else 1
-  bp = bucket(needed[rows], -(-m // rows), row_multiple)
+  bp = bucket(needed[rows], -(-m // rows), row_multiple, buckets)
   return [packing_lib.pack_rows(x, bp, rows * length, placement=p)
           for x, p in zip(masks, placements[rows])]
 
@@ -195,7 +199,7 @@ def plan_step(cfg: RLStepConfig, input_mask_NxL: np.ndarray, key_data: Any,
                             row_multiple)
   u, k, m = order.shape
   packs = _pack([mask[order[i, j]] for i in range(u) for j in range(k)],
-                row_multiple)
+                row_multiple, cfg.packing_buckets)
   stacked = packing_lib.Packing(*[
       np.stack([p[f] for p in packs]).reshape(u, k, *packs[0][f].shape)
       for f in range(len(packing_lib.Packing._fields))])

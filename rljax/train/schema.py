@@ -284,6 +284,10 @@ _BASE: dict[str, Field] = {
                               "rows; > 0: split each minibatch by tokens, "
                               "the fewest microbatches within this budget "
                               "(verl's dynamic batch size; padding-free)"),
+    "rl.packing_buckets": F(8, "int>=1", "padding-free: the buffer counts "
+                            "a microbatch may compile; more fill the "
+                            "buffers closer to the real tokens and compile "
+                            "more step programs"),
     "rl.kl_coef": F(0.0, ">=0", "weight of the KL to the reference params"),
     "rl.log_kl": F(False, None, "log the KL to the reference params (kl) "
                    "with no penalty: a copy of the SFT params is kept; the "

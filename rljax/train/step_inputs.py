@@ -162,6 +162,9 @@ class RLStepConfig:
       one's real tokens within this budget, tokens balanced across them
       (verl's dynamic batch size). Read by the host's ``StepPlan``
       (``train/packing.py``), so it needs a padding-free step.
+    packing_buckets: how many buffer counts a padding-free microbatch may
+      compile (``train/packing.py``, ``bucket``): more fill the buffers
+      closer to the real tokens and compile more step programs.
   """
 
   num_epochs: int = 1
@@ -191,6 +194,7 @@ class RLStepConfig:
   max_log_ratio: float = 20.0
   count_empty_sequences: bool = False
   microbatch_tokens: int = 0
+  packing_buckets: int = 8
 
   def __post_init__(self):
     for field, value, accepted in (
@@ -204,6 +208,10 @@ class RLStepConfig:
       raise ValueError(f"rl.microbatch_tokens={self.microbatch_tokens}: 0 "
                        "(split by rows) or a positive token budget is "
                        "accepted.")
+    if isinstance(self.packing_buckets, bool) or not isinstance(
+        self.packing_buckets, int) or self.packing_buckets < 1:
+      raise ValueError(f"rl.packing_buckets={self.packing_buckets!r}: a "
+                       "positive integer is accepted.")
     if self.completion_length is not None and self.completion_length < 1:
       raise ValueError(f"completion_length={self.completion_length}: a "
                        "positive integer or None is accepted.")
