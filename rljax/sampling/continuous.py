@@ -13,10 +13,10 @@ bucket plus ``max_new_tokens``) written at its own index (``KVCache.index``
 are not contiguous and cannot read one shared prefix; instead a fill of
 prompts runs the decoder once per distinct prompt that no live slot holds
 and copies the prompt's KV into the other rows' slots
-(``SlotConfig.share_prompts``, ``_fill_shared``): a group costs one prompt
-forward, not ``G``. Rows that already hold tokens (a partial row carried from an earlier
-call, APRIL's partial rollouts) prefill prompt and tokens together and go on
-from there: their tokens are never re-sampled.
+(``SlotConfig.share_prompts``, ``slot_fill.prefill_shared``): a group costs
+one prompt forward, not ``G``. Rows that already hold tokens (a partial row
+carried from an earlier call, APRIL's partial rollouts) prefill prompt and
+tokens together and go on from there: their tokens are never re-sampled.
 
 Draws. Row ``q``'s token at completion column ``j`` is drawn with
 ``fold_in(keys[q], j)`` (``sampler.row_keys``/``token_keys``), the key the
@@ -48,10 +48,11 @@ import numpy as np
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
-from rljax.models.kv_cache import KVCache, LayerKV
+from rljax.models.kv_cache import KVCache
 from rljax.sampling.sampler import (SamplerConfig, _ended, fused_logprobs,
-                                    pick_logprob, decode_setup, sampled_logprobs,
-                                    token_keys)
+                                    pick_logprob, decode_setup, token_keys)
+from rljax.sampling.slot_fill import (  # noqa: F401  (re-exported)
+    ACCEPT_FOLD, NO_PROMPT, accept_draft, prefill_rows, prefill_shared)
 
 
 class Queue(NamedTuple):
@@ -206,264 +207,8 @@ class _State(NamedTuple):
   accepted: jax.Array      # [Q] int32, draft tokens kept
   slot_prompt: jax.Array   # [M, P] int32: the prompt whose KV the slot's
                            # first P cache slots hold (-1 where masked),
-                           # _NO_PROMPT where none can be shared
+                           # NO_PROMPT where none can be shared
   prompt_logits: jax.Array  # [M, V] fp32, the logits after that prompt
-
-
-def accept_draft(logits_RxTxV, tokens_RxT, length_R, old_lp_RxT, log_u_RxT,
-                 sample_R, *, sc: SamplerConfig, log_lenience: float):
-  """SPEC-RL's acceptance of drafted tokens (``sampling.speculative``):
-  ``(accepted_R, sampler_lp_RxT, policy_lp_RxT)``. ``logits_RxTxV[:, j]``
-  predicts draft token ``j``; ``length_R`` draft tokens are real;
-  ``log_u_RxT``: the uniforms' logs of the rule; ``sample_R``: each row's
-  sample index in its group (ReMax's greedy row accepts argmax tokens
-  only). Shared by the slots (``_verify``) and the multi-turn rollout
-  (``rljax/rollout/turns.py``)."""
-  t = tokens_RxT.shape[1]
-  sampler_lp, policy_lp = sampled_logprobs(logits_RxTxV, tokens_RxT, sc)
-  is_argmax = tokens_RxT == jnp.argmax(logits_RxTxV, -1).astype(jnp.int32)
-  if sc.method.greedy:
-    accept = is_argmax
-  else:
-    accept = log_u_RxT <= log_lenience + sampler_lp - old_lp_RxT
-    every = getattr(sc.method, "greedy_every", 0)
-    if every:  # ReMax's greedy row of each group
-      greedy_row = (sample_R % every == every - 1)[:, None]
-      accept = jnp.where(greedy_row, is_argmax, accept)
-      sampler_lp = jnp.where(greedy_row, 0.0, sampler_lp)
-  accept = accept & (jnp.arange(t)[None] < length_R[:, None])
-  accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
-  return accepted, sampler_lp, policy_lp
-
-
-def _verify(hidden_RxWxD, tokens_RxT, length_R, old_lp_RxT, key_rows, sample_R,
-            *, p: int, w_DxV, mc: ModelConfig, sc: SamplerConfig,
-            log_lenience: float):
-  """``accept_draft`` of the rows prefilled with their drafts. Row ``r``
-  draws its uniforms from ``fold_in(key_r, ACCEPT_FOLD)``."""
-  t = tokens_RxT.shape[1]
-  logits = compute_logits(hidden_RxWxD[:, p - 1:p - 1 + t], w_DxV,
-                          mc.final_logit_softcap)
-  log_u = jnp.log(jax.vmap(lambda k: jax.random.uniform(
-      jax.random.fold_in(k, ACCEPT_FOLD), (t,)))(key_rows))
-  return accept_draft(logits, tokens_RxT, length_R, old_lp_RxT, log_u,
-                      sample_R, sc=sc, log_lenience=log_lenience)
-
-
-ACCEPT_FOLD = 0x7FFFFFFF  # a column no token has: the acceptance draws' key
-
-
-def _fill(params, state: _State, queue: Queue, num_rows: int, width: int, *,
-          model, w_DxV, mc: ModelConfig, sc: SamplerConfig, cache_dtype,
-          limit, log_lenience: float | None = None) -> _State:
-  """Starts up to ``num_rows`` waiting rows in free slots (one prefill).
-
-  ``limit``: at most this many rows start (a traced int). The rows' prompts
-  (and, ``width > P``, their carried tokens) are prefilled into a fresh
-  ``[num_rows, S]`` cache whose rows then replace the chosen slots'. With
-  ``log_lenience`` a drafted row (``Queue.verify``) keeps its draft up to
-  the first rejected token; a row whose whole draft is kept and ended
-  (EOS, stop sequence, or ``T`` tokens) is done at once and takes no slot.
-  """
-  q, p = queue.prompt_tokens.shape
-  m, s = state.live.shape[0], state.cache.mask.shape[1]
-  free = ~state.live
-  count = jnp.minimum(jnp.minimum(jnp.sum(free), limit),
-                      queue.num_pending - state.next_row)
-  r = jnp.arange(num_rows)
-  valid = r < count
-  slot = jnp.where(valid, jnp.argsort(state.live, stable=True)[
-      jnp.minimum(r, m - 1)], m)  # m: dropped by the scatters below
-  row = jnp.minimum(state.next_row + r, q - 1)
-  extra = width - p
-  length = jnp.where(valid, queue.length[row], 0) if extra else jnp.zeros(
-      (num_rows,), jnp.int32)
-  tokens = queue.prompt_tokens[row]
-  mask = queue.prompt_mask[row]
-  if extra:
-    tokens = jnp.concatenate([tokens, queue.tokens[row][:, :extra]], 1)
-    mask = jnp.concatenate(
-        [mask, jnp.arange(extra)[None] < length[:, None]], 1)
-  positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
-  hidden, fresh = model.apply(
-      {"params": params}, tokens, positions,
-      init_cache(mc, num_rows, s, cache_dtype), input_mask_BxT=mask)
-  key_rows = jax.random.wrap_key_data(queue.keys[row])
-  live = valid
-  q, t = state.tokens.shape
-  if log_lenience is not None and extra and queue.verify is not None:
-    verify = valid & queue.verify[row]
-    draft = queue.tokens[row][:, :extra]
-    accepted, sampler_lp, policy_lp = _verify(
-        hidden, draft, length, queue.sampler_logprobs[row], key_rows,
-        queue.sample[row], p=p, w_DxV=w_DxV, mc=mc, sc=sc,
-        log_lenience=log_lenience)
-    length = jnp.where(verify, accepted, length)
-    kept = jnp.arange(t)[None] < length[:, None]
-    out = jnp.where(verify, row, q)  # q: dropped by the scatters
-    last = jnp.maximum(length - 1, 0)
-    ended = verify & (length > 0) & _ended(
-        draft, last, jnp.take_along_axis(draft, last[:, None], 1)[:, 0],
-        jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32),
-        sc.stop_sequences)
-    over = ended | (verify & (length >= t))
-    zero = jnp.zeros_like(sampler_lp)
-    state = state._replace(
-        tokens=state.tokens.at[out].set(
-            jnp.where(kept, draft, sc.pad_id), mode="drop"),
-        mask=state.mask.at[out].set(kept, mode="drop"),
-        sampler_logp=state.sampler_logp.at[out].set(
-            jnp.where(kept, sampler_lp, zero), mode="drop"),
-        policy_logp=(None if state.policy_logp is None else
-                     state.policy_logp.at[out].set(
-                         jnp.where(kept, policy_lp, zero), mode="drop")),
-        accepted=state.accepted.at[out].set(accepted, mode="drop"),
-        done=state.done.at[jnp.where(over, row, q)].set(True, mode="drop"),
-        finished=state.finished.at[jnp.where(ended, row, q)].set(
-            True, mode="drop"))
-    live = valid & ~over
-    # Rejected draft slots stay in the cache but are never attended to.
-    fresh = fresh._replace(mask=fresh.mask & (
-        jnp.arange(s)[None] < (p + length)[:, None]))
-  last = jnp.take_along_axis(
-      hidden, jnp.minimum(p - 1 + length, width - 1)[:, None, None], 1)
-  logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
-  cache = state.cache
-  layers = tuple(LayerKV(old.k.at[slot].set(new.k, mode="drop"),
-                         old.v.at[slot].set(new.v, mode="drop"))
-                 for old, new in zip(cache.layers, fresh.layers))
-  cache = KVCache(layers, cache.mask.at[slot].set(fresh.mask, mode="drop"),
-                  cache.index.at[slot].set(p + length, mode="drop"))
-  prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
-  # A slot filled with its prompt alone can lend it to later rows
-  # (``_fill_shared``); one that holds carried or drafted tokens cannot
-  # (its logits follow the tokens, not the prompt).
-  held = (_masked_prompt(queue, row) if not extra
-          else jnp.full((num_rows, p), _NO_PROMPT, jnp.int32))
-  return state._replace(
-      slot_row=state.slot_row.at[slot].set(row, mode="drop"),
-      live=state.live.at[slot].set(live, mode="drop"),
-      logits=state.logits.at[slot].set(logits, mode="drop"),
-      cache=cache,
-      column=state.column.at[slot].set(length, mode="drop"),
-      position=state.position.at[slot].set(prompt_len + length, mode="drop"),
-      keys=state.keys.at[slot].set(key_rows, mode="drop"),
-      next_row=state.next_row + count,
-      prefills=state.prefills + 1,
-      prefilled_rows=state.prefilled_rows + count,
-      slot_prompt=state.slot_prompt.at[slot].set(held, mode="drop"),
-      prompt_logits=(state.prompt_logits if extra else
-                     state.prompt_logits.at[slot].set(logits, mode="drop")))
-
-
-_NO_PROMPT = -2  # a slot_prompt row no prompt equals (masked tokens are -1)
-
-
-def _masked_prompt(queue: Queue, row: jax.Array) -> jax.Array:
-  """``[R, P]``: the rows' prompt tokens, -1 at masked (padding) slots."""
-  return jnp.where(queue.prompt_mask[row], queue.prompt_tokens[row], -1)
-
-
-def _fill_shared(params, state: _State, queue: Queue, num_rows: int, *,
-                 leaders: int, model, w_DxV, mc: ModelConfig,
-                 sc: SamplerConfig, cache_dtype, limit, **unused) -> _State:
-  """``_fill`` of prompts alone (no carried tokens, no drafts), sharing
-  each distinct prompt's forward (``SlotConfig.share_prompts``).
-
-  A starting row whose prompt a live slot holds copies that slot's prompt
-  KV and first-token logits (a live slot is never refilled, so it is a
-  safe source); of the other rows, the first with each prompt (the
-  leader) is prefilled and the rest copy it. Up to ``leaders`` leaders
-  run in one forward of ``leaders`` rows (none runs when every row
-  copies); more fall back to ``_fill``'s forward of every row. Each row's
-  KV and logits are what its own prefill would give: the prompt's keys
-  and values depend on the prompt alone.
-  """
-  del unused
-  q, p = queue.prompt_tokens.shape
-  m, s = state.live.shape[0], state.cache.mask.shape[1]
-  count = jnp.minimum(jnp.minimum(jnp.sum(~state.live), limit),
-                      queue.num_pending - state.next_row)
-  r = jnp.arange(num_rows)
-  valid = r < count
-  row = jnp.minimum(state.next_row + r, q - 1)
-  prompt = _masked_prompt(queue, row)
-  same_slot = jnp.all(prompt[:, None] == state.slot_prompt[None], -1)
-  same_slot &= state.live[None]
-  from_slot = valid & jnp.any(same_slot, 1)
-  donor = jnp.argmax(same_slot, 1)
-  first = jnp.argmax(jnp.all(prompt[:, None] == prompt[None], -1), 1)
-  leader = valid & ~from_slot & (first == r)
-  num_leaders = jnp.sum(leader)
-
-  def shared(state: _State) -> _State:
-    lead = jnp.nonzero(leader, size=leaders, fill_value=0)[0]
-    rank = jnp.cumsum(leader) - 1  # a leader's index in ``lead``
-    lead_row = row[lead]
-
-    def forward(_):
-      mask = queue.prompt_mask[lead_row]
-      positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
-      hidden, fresh = model.apply(
-          {"params": params}, queue.prompt_tokens[lead_row], positions,
-          init_cache(mc, leaders, s, cache_dtype), input_mask_BxT=mask)
-      logits = compute_logits(hidden[:, p - 1:p], w_DxV,
-                              mc.final_logit_softcap)[:, 0]
-      return fresh.layers, fresh.mask, logits
-
-    def nothing(_):
-      shape = (leaders, mc.num_kv_heads, s, mc.head_dim)
-      return (tuple(LayerKV(jnp.zeros(shape, cache_dtype),
-                            jnp.zeros(shape, cache_dtype))
-                    for _ in range(mc.num_layers)),
-              jnp.zeros((leaders, s), jnp.bool_),
-              jnp.zeros((leaders, mc.vocab_size), jnp.float32))
-
-    fresh_layers, fresh_mask, lead_logits = jax.lax.cond(
-        num_leaders > 0, forward, nothing, None)
-    source = rank[first]  # each row's leader, for rows that do not copy
-    prompt_slots = jnp.arange(s) < p
-    copy = from_slot[:, None, None, None]
-    keep = prompt_slots[None, None, :, None]
-
-    def rows_of(slot_kv, lead_kv):
-      kv = jnp.where(copy, slot_kv[donor], lead_kv[source])
-      return jnp.where(keep, kv, jnp.zeros((), kv.dtype))
-
-    slot = jnp.where(valid, jnp.argsort(state.live, stable=True)[
-        jnp.minimum(r, m - 1)], m)  # m: dropped by the scatters below
-    cache = state.cache
-    layers = tuple(
-        LayerKV(old.k.at[slot].set(rows_of(old.k, new.k), mode="drop"),
-                old.v.at[slot].set(rows_of(old.v, new.v), mode="drop"))
-        for old, new in zip(cache.layers, fresh_layers))
-    mask = jnp.where(from_slot[:, None], cache.mask[donor] & prompt_slots,
-                     fresh_mask[source])
-    cache = KVCache(layers, cache.mask.at[slot].set(mask, mode="drop"),
-                    cache.index.at[slot].set(p, mode="drop"))
-    logits = jnp.where(from_slot[:, None], state.prompt_logits[donor],
-                       lead_logits[source])
-    prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
-    return state._replace(
-        slot_row=state.slot_row.at[slot].set(row, mode="drop"),
-        live=state.live.at[slot].set(valid, mode="drop"),
-        logits=state.logits.at[slot].set(logits, mode="drop"),
-        cache=cache,
-        column=state.column.at[slot].set(0, mode="drop"),
-        position=state.position.at[slot].set(prompt_len, mode="drop"),
-        keys=state.keys.at[slot].set(
-            jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
-        next_row=state.next_row + count,
-        prefills=state.prefills + 1,
-        prefilled_rows=state.prefilled_rows + num_leaders,
-        slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
-        prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
-
-  def every_row(state: _State) -> _State:
-    return _fill(params, state, queue, num_rows, p, model=model, w_DxV=w_DxV,
-                 mc=mc, sc=sc, cache_dtype=cache_dtype, limit=limit)
-
-  return jax.lax.cond(num_leaders <= leaders, shared, every_row, state)
 
 
 def _step(params, state: _State, queue: Queue, *, model, w_DxV,
@@ -543,14 +288,14 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
       kept=jnp.zeros((), jnp.int32), prefills=jnp.zeros((), jnp.int32),
       prefilled_rows=jnp.zeros((), jnp.int32),
       accepted=jnp.zeros((q,), jnp.int32),
-      slot_prompt=jnp.full((m, p), _NO_PROMPT, jnp.int32),
+      slot_prompt=jnp.full((m, p), NO_PROMPT, jnp.int32),
       prompt_logits=jnp.zeros((m, mc.vocab_size), jnp.float32))
   if state.policy_logp is None and sc.record_policy_logprobs:
     raise ValueError("the queue has no policy_logprobs but the sampler "
                      "records them.")
   kw = dict(model=model, w_DxV=w_DxV, mc=mc, sc=sc)
   drafts = slots.log_lenience is not None
-  fill = functools.partial(_fill, cache_dtype=cache_dtype,
+  fill = functools.partial(prefill_rows, cache_dtype=cache_dtype,
                            log_lenience=slots.log_lenience, **kw)
 
   def fill_rows(state, num_rows, width):
@@ -558,10 +303,10 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
     prefilled, with room for one leader per group of ``G`` rows (a fill
     starts at a multiple of the refill size, so groups of ``G`` rows are
     cut by its edges only when neither divides the other; then
-    ``_fill_shared`` may fall back to a prefill per row)."""
+    ``prefill_shared`` may fall back to a prefill per row)."""
     if slots.share_prompts and width == p:
       leaders = min(num_rows, -(-num_rows // sc.num_samples))
-      return _fill_shared(params, state, queue, num_rows, leaders=leaders,
+      return prefill_shared(params, state, queue, num_rows, leaders=leaders,
                           cache_dtype=cache_dtype, limit=num_rows, **kw)
     return fill(params, state, queue, num_rows, width, limit=num_rows)
 

@@ -1,0 +1,284 @@
+"""Filling continuous-batching slots (``rljax/sampling/continuous.py``).
+
+A fill starts waiting queue rows in free slots inside the slots'
+``lax.while_loop``. ``prefill_rows`` runs the decoder on every starting row
+(a row with carried tokens prefills them with its prompt; a SPEC-RL draft
+is verified as it is prefilled, ``verify_drafts``/``accept_draft``).
+``prefill_shared`` fills rows of prompts alone and runs the decoder once per
+distinct prompt: the other rows copy its keys, values and first-token
+logits (``SlotConfig.share_prompts``). The state is ``continuous._State``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from rljax.models import ModelConfig, compute_logits, init_cache
+from rljax.models.kv_cache import KVCache, LayerKV
+from rljax.sampling.sampler import SamplerConfig, _ended, sampled_logprobs
+
+
+def accept_draft(logits_RxTxV, tokens_RxT, length_R, old_lp_RxT, log_u_RxT,
+                 sample_R, *, sc: SamplerConfig, log_lenience: float):
+  """SPEC-RL's acceptance of drafted tokens (``sampling.speculative``):
+  ``(accepted_R, sampler_lp_RxT, policy_lp_RxT)``. ``logits_RxTxV[:, j]``
+  predicts draft token ``j``; ``length_R`` draft tokens are real;
+  ``log_u_RxT``: the uniforms' logs of the rule; ``sample_R``: each row's
+  sample index in its group (ReMax's greedy row accepts argmax tokens
+  only). Shared by the slots (``verify_drafts``) and the multi-turn rollout
+  (``rljax/rollout/turns.py``)."""
+  t = tokens_RxT.shape[1]
+  sampler_lp, policy_lp = sampled_logprobs(logits_RxTxV, tokens_RxT, sc)
+  is_argmax = tokens_RxT == jnp.argmax(logits_RxTxV, -1).astype(jnp.int32)
+  if sc.method.greedy:
+    accept = is_argmax
+  else:
+    accept = log_u_RxT <= log_lenience + sampler_lp - old_lp_RxT
+    every = getattr(sc.method, "greedy_every", 0)
+    if every:  # ReMax's greedy row of each group
+      greedy_row = (sample_R % every == every - 1)[:, None]
+      accept = jnp.where(greedy_row, is_argmax, accept)
+      sampler_lp = jnp.where(greedy_row, 0.0, sampler_lp)
+  accept = accept & (jnp.arange(t)[None] < length_R[:, None])
+  accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
+  return accepted, sampler_lp, policy_lp
+
+
+def verify_drafts(hidden_RxWxD, tokens_RxT, length_R, old_lp_RxT, key_rows,
+                  sample_R, *, p: int, w_DxV, mc: ModelConfig,
+                  sc: SamplerConfig, log_lenience: float):
+  """``accept_draft`` of the rows prefilled with their drafts. Row ``r``
+  draws its uniforms from ``fold_in(key_r, ACCEPT_FOLD)``."""
+  t = tokens_RxT.shape[1]
+  logits = compute_logits(hidden_RxWxD[:, p - 1:p - 1 + t], w_DxV,
+                          mc.final_logit_softcap)
+  log_u = jnp.log(jax.vmap(lambda k: jax.random.uniform(
+      jax.random.fold_in(k, ACCEPT_FOLD), (t,)))(key_rows))
+  return accept_draft(logits, tokens_RxT, length_R, old_lp_RxT, log_u,
+                      sample_R, sc=sc, log_lenience=log_lenience)
+
+
+ACCEPT_FOLD = 0x7FFFFFFF  # a column no token has: the acceptance draws' key
+
+
+def _starting_rows(state: Any, queue: Any, num_rows: int, limit):
+  """``(count, valid [R], queue row [R], slot [R])`` of a fill: the next
+  ``count`` waiting rows (at most ``limit`` and the free slots) and the free
+  slots they take (``M`` for the rows beyond ``count``: dropped by the
+  scatters)."""
+  q, m = queue.prompt_tokens.shape[0], state.live.shape[0]
+  count = jnp.minimum(jnp.minimum(jnp.sum(~state.live), limit),
+                      queue.num_pending - state.next_row)
+  r = jnp.arange(num_rows)
+  valid = r < count
+  slot = jnp.where(valid, jnp.argsort(state.live, stable=True)[
+      jnp.minimum(r, m - 1)], m)
+  return count, valid, jnp.minimum(state.next_row + r, q - 1), slot
+
+
+def prefill_rows(params, state: Any, queue: Any, num_rows: int, width: int,
+                 *, model, w_DxV, mc: ModelConfig, sc: SamplerConfig,
+                 cache_dtype, limit, log_lenience: float | None = None
+                 ) -> Any:
+  """Starts up to ``num_rows`` waiting rows in free slots (one prefill).
+
+  ``limit``: at most this many rows start (a traced int). The rows' prompts
+  (and, ``width > P``, their carried tokens) are prefilled into a fresh
+  ``[num_rows, S]`` cache whose rows then replace the chosen slots'. With
+  ``log_lenience`` a drafted row (``Queue.verify``) keeps its draft up to
+  the first rejected token; a row whose whole draft is kept and ended
+  (EOS, stop sequence, or ``T`` tokens) is done at once and takes no slot.
+  """
+  p, s = queue.prompt_tokens.shape[1], state.cache.mask.shape[1]
+  count, valid, row, slot = _starting_rows(state, queue, num_rows, limit)
+  extra = width - p
+  length = jnp.where(valid, queue.length[row], 0) if extra else jnp.zeros(
+      (num_rows,), jnp.int32)
+  tokens = queue.prompt_tokens[row]
+  mask = queue.prompt_mask[row]
+  if extra:
+    tokens = jnp.concatenate([tokens, queue.tokens[row][:, :extra]], 1)
+    mask = jnp.concatenate(
+        [mask, jnp.arange(extra)[None] < length[:, None]], 1)
+  positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
+  hidden, fresh = model.apply(
+      {"params": params}, tokens, positions,
+      init_cache(mc, num_rows, s, cache_dtype), input_mask_BxT=mask)
+  key_rows = jax.random.wrap_key_data(queue.keys[row])
+  live = valid
+  q, t = state.tokens.shape
+  if log_lenience is not None and extra and queue.verify is not None:
+    verify = valid & queue.verify[row]
+    draft = queue.tokens[row][:, :extra]
+    accepted, sampler_lp, policy_lp = verify_drafts(
+        hidden, draft, length, queue.sampler_logprobs[row], key_rows,
+        queue.sample[row], p=p, w_DxV=w_DxV, mc=mc, sc=sc,
+        log_lenience=log_lenience)
+    length = jnp.where(verify, accepted, length)
+    kept = jnp.arange(t)[None] < length[:, None]
+    out = jnp.where(verify, row, q)  # q: dropped by the scatters
+    last = jnp.maximum(length - 1, 0)
+    ended = verify & (length > 0) & _ended(
+        draft, last, jnp.take_along_axis(draft, last[:, None], 1)[:, 0],
+        jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32),
+        sc.stop_sequences)
+    over = ended | (verify & (length >= t))
+    zero = jnp.zeros_like(sampler_lp)
+    state = state._replace(
+        tokens=state.tokens.at[out].set(
+            jnp.where(kept, draft, sc.pad_id), mode="drop"),
+        mask=state.mask.at[out].set(kept, mode="drop"),
+        sampler_logp=state.sampler_logp.at[out].set(
+            jnp.where(kept, sampler_lp, zero), mode="drop"),
+        policy_logp=(None if state.policy_logp is None else
+                     state.policy_logp.at[out].set(
+                         jnp.where(kept, policy_lp, zero), mode="drop")),
+        accepted=state.accepted.at[out].set(accepted, mode="drop"),
+        done=state.done.at[jnp.where(over, row, q)].set(True, mode="drop"),
+        finished=state.finished.at[jnp.where(ended, row, q)].set(
+            True, mode="drop"))
+    live = valid & ~over
+    # Rejected draft slots stay in the cache but are never attended to.
+    fresh = fresh._replace(mask=fresh.mask & (
+        jnp.arange(s)[None] < (p + length)[:, None]))
+  last = jnp.take_along_axis(
+      hidden, jnp.minimum(p - 1 + length, width - 1)[:, None, None], 1)
+  logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
+  cache = state.cache
+  layers = tuple(LayerKV(old.k.at[slot].set(new.k, mode="drop"),
+                         old.v.at[slot].set(new.v, mode="drop"))
+                 for old, new in zip(cache.layers, fresh.layers))
+  cache = KVCache(layers, cache.mask.at[slot].set(fresh.mask, mode="drop"),
+                  cache.index.at[slot].set(p + length, mode="drop"))
+  prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
+  # A slot filled with its prompt alone can lend it to later rows
+  # (``prefill_shared``); one that holds carried or drafted tokens cannot
+  # (its logits follow the tokens, not the prompt).
+  held = (masked_prompt(queue, row) if not extra
+          else jnp.full((num_rows, p), NO_PROMPT, jnp.int32))
+  return state._replace(
+      slot_row=state.slot_row.at[slot].set(row, mode="drop"),
+      live=state.live.at[slot].set(live, mode="drop"),
+      logits=state.logits.at[slot].set(logits, mode="drop"),
+      cache=cache,
+      column=state.column.at[slot].set(length, mode="drop"),
+      position=state.position.at[slot].set(prompt_len + length, mode="drop"),
+      keys=state.keys.at[slot].set(key_rows, mode="drop"),
+      next_row=state.next_row + count,
+      prefills=state.prefills + 1,
+      prefilled_rows=state.prefilled_rows + count,
+      slot_prompt=state.slot_prompt.at[slot].set(held, mode="drop"),
+      prompt_logits=(state.prompt_logits if extra else
+                     state.prompt_logits.at[slot].set(logits, mode="drop")))
+
+
+NO_PROMPT = -2  # a slot_prompt row no prompt equals (masked tokens are -1)
+
+
+def masked_prompt(queue: Any, row: jax.Array) -> jax.Array:
+  """``[R, P]``: the rows' prompt tokens, -1 at masked (padding) slots."""
+  return jnp.where(queue.prompt_mask[row], queue.prompt_tokens[row], -1)
+
+
+def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
+                 leaders: int, model, w_DxV, mc: ModelConfig,
+                 sc: SamplerConfig, cache_dtype, limit, **unused) -> Any:
+  """``prefill_rows`` of prompts alone (no carried tokens, no drafts), sharing
+  each distinct prompt's forward (``SlotConfig.share_prompts``).
+
+  A starting row whose prompt a live slot holds copies that slot's prompt
+  KV and first-token logits (a live slot is never refilled, so it is a
+  safe source); of the other rows, the first with each prompt (the
+  leader) is prefilled and the rest copy it. Up to ``leaders`` leaders
+  run in one forward of ``leaders`` rows (none runs when every row
+  copies); more fall back to ``prefill_rows``'s forward of every row.
+  Each row's KV and logits are what its own prefill would give: the
+  prompt's keys and values depend on the prompt alone.
+  """
+  del unused
+  p, s = queue.prompt_tokens.shape[1], state.cache.mask.shape[1]
+  count, valid, row, slot = _starting_rows(state, queue, num_rows, limit)
+  r = jnp.arange(num_rows)
+  prompt = masked_prompt(queue, row)
+  same_slot = jnp.all(prompt[:, None] == state.slot_prompt[None], -1)
+  same_slot &= state.live[None]
+  from_slot = valid & jnp.any(same_slot, 1)
+  donor = jnp.argmax(same_slot, 1)
+  first = jnp.argmax(jnp.all(prompt[:, None] == prompt[None], -1), 1)
+  leader = valid & ~from_slot & (first == r)
+  num_leaders = jnp.sum(leader)
+
+  def shared(state: Any) -> Any:
+    lead = jnp.nonzero(leader, size=leaders, fill_value=0)[0]
+    rank = jnp.cumsum(leader) - 1  # a leader's index in ``lead``
+    lead_row = row[lead]
+
+    def forward(_):
+      mask = queue.prompt_mask[lead_row]
+      positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
+      hidden, fresh = model.apply(
+          {"params": params}, queue.prompt_tokens[lead_row], positions,
+          init_cache(mc, leaders, s, cache_dtype), input_mask_BxT=mask)
+      logits = compute_logits(hidden[:, p - 1:p], w_DxV,
+                              mc.final_logit_softcap)[:, 0]
+      return fresh.layers, fresh.mask, logits
+
+    def nothing(_):
+      shape = (leaders, mc.num_kv_heads, s, mc.head_dim)
+      return (tuple(LayerKV(jnp.zeros(shape, cache_dtype),
+                            jnp.zeros(shape, cache_dtype))
+                    for _ in range(mc.num_layers)),
+              jnp.zeros((leaders, s), jnp.bool_),
+              jnp.zeros((leaders, mc.vocab_size), jnp.float32))
+
+    fresh_layers, fresh_mask, lead_logits = jax.lax.cond(
+        num_leaders > 0, forward, nothing, None)
+    source = rank[first]  # each row's leader, for rows that do not copy
+    prompt_slots = jnp.arange(s) < p
+    copy = from_slot[:, None, None, None]
+    keep = prompt_slots[None, None, :, None]
+
+    def rows_of(slot_kv, lead_kv):
+      kv = jnp.where(copy, slot_kv[donor], lead_kv[source])
+      return jnp.where(keep, kv, jnp.zeros((), kv.dtype))
+
+    cache = state.cache
+    layers = tuple(
+        LayerKV(old.k.at[slot].set(rows_of(old.k, new.k), mode="drop"),
+                old.v.at[slot].set(rows_of(old.v, new.v), mode="drop"))
+        for old, new in zip(cache.layers, fresh_layers))
+    mask = jnp.where(from_slot[:, None], cache.mask[donor] & prompt_slots,
+                     fresh_mask[source])
+    cache = KVCache(layers, cache.mask.at[slot].set(mask, mode="drop"),
+                    cache.index.at[slot].set(p, mode="drop"))
+    logits = jnp.where(from_slot[:, None], state.prompt_logits[donor],
+                       lead_logits[source])
+    prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
+    return state._replace(
+        slot_row=state.slot_row.at[slot].set(row, mode="drop"),
+        live=state.live.at[slot].set(valid, mode="drop"),
+        logits=state.logits.at[slot].set(logits, mode="drop"),
+        cache=cache,
+        column=state.column.at[slot].set(0, mode="drop"),
+        position=state.position.at[slot].set(prompt_len, mode="drop"),
+        keys=state.keys.at[slot].set(
+            jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
+        next_row=state.next_row + count,
+        prefills=state.prefills + 1,
+        prefilled_rows=state.prefilled_rows + num_leaders,
+        slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
+        prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
+
+  def every_row(state: Any) -> Any:
+    return prefill_rows(params, state, queue, num_rows, p, model=model,
+                        w_DxV=w_DxV, mc=mc, sc=sc, cache_dtype=cache_dtype,
+                        limit=limit)
+
+  return jax.lax.cond(num_leaders <= leaders, shared, every_row, state)
+
+
+__all__ = ["ACCEPT_FOLD", "NO_PROMPT", "accept_draft", "masked_prompt",
+           "prefill_rows", "prefill_shared", "verify_drafts"]
