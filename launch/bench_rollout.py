@@ -29,6 +29,11 @@ its own prompt. It prints the seconds per rollout (median of
 ``--spec_repeats`` after a compile), the rows run through the decoder in
 prefills, and the ratio; the rows drawn are the same.
 
+Part 1 also compiles one rollout of each sampler on part 1's shapes and
+reads the compiler's buffer assignment: the peak of its temporaries (the
+KV cache and the decode state, not the params) for the static batch, the
+shrinking one and the slots, and the ratio to the static batch's.
+
 Part 1 prints slot utilisation (kept tokens over decode row-steps: the static
 batch runs ``N x max length`` row-steps), generated tokens/s, trained
 tokens/s (tokens of the rows handed to the trainer per second of sampling)
@@ -171,6 +176,36 @@ def _sampler_part(params, config) -> dict:
           f"{f['trained_tokens_per_s']:8.0f} tok/s "
           f"({f['trained_tokens_per_s_vs_static']:.2f}x)  staleness "
           f"{f.get('mean_staleness', 0.0):.2f}")
+  return figures
+
+
+def _memory_part(params, config) -> dict:
+  """Peak compiled temporaries of one rollout (bytes; the KV cache and the
+  decode state): the static sampler, the shrinking one and the slots."""
+  from rljax.sampling import continuous as cb  # pylint: disable=import-outside-toplevel
+  b, m = _B.value, _SLOTS.value
+  lists, _ = next(_batches(b))
+  tokens, mask = sampling.pad_prompts(lists, config.prompt_buckets)
+  key = jax.random.key(0)
+  queue = cb.fresh_queue(tokens, mask, key, config)
+  lowered = {
+      "static": sampling.make_sampler(MODEL, config).lower(
+          params, tokens, mask, key),
+      "continuous": cb.make_continuous_sampler(
+          MODEL, config, cb.SlotConfig(m, _REFILL.value)).lower(
+              params, queue, b)}
+  if _SHRINK.value:
+    lowered["shrinking"] = sampling.make_sampler(
+        MODEL, config.replace(shrink_batch_to=_SHRINK.value)).lower(
+            params, tokens, mask, key)
+  figures = {}
+  for name, low in lowered.items():
+    stats = low.compile().memory_analysis()
+    figures[name] = {"temp_bytes": int(stats.temp_size_in_bytes)}
+  for name, f in figures.items():
+    f["vs_static"] = f["temp_bytes"] / figures["static"]["temp_bytes"]
+    print(f"  {name:10s} peak temporaries {f['temp_bytes'] / 2**20:7.2f} MiB "
+          f"({f['vs_static']:.2f}x static)")
   return figures
 
 
@@ -326,6 +361,8 @@ def main(argv):
         f"in {_EOS.value} ends a row; {_SLOTS.value} slots, refill "
         f"{_REFILL.value}; {jax.devices()[0].platform}")
   figures = {"sampler": _sampler_part(params, config)}
+  print("part 1, memory: one rollout compiled, its peak temporaries")
+  figures["memory"] = _memory_part(params, config)
   if _PREFIX_LEN.value:
     print(f"part 1c: {_B.value} prompts of {_PREFIX_LEN.value} tokens x "
           f"G={_G.value}, {_SLOTS.value} slots, refill {_REFILL.value}: a "
