@@ -241,11 +241,12 @@ def validate(config: Any, mesh: jax.sharding.Mesh | None = None) -> None:
         f"rl.prompts_per_step x rl.group_size = {n} rows do not split into "
         f"rl.num_minibatches={rl.num_minibatches} x rl.num_microbatches="
         f"{rl.num_microbatches}: use counts whose product divides {n}.")
-  if rl.packing_buckets != 8 and not rl.padding_free:
+  default_buckets = schema.FIELDS["rl.packing_buckets"].default
+  if rl.packing_buckets != default_buckets and not rl.padding_free:
     raise ValueError(
         f"rl.packing_buckets={rl.packing_buckets} needs rl.padding_free=True:"
-        " a padded step has no buffers to count; accepted: the default 8 "
-        "with rl.padding_free=False.")
+        f" a padded step has no buffers to count; accepted: the default "
+        f"{default_buckets} with rl.padding_free=False.")
   if rl.microbatch_tokens and not rl.padding_free:
     raise ValueError(
         f"rl.microbatch_tokens={rl.microbatch_tokens} needs "
