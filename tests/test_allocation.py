@@ -87,6 +87,8 @@ class _ScriptedCollector:
   failed_rewards = "exclude"
   speculation = None  # no SPEC-RL drafts
   allocation_fresh = None  # no replay
+  selection = None  # no refills
+  correct_column = 0  # a reward of 1 or more is correct
 
   def sample_global(self, params, examples, key, version, on_dispatch=None,
                     *, sampler, samples, longest):
@@ -103,12 +105,12 @@ class _ScriptedCollector:
     return types.SimpleNamespace(
         lengths=np.full(n, 2), result=types.SimpleNamespace(
             total_N=np.asarray(totals, np.float32),
-            valid_NxR=np.ones((n, 1), bool)))
+            rewards_NxR=np.asarray(totals, np.float32)[:, None],
+            valid_NxR=np.isfinite(np.asarray(totals, np.float32))[:, None]))
 
   def merge_rounds(self, rounds, plan, group_rows):
     assert group_rows == self.allocation.sampler_samples
-    assert [len(r) for r in plan.rounds] == [
-        len(r.lengths) // group_rows for r in rounds]
+    self.plan = plan
     return "merged"
 
 
@@ -124,10 +126,13 @@ def test_a_vigor_step_follows_the_variance_by_hand(monkeypatch):
   collector = _ScriptedCollector(alloc.vigor(4, 4, rounds=2, growth=2),
                                  rewards)
   examples = {"prompt": ["a", "b", "c", "d"]}
-  merged, ids, m = allocated.sample(collector, None, examples,
-                                    jax.random.key(0), 0, None)
-  assert merged == "merged"
+  merged, ids, m, trained = allocated.sample(collector, None, examples,
+                                             jax.random.key(0), 0, None)
+  assert merged == "merged" and trained is None
   assert collector.seen == [["a", "b", "c", "d"], ["b", "d"]]
+  # Every entry of every round (4, then 2 x 2 of 2 rows).
+  assert [list(r) for r in collector.plan.rounds] == [[0, 1, 2, 3],
+                                                      [0, 1, 2, 3]]
   # Round 1: 2 rows per prompt; round 2: b and d, 4 rows each.
   np.testing.assert_array_equal(ids, [0, 0, 1, 1, 2, 2, 3, 3] + [1] * 4
                                 + [3] * 4)
@@ -137,6 +142,91 @@ def test_a_vigor_step_follows_the_variance_by_hand(monkeypatch):
   assert m["alloc/zero_variance_prompts"] == 0.5
   assert m["alloc/zero_variance_rows"] == 4 / 16
   assert m["num_generated_tokens"] == 16 * 2
+
+
+# Pass 1 of a refilled step: e, f and g vary after the pilot, h does not;
+# VIGOR's second round takes e and f (ties to the first drawn), so g's
+# group is informative with its 2 pilot rows.
+_PASS_1 = {"e": [0, 1, 0, 0, 1, 1], "f": [1, 0, 1, 1, 0, 0],
+           "g": [0, 1], "h": [1, 1]}
+
+
+def _refilled(monkeypatch, max_rounds, second_pass):
+  monkeypatch.setattr(allocated.tok_lib, "encode_prompts",
+                      lambda tok, prompts: [[1, 2, 3]] * len(prompts))
+  rewards = {"a": [1, 1], "b": [1, 0, 1, 1, 1, 1], "c": [0, 0],
+             "d": [0, 1, 0, 0, 0, 0], **second_pass,
+             "i": [0, 1, 1, 1, 1, 1], "j": [1, 0, 0, 0, 0, 0],
+             "k": [0, 0], "l": [1, 1]}
+  collector = _ScriptedCollector(alloc.vigor(4, 4, rounds=2, growth=2),
+                                 rewards)
+  collector.selection = types.SimpleNamespace(dots=None, greso=None,
+                                              max_rounds=max_rounds)
+  batches = iter([{"prompt": list(second_pass)},
+                  {"prompt": ["i", "j", "k", "l"]}])
+  out = allocated.sample(collector, None, {"prompt": ["a", "b", "c", "d"]},
+                         jax.random.key(0), 0, None, lambda: next(batches))
+  return collector, out
+
+
+def test_dapo_refills_allocated_groups_by_hand(monkeypatch):
+  """B = 4, G = 4, VIGOR's 2 rounds (16 rows). Pass 0 keeps b and d (6
+  rows each; a and c have no variance). Pass 1 (new prompts) has e and f of
+  6 rows, too large for the 4 rows left, and g of 2, kept. The last 2 rows
+  are a masked filler: pass 0's first dropped entry, a's."""
+  collector, (_, ids, m, trained) = _refilled(monkeypatch, 2, _PASS_1)
+  assert collector.seen == [["a", "b", "c", "d"], ["b", "d"],
+                            ["e", "f", "g", "h"], ["e", "f"]]
+  # Entries taken, round by round: a (filler), b, d; b, b, d, d; g; none.
+  assert [list(r) for r in collector.plan.rounds] == [[0, 1, 3],
+                                                      [0, 1, 2, 3], [2], []]
+  np.testing.assert_array_equal(ids, [-1, -1, 0, 0, 1, 1] + [0] * 4
+                                + [1] * 4 + [2, 2])
+  np.testing.assert_array_equal(trained, [False] * 2 + [True] * 14)
+  assert m["select/rounds"] == 2 and m["select/masked_rows"] == 2
+  assert m["select/zero_variance_before"] == 0.5  # a and c
+  assert m["select/zero_variance_after"] == 2 / 16
+  assert m["alloc/max_group"] == 6 and m["alloc/zero_variance_prompts"] == 0
+  assert m["num_generated_tokens"] == 2 * 16 * 2  # both passes' rows
+
+
+def test_refill_passes_stop_when_the_rows_left_hold_no_group(monkeypatch):
+  """The stop rule on both sides of its bound: 2 rows left (= the smallest
+  group, the pilot's 2) draw a third pass when max_rounds allows; 0 rows
+  left draw none."""
+  collector, (_, ids, m, _) = _refilled(monkeypatch, 3, _PASS_1)
+  assert m["select/rounds"] == 3 and len(collector.seen) == 6
+  # Pass 2: i and j vary (6 rows each, too many), k and l do not: the
+  # filler is still a's.
+  assert ids[0] == -1 and m["select/masked_rows"] == 2
+  # Pass 1 where every prompt varies: e and f take 6 rows each (too many),
+  # g and h 2 each: the 16 rows are full, and no third pass is drawn.
+  fills = {"e": [0, 1, 0, 0, 1, 1], "f": [1, 0, 1, 1, 0, 0], "g": [0, 1],
+           "h": [1, 0]}
+  collector, (_, ids, m, trained) = _refilled(monkeypatch, 5, fills)
+  assert m["select/rounds"] == 2 and m["select/masked_rows"] == 0
+  assert trained.all() and sorted(set(ids.tolist())) == [0, 1, 2, 3]
+
+
+def test_a_group_whose_rewards_are_nan_is_a_masked_filler(monkeypatch):
+  """A reward function that returns NaN for all of b's rows: b has no
+  scored row, so no variance, and is dropped like a and c; with no pass
+  left (max_rounds=1) the 10 rows beside d's group are masked fillers, in
+  the order drawn (a, b, c of the pilot, then a's second-round rows)."""
+  monkeypatch.setattr(allocated.tok_lib, "encode_prompts",
+                      lambda tok, prompts: [[1, 2, 3]] * len(prompts))
+  nan = float("nan")
+  collector = _ScriptedCollector(alloc.vigor(4, 4, rounds=2, growth=2), {
+      "a": [1] * 6, "b": [nan, nan], "c": [0, 0], "d": [0, 1, 0, 0, 0, 0]})
+  collector.selection = types.SimpleNamespace(dots=None, greso=None,
+                                              max_rounds=1)
+  _, ids, m, trained = allocated.sample(
+      collector, None, {"prompt": ["a", "b", "c", "d"]}, jax.random.key(0),
+      0, None, lambda: pytest.fail("max_rounds=1 draws no refill"))
+  assert collector.seen == [["a", "b", "c", "d"], ["a", "d"]]
+  np.testing.assert_array_equal(ids, [-1] * 6 + [0, 0] + [-1] * 4 + [0] * 4)
+  np.testing.assert_array_equal(trained, ids >= 0)
+  assert m["select/masked_rows"] == 10 and m["select/rounds"] == 1
 
 
 def test_the_batch_must_match_the_schedule(monkeypatch):
@@ -204,8 +294,6 @@ def _vigor_config(**overrides):
 
 
 @pytest.mark.parametrize("overrides,match", [
-    ({"rl.selection.name": "dapo"}, r"rl.allocation.name='vigor' with "
-     r"rl.selection.name='dapo'"),
     ({"rl.rollout": "partial"}, r"with rl.rollout='partial': allocation "
      r"chooses each round's prompts"),
     ({"rl.advantage": "mc_grpo"}, r"with rl.advantage='mc_grpo': the "
@@ -273,6 +361,30 @@ def test_allocation_with_replay_trains_replayed_groups_and_resumes(tmp_path):
   for r in replayed:
     assert r["replay/fraction"] == 0.25 and r["replay/mean_age"] >= 1
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 2)
+
+
+@pytest.mark.slow
+def test_vigor_with_greso_refills_trains_and_resumes_exactly(tmp_path):
+  """VIGOR's 4 rounds (B = 8, G = 4: 8 prompts of 1 sample, 4 of 2, 2 of
+  4, 1 of 8) with GRESO's selection and DAPO's refills: the prompts the
+  pilot alone sampled have one row, so no variance, and every step refills
+  (a second pass at least). The batch keeps 32 rows, fillers masked; a run
+  stopped after step 1 resumes exactly (GRESO's history is
+  checkpointed)."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import (  # pylint: disable=import-outside-toplevel
+      assert_stop_and_resume_matches, loop_config, rl_rows)
+  config = loop_config(**{"rl.allocation.name": "vigor", "rl.num_steps": 3,
+                          "rl.selection.name": "greso"})
+  train.run(config, str(tmp_path / "whole"))
+  rows = rl_rows(tmp_path / "whole")
+  for r in rows:
+    assert r["alloc/rounds"] == 4 and r["select/rounds"] >= 2, r
+    assert r["select/rollouts"] == 32 * r["select/rounds"]
+    assert 0 <= r["select/masked_rows"] < 32 and r["grad_norm"] > 0
+    assert r["select/zero_variance_after"] == r["select/masked_rows"] / 32
+    assert "select/skipped_prompts" in r
+  assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
 
 
 @pytest.mark.slow
@@ -537,7 +649,7 @@ def test_an_sgpo_step_profiles_then_follows_the_curriculum():
                     unsolved_keep=0.0)
   sgpo.attach([{"prompt": x} for x in "abcdef"], longest=7)
   collector = _ScriptedSgpoCollector(sgpo, correct)
-  batch, ids, m = allocated.sample(collector, None, {"prompt": ["z"] * 2},
+  batch, ids, m, _ = allocated.sample(collector, None, {"prompt": ["z"] * 2},
                                    jax.random.key(0), 0, None)
   assert collector.seen[:3] == [list("aaaabbbb"), list("ccccdddd"),
                                 list("eeeeffff")]
@@ -554,11 +666,11 @@ def test_an_sgpo_step_profiles_then_follows_the_curriculum():
   assert m["num_generated_tokens"] == (24 + 8) * 3
   assert batch.lengths.tolist() == [3] * 8
   # The next step does not profile again.
-  _, _, m2 = allocated.sample(collector, None, {"prompt": ["z"] * 2},
+  _, _, m2, _ = allocated.sample(collector, None, {"prompt": ["z"] * 2},
                               jax.random.key(1), 0, None)
   assert "alloc/pool" not in m2 and len(collector.seen) == 5
   # A step that replays one group: one fresh prompt, G = 4 rows of it.
-  _, ids3, m3 = allocated.sample(collector, None, {"prompt": ["z"]},
+  _, ids3, m3, _ = allocated.sample(collector, None, {"prompt": ["z"]},
                                  jax.random.key(2), 0, None)
   assert len(collector.seen[5]) == 4 and len(set(collector.seen[5])) == 1
   np.testing.assert_array_equal(ids3, [0, 0, 0, 0])

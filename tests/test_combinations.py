@@ -21,8 +21,6 @@ TRIGGERS = {
                                  "rl.rollout": "partial"}, 1),
     "sgpo-with-selection": ({"rl.allocation.name": "sgpo",
                              "rl.selection.name": "dots"}, 1),
-    "allocation-with-refills": ({"rl.allocation.name": "vigor",
-                                 "rl.selection.name": "dapo"}, 1),
     "allocation-with-extra-rows": ({"rl.allocation.name": "vigor",
                                     "rl.advantage": "mc_grpo"}, 1),
 }

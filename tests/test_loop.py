@@ -118,10 +118,12 @@ TABLE_FIXUPS[("rl.advantage", table.EXAMPLE_CHAIN)] = {
 
 
 def _allocation_fits(case):
-  """Rollout allocation samples rounds of its own: no selection, replay,
-  SPEC-RL or partial rollouts, no pivot or greedy row
+  """Rollout allocation samples rounds of its own: no selection with sGPO,
+  no replay (the tiny batch has no rounds for its fresh prompts), SPEC-RL
+  or partial rollouts, no pivot or greedy row
   (``rljax/train/combinations.py``)."""
-  return (case.get("rl.selection.name", "none") == "none"
+  return ((case.get("rl.selection.name", "none") == "none"
+           or case.get("rl.allocation.name") != "sgpo")
           and not case.get("rl.replay.fraction")
           and not case.get("sampler.speculative")
           and case.get("rl.rollout", "static") != "partial"

@@ -308,14 +308,16 @@ CASES = {
                                         and r["rollout/slots"] == 8
                                         for r in rl)),
     # LoRA adapters on a frozen base, PPO's critic (GAE), VIGOR's rounds
-    # with replay (step 2 samples 6 fresh prompts in rounds and replays 2
-    # groups of step 1's).
-    "lora-critic-vigor-replay": (
+    # refilled by DAPO's dynamic sampling (passes of new prompts while
+    # groups without variance leave rows), with replay (step 2 samples 6
+    # fresh prompts in rounds and replays 2 groups of step 1's).
+    "lora-critic-vigor-dapo-replay": (
         {"model.lora.rank": 4, "rl.advantage": "gae",
          "rl.allocation.name": "vigor", "rl.allocation.rounds": 2,
-         "rl.replay.fraction": 0.25, **_PARITY}, None,
-        lambda rl: all(r["alloc/rounds"] == 2 and np.isfinite(
-            r["critic/value_loss"]) for r in rl)
+         "rl.selection.name": "dapo", "rl.replay.fraction": 0.25,
+         **_PARITY}, None,
+        lambda rl: all(r["alloc/rounds"] == 2 and r["select/rounds"] >= 1
+                       and np.isfinite(r["critic/value_loss"]) for r in rl)
         and rl[-1]["replay/fraction"] > 0),
     # sGPO's profiling pass over the pool at the first step, then its
     # curriculum's group sizes (16 training prompts: a short pass; the
@@ -408,8 +410,8 @@ COLUMN = {
     "async": "calculator-async-mc-spec",
     "sampler_devices": "slots-devices-async-greso",
     "env": "calculator-async-mc-spec", "spec_rl": "calculator-async-mc-spec",
-    "lora": "lora-critic-vigor-replay", "padded": "default",
-    "dapo": "teachers", "critic": "lora-critic-vigor-replay",
+    "lora": "lora-critic-vigor-dapo-replay", "padded": "default",
+    "dapo": "teachers", "critic": "lora-critic-vigor-dapo-replay",
     "reward_model": "teachers", "distillation": "teachers",
 }
 

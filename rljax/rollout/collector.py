@@ -295,12 +295,12 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
     if replayed is not None:  # the batch's first B - R prompts are sampled
       fresh = len(examples["prompt"]) - len(replayed[0])
       examples = {f: list(v)[:fresh] for f, v in examples.items()}
-    trained_B, metrics, group_ids_N = None, {}, None
+    trained_B, metrics, group_ids_N, trained_N = None, {}, None, None
     feeding = (self.selection is not None or self.replay is not None
                or self.allocation is not None)
     if self.allocation is not None:
-      sampled, group_ids_N, metrics = allocated.sample(
-          self, params, examples, key, version, on_dispatch)
+      sampled, group_ids_N, metrics, trained_N = allocated.sample(
+          self, params, examples, key, version, on_dispatch, more_examples)
     elif self.selection is not None and self.selection.dots is None:
       sampled, trained_B, metrics = self._sample_selected(
           params, examples, key, version, on_dispatch, more_examples)
@@ -328,7 +328,12 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
         group_ids_N = np.concatenate([group_ids_N, np.repeat(
             np.arange(fresh, fresh + len(replayed[0]), dtype=np.int32),
             self.samples_per_prompt)])
-    return self._finish(sampled, adv_state, trained_B=trained_B,
+        if trained_N is not None:  # the replayed rows train
+          trained_N = np.concatenate([trained_N, np.ones(
+              len(replayed[0]) * self.samples_per_prompt, bool)])
+    if trained_N is None and trained_B is not None:
+      trained_N = np.repeat(trained_B, self.samples_per_prompt)
+    return self._finish(sampled, adv_state, trained_N=trained_N,
                         extra_metrics=metrics, group_ids_N=group_ids_N)
 
   def sample_round(self, params, examples, key, version, on_dispatch,
@@ -446,12 +451,12 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
                     t_sample - t_start, t_reward - t_sample)
 
   def _finish(self, sampled: Sampled, adv_state: Any, *,
-              trained_B: np.ndarray | None = None,
+              trained_N: np.ndarray | None = None,
               extra_metrics: Mapping[str, float] | None = None,
               group_ids_N: np.ndarray | None = None) -> Collected:
     """The advantage chain, the trainer's batch and the step's metrics.
 
-    ``trained_B``: False for a group that stays in the batch with its loss
+    ``trained_N``: False for a row that stays in the batch with its loss
     mask cleared (prompt selection's zero-variance fillers).
     ``group_ids_N``: each row's group, for groups of unequal size (rollout
     allocation); None: groups of ``samples_per_prompt`` consecutive rows.
@@ -460,7 +465,6 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
     result, lengths = sampled.result, sampled.lengths
     t_reward = time.time()
     fn = self._postprocess_fn(sampled.rollout.policy_logprobs is not None)
-    trained_N = None if trained_B is None else np.repeat(trained_B, g)
     rows = self._device_rows
     with (jax.set_mesh(self.mesh) if self.mesh is not None
           else contextlib.nullcontext()):

@@ -85,15 +85,6 @@ RULES: tuple[Rule, ...] = (
          "the prompts instead, and DAPO's refills would draw prompts from "
          "outside the curriculum", "rl.selection.name='none', or "
          "rl.allocation.name='vigor' or 'pilot_commit'", "meaningless"),
-    Rule("allocation-with-refills", (_ALLOCATION, "rl.selection.name"),
-         lambda c, p: (c.rl.allocation.name in ("vigor", "pilot_commit")
-                       and c.rl.selection.name in ("dapo", "greso")),
-         "both decide how many rows each prompt gets: allocation by its "
-         "rounds, DAPO's dynamic sampling (GRESO's too) by dropping "
-         "zero-variance groups and refilling them from new prompts; the "
-         "batch's fixed rows hold groups of one size or the other",
-         "rl.selection.name='none' or 'dots' (DOTS chooses the prompts, "
-         "allocation samples them)", "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),
