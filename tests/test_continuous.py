@@ -106,7 +106,8 @@ def test_rows_of_a_group_with_other_prompts_are_prefilled_each(
     params, prompts, slots4, own_prefill4):
   """Sharing follows the prompts, not the group ids: groups whose rows
   hold different prompts (a queue that only looks grouped) prefill every
-  row, through the fallback when a fill has more prompts than leaders."""
+  row, in chunks of leaders when a fill has more prompts than one per G
+  rows."""
   lists, _ = prompts
   rows = [lists[i % B][: 2 + i % 5] + [4 + i] for i in range(B * G)]
   tokens, mask = sampling.pad_prompts(rows, SC.prompt_buckets)
@@ -119,6 +120,32 @@ def test_rows_of_a_group_with_other_prompts_are_prefilled_each(
   np.testing.assert_array_equal(shared.completion_tokens,
                                 own.completion_tokens)
   assert int(shared.prefilled_rows) == int(own.prefilled_rows) == B * G
+
+
+def test_a_fill_with_more_prompts_than_leaders_prefills_each_prompt_once(
+    params, prompts, slots4, own_prefill4):
+  """Pairs of rows share a prompt (8 prompts of 2 rows, in groups of 4):
+  the first fill (4 rows, room for 1 leader) holds 2 prompts, so its
+  leaders run in 2 chunks of 1 row, and each refill of 2 rows holds 1.
+  Each prompt is prefilled once (8 rows, not the 10 of a fill that
+  prefills every row when its prompts outnumber its leaders), and every
+  row is the row that prefilled its own."""
+  lists, _ = prompts
+  rows = [lists[(i // 2) % B][: 2 + (i // 2) % 5] + [4 + i // 2]
+          for i in range(B * G)]
+  tokens, mask = sampling.pad_prompts(rows, SC.prompt_buckets)
+  q = cb.fresh_queue(tokens, mask, jax.random.key(3),
+                     SC.replace(num_samples=1))
+  q = q._replace(group=np.repeat(np.arange(B, dtype=np.int32), G),
+                 sample=np.tile(np.arange(G, dtype=np.int32), B))
+  shared = jax.device_get(slots4(params, q, B))
+  own = jax.device_get(own_prefill4(params, q, B))
+  np.testing.assert_array_equal(shared.completion_tokens,
+                                own.completion_tokens)
+  np.testing.assert_allclose(shared.sampler_logprobs, own.sampler_logprobs,
+                             atol=2e-6)
+  assert int(shared.prefilled_rows) == B * G // 2
+  assert int(own.prefilled_rows) == B * G
 
 
 def test_refills_do_not_recompile(params, prompts, slots4):

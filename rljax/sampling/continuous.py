@@ -303,7 +303,7 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
     prefilled, with room for one leader per group of ``G`` rows (a fill
     starts at a multiple of the refill size, so groups of ``G`` rows are
     cut by its edges only when neither divides the other; then
-    ``prefill_shared`` may fall back to a prefill per row)."""
+    ``prefill_shared`` runs its leaders in more chunks)."""
     if slots.share_prompts and width == p:
       leaders = min(num_rows, -(-num_rows // sc.num_samples))
       return prefill_shared(params, state, queue, num_rows, leaders=leaders,

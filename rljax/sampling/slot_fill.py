@@ -11,6 +11,7 @@ logits (``SlotConfig.share_prompts``). The state is ``continuous._State``.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -192,9 +193,10 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
   A starting row whose prompt a live slot holds copies that slot's prompt
   KV and first-token logits (a live slot is never refilled, so it is a
   safe source); of the other rows, the first with each prompt (the
-  leader) is prefilled and the rest copy it. Up to ``leaders`` leaders
-  run in one forward of ``leaders`` rows (none runs when every row
-  copies); more fall back to ``prefill_rows``'s forward of every row.
+  leader) is prefilled and the rest copy it. The leaders run in chunks of
+  ``leaders`` rows, one forward per chunk in a ``fori_loop`` (none runs
+  when every row copies; a fill with more distinct prompts than one per
+  ``G`` rows runs more chunks), so the program traces one forward.
   Each row's KV and logits are what its own prefill would give: the
   prompt's keys and values depend on the prompt alone.
   """
@@ -211,73 +213,75 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
   leader = valid & ~from_slot & (first == r)
   num_leaders = jnp.sum(leader)
 
-  def shared(state: Any) -> Any:
-    lead = jnp.nonzero(leader, size=leaders, fill_value=0)[0]
-    rank = jnp.cumsum(leader) - 1  # a leader's index in ``lead``
-    lead_row = row[lead]
+  # The leaders, in chunks of ``leaders`` rows: one traced forward, run
+  # once per chunk (none when every row copies). A fill of groups cut by
+  # its edges has more distinct prompts than one per ``G`` rows: more
+  # chunks, still only the leaders' rows.
+  chunks = -(-num_rows // leaders)
+  lead = jnp.nonzero(leader, size=chunks * leaders, fill_value=0)[0]
+  rank = jnp.cumsum(leader) - 1  # a leader's index in ``lead``
+  kv_shape = (chunks * leaders, mc.num_kv_heads, s, mc.head_dim)
+  empty = (tuple(LayerKV(jnp.zeros(kv_shape, cache_dtype),
+                         jnp.zeros(kv_shape, cache_dtype))
+                 for _ in range(mc.num_layers)),
+           jnp.zeros((chunks * leaders, s), jnp.bool_),
+           jnp.zeros((chunks * leaders, mc.vocab_size), jnp.float32))
 
-    def forward(_):
-      mask = queue.prompt_mask[lead_row]
-      positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
-      hidden, fresh = model.apply(
-          {"params": params}, queue.prompt_tokens[lead_row], positions,
-          init_cache(mc, leaders, s, cache_dtype), input_mask_BxT=mask)
-      logits = compute_logits(hidden[:, p - 1:p], w_DxV,
-                              mc.final_logit_softcap)[:, 0]
-      return fresh.layers, fresh.mask, logits
+  def forward(c, out):
+    start = c * leaders
+    lead_row = row[jax.lax.dynamic_slice_in_dim(lead, start, leaders)]
+    mask = queue.prompt_mask[lead_row]
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
+    hidden, fresh = model.apply(
+        {"params": params}, queue.prompt_tokens[lead_row], positions,
+        init_cache(mc, leaders, s, cache_dtype), input_mask_BxT=mask)
+    logits = compute_logits(hidden[:, p - 1:p], w_DxV,
+                            mc.final_logit_softcap)[:, 0]
+    put = functools.partial(jax.lax.dynamic_update_slice_in_dim,
+                            start_index=start, axis=0)
+    layers, masks, all_logits = out
+    return (tuple(LayerKV(put(o.k, n.k), put(o.v, n.v))
+                  for o, n in zip(layers, fresh.layers)),
+            put(masks, fresh.mask), put(all_logits, logits))
 
-    def nothing(_):
-      shape = (leaders, mc.num_kv_heads, s, mc.head_dim)
-      return (tuple(LayerKV(jnp.zeros(shape, cache_dtype),
-                            jnp.zeros(shape, cache_dtype))
-                    for _ in range(mc.num_layers)),
-              jnp.zeros((leaders, s), jnp.bool_),
-              jnp.zeros((leaders, mc.vocab_size), jnp.float32))
+  fresh_layers, fresh_mask, lead_logits = jax.lax.fori_loop(
+      0, -(-num_leaders // leaders), forward, empty)
+  source = rank[first]  # each row's leader, for rows that do not copy
+  prompt_slots = jnp.arange(s) < p
+  copy = from_slot[:, None, None, None]
+  keep = prompt_slots[None, None, :, None]
 
-    fresh_layers, fresh_mask, lead_logits = jax.lax.cond(
-        num_leaders > 0, forward, nothing, None)
-    source = rank[first]  # each row's leader, for rows that do not copy
-    prompt_slots = jnp.arange(s) < p
-    copy = from_slot[:, None, None, None]
-    keep = prompt_slots[None, None, :, None]
+  def rows_of(slot_kv, lead_kv):
+    kv = jnp.where(copy, slot_kv[donor], lead_kv[source])
+    return jnp.where(keep, kv, jnp.zeros((), kv.dtype))
 
-    def rows_of(slot_kv, lead_kv):
-      kv = jnp.where(copy, slot_kv[donor], lead_kv[source])
-      return jnp.where(keep, kv, jnp.zeros((), kv.dtype))
+  cache = state.cache
+  layers = tuple(
+      LayerKV(old.k.at[slot].set(rows_of(old.k, new.k), mode="drop"),
+              old.v.at[slot].set(rows_of(old.v, new.v), mode="drop"))
+      for old, new in zip(cache.layers, fresh_layers))
+  mask = jnp.where(from_slot[:, None], cache.mask[donor] & prompt_slots,
+                   fresh_mask[source])
+  cache = KVCache(layers, cache.mask.at[slot].set(mask, mode="drop"),
+                  cache.index.at[slot].set(p, mode="drop"))
+  logits = jnp.where(from_slot[:, None], state.prompt_logits[donor],
+                     lead_logits[source])
+  prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
+  return state._replace(
+      slot_row=state.slot_row.at[slot].set(row, mode="drop"),
+      live=state.live.at[slot].set(valid, mode="drop"),
+      logits=state.logits.at[slot].set(logits, mode="drop"),
+      cache=cache,
+      column=state.column.at[slot].set(0, mode="drop"),
+      position=state.position.at[slot].set(prompt_len, mode="drop"),
+      keys=state.keys.at[slot].set(
+          jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
+      next_row=state.next_row + count,
+      prefills=state.prefills + 1,
+      prefilled_rows=state.prefilled_rows + num_leaders,
+      slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
+      prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
 
-    cache = state.cache
-    layers = tuple(
-        LayerKV(old.k.at[slot].set(rows_of(old.k, new.k), mode="drop"),
-                old.v.at[slot].set(rows_of(old.v, new.v), mode="drop"))
-        for old, new in zip(cache.layers, fresh_layers))
-    mask = jnp.where(from_slot[:, None], cache.mask[donor] & prompt_slots,
-                     fresh_mask[source])
-    cache = KVCache(layers, cache.mask.at[slot].set(mask, mode="drop"),
-                    cache.index.at[slot].set(p, mode="drop"))
-    logits = jnp.where(from_slot[:, None], state.prompt_logits[donor],
-                       lead_logits[source])
-    prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
-    return state._replace(
-        slot_row=state.slot_row.at[slot].set(row, mode="drop"),
-        live=state.live.at[slot].set(valid, mode="drop"),
-        logits=state.logits.at[slot].set(logits, mode="drop"),
-        cache=cache,
-        column=state.column.at[slot].set(0, mode="drop"),
-        position=state.position.at[slot].set(prompt_len, mode="drop"),
-        keys=state.keys.at[slot].set(
-            jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
-        next_row=state.next_row + count,
-        prefills=state.prefills + 1,
-        prefilled_rows=state.prefilled_rows + num_leaders,
-        slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
-        prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
-
-  def every_row(state: Any) -> Any:
-    return prefill_rows(params, state, queue, num_rows, p, model=model,
-                        w_DxV=w_DxV, mc=mc, sc=sc, cache_dtype=cache_dtype,
-                        limit=limit)
-
-  return jax.lax.cond(num_leaders <= leaders, shared, every_row, state)
 
 
 __all__ = ["ACCEPT_FOLD", "NO_PROMPT", "accept_draft", "masked_prompt",
