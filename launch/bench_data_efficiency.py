@@ -48,9 +48,10 @@ from launch.data_efficiency import curve, plot, summarize
 
 _METHODS = flags.DEFINE_list(
     "methods", ["none", "dapo", "greso"], "rl.selection.name values (dots too) ('none': "
-    "baseline), each optionally joined with '+replay' ('replay' alone: the "
-    "baseline with rollout replay), or rl.allocation.name values (vigor, "
-    "pilot_commit, sgpo)")
+    "baseline), rl.allocation.name values (vigor, pilot_commit, sgpo), or "
+    "an allocation joined with a selection ('vigor+dapo'), each optionally "
+    "joined with '+replay' ('replay' alone: the baseline with rollout "
+    "replay)")
 _REPLAY = flags.DEFINE_float("replay_fraction", 0.25, "rl.replay.fraction of "
                              "the methods with '+replay'")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds per method")
@@ -77,20 +78,23 @@ ALLOCATIONS = ("vigor", "pilot_commit", "sgpo")
 
 
 def method_flags(method: str, replay_fraction: float) -> list[str]:
-  """``dapo``, ``greso+replay``, ``replay``, ``vigor``, ... as config
-  flags."""
+  """``dapo``, ``greso+replay``, ``replay``, ``vigor``, ``vigor+dapo``, ...
+  as config flags."""
   parts = method.split("+")
   names = [p for p in parts if p != "replay"]
-  if len(names) > 1 or any(n not in SELECTIONS + ALLOCATIONS for n in names):
-    raise app.UsageError(f"--methods: {method!r} is not a selection name "
-                         f"{SELECTIONS}, optionally with '+replay', or an "
-                         f"allocation name {ALLOCATIONS}.")
-  if names and names[0] in ALLOCATIONS:
-    flags_ = [f"--config.rl.allocation.name={names[0]}"]
-    if "replay" in parts:
-      flags_.append(f"--config.rl.replay.fraction={replay_fraction}")
-    return flags_
-  flags_ = [f"--config.rl.selection.name={names[0] if names else 'none'}"]
+  selections = [n for n in names if n in SELECTIONS]
+  allocations = [n for n in names if n in ALLOCATIONS]
+  if (len(selections) > 1 or len(allocations) > 1
+      or len(selections) + len(allocations) != len(names)
+      or parts.count("replay") > 1):
+    raise app.UsageError(
+        f"--methods: {method!r} is not a selection name {SELECTIONS}, an "
+        f"allocation name {ALLOCATIONS}, or one of each joined with '+', "
+        "optionally with '+replay'.")
+  flags_ = [f"--config.rl.selection.name="
+            f"{selections[0] if selections else 'none'}"]
+  if allocations:
+    flags_.append(f"--config.rl.allocation.name={allocations[0]}")
   if "replay" in parts:
     flags_.append(f"--config.rl.replay.fraction={replay_fraction}")
   return flags_

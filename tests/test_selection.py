@@ -7,6 +7,7 @@ covers ``rl.selection.name``) and resumes exactly after a SIGKILL.
 
 import json
 import os
+import re
 import signal
 
 import jax
@@ -207,6 +208,23 @@ def test_greso_and_replay_run_killed_after_step_2_resumes_exactly(tmp_path):
 
 
 # --- launch/bench_data_efficiency.py -----------------------------------------
+
+
+def test_bench_methods_are_config_flags():
+  from absl import app  # pylint: disable=import-outside-toplevel
+  from launch import bench_data_efficiency as bench  # pylint: disable=import-outside-toplevel
+  sel = "--config.rl.selection.name="
+  assert bench.method_flags("dapo", 0.25) == [sel + "dapo"]
+  assert bench.method_flags("replay", 0.5) == [
+      sel + "none", "--config.rl.replay.fraction=0.5"]
+  assert bench.method_flags("vigor", 0.25) == [
+      sel + "none", "--config.rl.allocation.name=vigor"]
+  assert bench.method_flags("vigor+greso+replay", 0.25) == [
+      sel + "greso", "--config.rl.allocation.name=vigor",
+      "--config.rl.replay.fraction=0.25"]
+  for bad in ("dapo+greso", "vigor+sgpo", "vigour", "dapo+replay+replay"):
+    with pytest.raises(app.UsageError, match=re.escape(repr(bad))):
+      bench.method_flags(bad, 0.25)
 
 
 def test_bench_curves_and_summary_by_hand(tmp_path):

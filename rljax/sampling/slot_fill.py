@@ -11,7 +11,6 @@ logits (``SlotConfig.share_prompts``). The state is ``continuous._State``.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -216,18 +215,19 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
   # The leaders, in chunks of ``leaders`` rows: one traced forward, run
   # once per chunk (none when every row copies). A fill of groups cut by
   # its edges has more distinct prompts than one per ``G`` rows: more
-  # chunks, still only the leaders' rows.
+  # chunks, still only the leaders' rows. Each chunk writes its leaders'
+  # prompt KV straight into the slots of the rows that take it (theirs
+  # and their followers'), so no buffer holds every leader's.
+  m = state.live.shape[0]
   chunks = -(-num_rows // leaders)
   lead = jnp.nonzero(leader, size=chunks * leaders, fill_value=0)[0]
   rank = jnp.cumsum(leader) - 1  # a leader's index in ``lead``
-  kv_shape = (chunks * leaders, mc.num_kv_heads, s, mc.head_dim)
-  empty = (tuple(LayerKV(jnp.zeros(kv_shape, cache_dtype),
-                         jnp.zeros(kv_shape, cache_dtype))
-                 for _ in range(mc.num_layers)),
-           jnp.zeros((chunks * leaders, s), jnp.bool_),
-           jnp.zeros((chunks * leaders, mc.vocab_size), jnp.float32))
+  source = rank[first]  # each row's leader, for rows that do not copy
+  prompt_slots = jnp.arange(s) < p
+  keep = prompt_slots[None, None, :, None]
 
   def forward(c, out):
+    layers, masks, logits = out
     start = c * leaders
     lead_row = row[jax.lax.dynamic_slice_in_dim(lead, start, leaders)]
     mask = queue.prompt_mask[lead_row]
@@ -235,37 +235,37 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
     hidden, fresh = model.apply(
         {"params": params}, queue.prompt_tokens[lead_row], positions,
         init_cache(mc, leaders, s, cache_dtype), input_mask_BxT=mask)
-    logits = compute_logits(hidden[:, p - 1:p], w_DxV,
-                            mc.final_logit_softcap)[:, 0]
-    put = functools.partial(jax.lax.dynamic_update_slice_in_dim,
-                            start_index=start, axis=0)
-    layers, masks, all_logits = out
+    lead_logits = compute_logits(hidden[:, p - 1:p], w_DxV,
+                                 mc.final_logit_softcap)[:, 0]
+    local = source - start
+    mine = valid & ~from_slot & (local >= 0) & (local < leaders)
+    local = jnp.clip(local, 0, leaders - 1)
+    target = jnp.where(mine, slot, m)  # m: dropped by the scatters
+
+    def put(old, new):
+      return old.at[target].set(
+          jnp.where(keep, new[local], jnp.zeros((), new.dtype)), mode="drop")
     return (tuple(LayerKV(put(o.k, n.k), put(o.v, n.v))
                   for o, n in zip(layers, fresh.layers)),
-            put(masks, fresh.mask), put(all_logits, logits))
-
-  fresh_layers, fresh_mask, lead_logits = jax.lax.fori_loop(
-      0, -(-num_leaders // leaders), forward, empty)
-  source = rank[first]  # each row's leader, for rows that do not copy
-  prompt_slots = jnp.arange(s) < p
-  copy = from_slot[:, None, None, None]
-  keep = prompt_slots[None, None, :, None]
-
-  def rows_of(slot_kv, lead_kv):
-    kv = jnp.where(copy, slot_kv[donor], lead_kv[source])
-    return jnp.where(keep, kv, jnp.zeros((), kv.dtype))
+            masks.at[target].set(fresh.mask[local], mode="drop"),
+            jnp.where(mine[:, None], lead_logits[local], logits))
 
   cache = state.cache
-  layers = tuple(
-      LayerKV(old.k.at[slot].set(rows_of(old.k, new.k), mode="drop"),
-              old.v.at[slot].set(rows_of(old.v, new.v), mode="drop"))
-      for old, new in zip(cache.layers, fresh_layers))
-  mask = jnp.where(from_slot[:, None], cache.mask[donor] & prompt_slots,
-                   fresh_mask[source])
-  cache = KVCache(layers, cache.mask.at[slot].set(mask, mode="drop"),
+  layers, cache_mask, logits = jax.lax.fori_loop(
+      0, -(-num_leaders // leaders), forward,
+      (cache.layers, cache.mask,
+       jnp.zeros((num_rows, mc.vocab_size), jnp.float32)))
+  # Rows whose prompt a live slot holds copy it (a live slot is never a
+  # fill's target, so the chunks above left it as it was).
+  donor_slot = jnp.where(from_slot, slot, m)
+  copy_kv = lambda old: old.at[donor_slot].set(  # noqa: E731
+      jnp.where(keep, old[donor], jnp.zeros((), old.dtype)), mode="drop")
+  layers = tuple(LayerKV(copy_kv(kv.k), copy_kv(kv.v)) for kv in layers)
+  cache_mask = cache_mask.at[donor_slot].set(
+      cache_mask[donor] & prompt_slots, mode="drop")
+  cache = KVCache(layers, cache_mask,
                   cache.index.at[slot].set(p, mode="drop"))
-  logits = jnp.where(from_slot[:, None], state.prompt_logits[donor],
-                     lead_logits[source])
+  logits = jnp.where(from_slot[:, None], state.prompt_logits[donor], logits)
   prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
   return state._replace(
       slot_row=state.slot_row.at[slot].set(row, mode="drop"),
@@ -281,7 +281,6 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
       prefilled_rows=state.prefilled_rows + num_leaders,
       slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
       prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
-
 
 
 __all__ = ["ACCEPT_FOLD", "NO_PROMPT", "accept_draft", "masked_prompt",
