@@ -250,9 +250,11 @@ def _check_slots_async_greso(rl):
                                                     for r in rl]
 
 
-def _check_partial_replay(rl):
+def _check_partial_dots_replay(rl):
   assert any(r["rollout/carried_groups"] > 0 for r in rl)
   assert any(r["replay/fraction"] > 0 for r in rl)
+  assert all(r["dots/round"] >= 1 for r in rl)
+  assert "dots/reference_success" in rl[0]
 
 
 def _check_online_dpo(rl):
@@ -283,16 +285,15 @@ CASES = {
                     "preference.max_length": 22, "preference.num_pairs": 64,
                     "preference.num_heldout": 16, "eval.every": 2,
                     **_PARITY}, None, _check_online_dpo),
-    "partial-replay": ({"rl.rollout": "partial", "rl.rollout_slots": 8,
-                        "rl.num_steps": 3, "rl.replay.fraction": 0.25,
-                        **_PARITY}, None, _check_partial_replay),
-    # DOTS, and every metric writer: process 0 alone logs to W&B and MLflow
-    # (offline; one run each, checked below).
-    "dots": ({"rl.selection.name": "dots", "rl.selection.dots_reference": 8,
-              "metrics.writers": ("jsonl", "tensorboard", "wandb", "mlflow"),
-              "metrics.histogram_every": 1},
-             None, lambda rl: all(r["dots/round"] >= 1 for r in rl)
-             and "dots/reference_success" in rl[0]),
+    # DOTS choosing the prompts, and every metric writer: process 0 alone
+    # logs to W&B and MLflow (offline; one run each, checked below).
+    "partial-dots-replay": (
+        {"rl.rollout": "partial", "rl.rollout_slots": 8, "rl.num_steps": 3,
+         "rl.replay.fraction": 0.25, "rl.selection.name": "dots",
+         "rl.selection.dots_reference": 8,
+         "metrics.writers": ("jsonl", "tensorboard", "wandb", "mlflow"),
+         "metrics.histogram_every": 1, **_PARITY}, None,
+        _check_partial_dots_replay),
     # Calculator episodes on 8 slots (a slot plays any process's episode),
     # each process stepping its own (in-process: with workers the decode
     # rounds, and so the slot figures, follow when the steps end; the kill
@@ -406,7 +407,7 @@ KILLED = {
 # that trains each of its features (and matches one process to 1e-6, or,
 # for the killed runs, resumes to it).
 COLUMN = {
-    "continuous": "slots-devices-async-greso", "partial": "partial-replay",
+    "continuous": "slots-devices-async-greso", "partial": "partial-dots-replay",
     "async": "calculator-async-mc-spec",
     "sampler_devices": "slots-devices-async-greso",
     "env": "calculator-async-mc-spec", "spec_rl": "calculator-async-mc-spec",

@@ -280,24 +280,25 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
         selection refills with it).
     """
     dots_metrics, dots_tokens = {}, None
+    feeding = (self.selection is not None or self.replay is not None
+               or self.allocation is not None)
     # Prompt feeders decide on the global batch, the same on every process
-    # (with one process it is this batch): each samples its block.
+    # (with one process it is this batch): each samples its block. The
+    # batches drawn after it (refills, partial rollouts' over-provisioning)
+    # are global too.
     if self.selection is not None and self.selection.dots is not None:
       examples, dots_metrics, dots_tokens = allocated.dots_examples(
           self, params, key, version)  # the global batch
-    elif (self.selection is not None or self.replay is not None
-          or self.allocation is not None):
+    elif feeding:
       examples = self.gathered(examples)
-      if more_examples is not None and not self.group.single:
-        more_local = more_examples
-        more_examples = lambda: self.gathered(more_local())  # noqa: E731
+    if feeding and more_examples is not None and not self.group.single:
+      more_local = more_examples
+      more_examples = lambda: self.gathered(more_local())  # noqa: E731
     replayed = None if self.replay is None else self.replay.take(version)
     if replayed is not None:  # the batch's first B - R prompts are sampled
       fresh = len(examples["prompt"]) - len(replayed[0])
       examples = {f: list(v)[:fresh] for f, v in examples.items()}
     trained_B, metrics, group_ids_N, trained_N = None, {}, None, None
-    feeding = (self.selection is not None or self.replay is not None
-               or self.allocation is not None)
     if self.allocation is not None:
       sampled, group_ids_N, metrics, trained_N = allocated.sample(
           self, params, examples, key, version, on_dispatch, more_examples)
