@@ -70,17 +70,40 @@ def _restore_rljax_logger():
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def once_per_session(tmp_path_factory, name, make):
+  """``make(directory)``'s result (JSON), computed once per test session
+  whichever pytest-xdist worker asks first: the others wait on a lock in
+  the session's shared temporary directory and read it. A ``make`` that
+  raises leaves no result, so the next worker to ask tries again."""
+  import fcntl  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  base = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # <session>/popen-gwN
+    base = base.parent
+  out, done = base / name, base / f"{name}.json"
+  with open(base / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      out.mkdir(exist_ok=True)
+      done.write_text(json.dumps(make(out)))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def installed_wheel(tmp_path_factory):
   """``(python, site_packages, dist)``: rljax's wheel and sdist built from
   this checkout (``python -m build`` into ``dist``) and the wheel installed
-  into a fresh virtual environment. Its dependencies are this
+  into a fresh virtual environment, once per session (every worker uses
+  it, read only). Its dependencies are this
   environment's (a ``.pth`` line; no network): the venv imports rljax,
   launch and configs from the wheel alone."""
+  return tuple(once_per_session(tmp_path_factory, "wheel", _build_wheel))
+
+
+def _build_wheel(base):
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
   import sysconfig  # pylint: disable=import-outside-toplevel
-  base = tmp_path_factory.mktemp("wheel")
   dist, venv = base / "dist", base / "venv"
   subprocess.run([sys.executable, "-m", "build", "--no-isolation",
                   "--outdir", str(dist), ROOT], check=True,
@@ -108,13 +131,25 @@ def finished_tiny_run(tmp_path_factory, installed_wheel):
   ``tiny`` config (3 RL steps, a checkpoint at each), run once per session
   in a subprocess as a user types it: from the installed wheel
   (``installed_wheel``), in an empty directory, on one CPU device with the
-  user's XLA flags; its console output has stdout and stderr merged. Tests
+  user's XLA flags; its console output has stdout and stderr merged. Each
+  worker gets its own copy of the run directory (files and times as
+  written), and the output names the copy where it named the run. Tests
   that read it (launchers, console output) must not change what it
   trained."""
+  run, output = once_per_session(
+      tmp_path_factory, "finished",
+      lambda base: _finished_run(base, installed_wheel))
+  workdir = tmp_path_factory.mktemp("finished") / "run"
+  shutil.copytree(run, workdir)
+  return str(workdir), output.replace(run, str(workdir))
+
+
+def _finished_run(base, installed_wheel):
   import subprocess  # pylint: disable=import-outside-toplevel
   python, site, _ = installed_wheel
-  workdir = str(tmp_path_factory.mktemp("finished") / "run")
-  empty = tmp_path_factory.mktemp("empty")
+  workdir = str(base / "run")
+  empty = base / "empty"
+  empty.mkdir()
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)
   # The user's malloc tunables: the launcher re-executes itself on huge
