@@ -44,7 +44,7 @@ import time
 from absl import app, flags
 
 from launch import benchlib, local_cluster
-from launch.data_efficiency import curve, plot, summarize
+from launch.data_efficiency import curve, method_flags, plot, summarize
 
 _METHODS = flags.DEFINE_list(
     "methods", ["none", "dapo", "greso"], "rl.selection.name values (dots too) ('none': "
@@ -71,33 +71,6 @@ _RECORD_DIR = flags.DEFINE_string(
     "(benchmarks/results to keep them); default: the workdir")
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
-
-
-SELECTIONS = ("none", "dapo", "greso", "dots")
-ALLOCATIONS = ("vigor", "pilot_commit", "sgpo")
-
-
-def method_flags(method: str, replay_fraction: float) -> list[str]:
-  """``dapo``, ``greso+replay``, ``replay``, ``vigor``, ``vigor+dapo``, ...
-  as config flags."""
-  parts = method.split("+")
-  names = [p for p in parts if p != "replay"]
-  selections = [n for n in names if n in SELECTIONS]
-  allocations = [n for n in names if n in ALLOCATIONS]
-  if (len(selections) > 1 or len(allocations) > 1
-      or len(selections) + len(allocations) != len(names)
-      or parts.count("replay") > 1):
-    raise app.UsageError(
-        f"--methods: {method!r} is not a selection name {SELECTIONS}, an "
-        f"allocation name {ALLOCATIONS}, or one of each joined with '+', "
-        "optionally with '+replay'.")
-  flags_ = [f"--config.rl.selection.name="
-            f"{selections[0] if selections else 'none'}"]
-  if allocations:
-    flags_.append(f"--config.rl.allocation.name={allocations[0]}")
-  if "replay" in parts:
-    flags_.append(f"--config.rl.replay.fraction={replay_fraction}")
-  return flags_
 
 
 def _args(method: str, seed: int, workdir: str, quick: bool,
@@ -129,6 +102,11 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   check_overrides(_OVERRIDES.value)
+  for method in _METHODS.value:  # refused before any run
+    try:
+      method_flags(method, _REPLAY.value)
+    except ValueError as e:
+      raise app.UsageError(str(e)) from None
   quick = _QUICK.value
   seeds = [0] if quick else [int(s) for s in _SEEDS.value]
   eval_every = 2 if quick else _EVAL_EVERY.value

@@ -109,4 +109,32 @@ def plot(summary: dict, path: str, target: float,
   plt.close(fig)
 
 
-__all__ = ["curve", "plot", "summarize"]
+SELECTIONS = ("none", "dapo", "greso", "dots")
+ALLOCATIONS = ("vigor", "pilot_commit", "sgpo")
+
+
+def method_flags(method: str, replay_fraction: float) -> list[str]:
+  """``dapo``, ``greso+replay``, ``replay``, ``vigor``, ``vigor+dapo``, ...
+  as config flags."""
+  parts = method.split("+")
+  names = [p for p in parts if p != "replay"]
+  selections = [n for n in names if n in SELECTIONS]
+  allocations = [n for n in names if n in ALLOCATIONS]
+  if (len(selections) > 1 or len(allocations) > 1
+      or len(selections) + len(allocations) != len(names)
+      or parts.count("replay") > 1):
+    raise ValueError(
+        f"--methods: {method!r} is not a selection name {SELECTIONS}, an "
+        f"allocation name {ALLOCATIONS}, or one of each joined with '+', "
+        "optionally with '+replay'.")
+  flags_ = [f"--config.rl.selection.name="
+            f"{selections[0] if selections else 'none'}"]
+  if allocations:
+    flags_.append(f"--config.rl.allocation.name={allocations[0]}")
+  if "replay" in parts:
+    flags_.append(f"--config.rl.replay.fraction={replay_fraction}")
+  return flags_
+
+
+__all__ = ["ALLOCATIONS", "SELECTIONS", "curve", "method_flags", "plot",
+           "summarize"]
