@@ -102,6 +102,19 @@ def test_shared_prompts_prefill_fewer_rows_and_change_no_row(
   assert B <= int(shared.prefilled_rows) <= B * G - 3, shared.prefilled_rows
 
 
+def _shared_and_own(rows, params, slots4, own_prefill4):
+  """The slots' rollouts of ``B * G`` rows of these prompts, queued as
+  groups of ``G`` (a queue that only looks grouped), with prompts shared
+  and with a prefill per row."""
+  tokens, mask = sampling.pad_prompts(rows, SC.prompt_buckets)
+  q = cb.fresh_queue(tokens, mask, jax.random.key(3),
+                     SC.replace(num_samples=1))
+  q = q._replace(group=np.repeat(np.arange(B, dtype=np.int32), G),
+                 sample=np.tile(np.arange(G, dtype=np.int32), B))
+  return (jax.device_get(slots4(params, q, B)),
+          jax.device_get(own_prefill4(params, q, B)))
+
+
 def test_rows_of_a_group_with_other_prompts_are_prefilled_each(
     params, prompts, slots4, own_prefill4):
   """Sharing follows the prompts, not the group ids: groups whose rows
@@ -109,14 +122,9 @@ def test_rows_of_a_group_with_other_prompts_are_prefilled_each(
   row, in chunks of leaders when a fill has more prompts than one per G
   rows."""
   lists, _ = prompts
-  rows = [lists[i % B][: 2 + i % 5] + [4 + i] for i in range(B * G)]
-  tokens, mask = sampling.pad_prompts(rows, SC.prompt_buckets)
-  q = cb.fresh_queue(tokens, mask, jax.random.key(3),
-                     SC.replace(num_samples=1))
-  q = q._replace(group=np.repeat(np.arange(B, dtype=np.int32), G),
-                 sample=np.tile(np.arange(G, dtype=np.int32), B))
-  shared = jax.device_get(slots4(params, q, B))
-  own = jax.device_get(own_prefill4(params, q, B))
+  shared, own = _shared_and_own(
+      [lists[i % B][: 2 + i % 5] + [4 + i] for i in range(B * G)],
+      params, slots4, own_prefill4)
   np.testing.assert_array_equal(shared.completion_tokens,
                                 own.completion_tokens)
   assert int(shared.prefilled_rows) == int(own.prefilled_rows) == B * G
@@ -131,15 +139,9 @@ def test_a_fill_with_more_prompts_than_leaders_prefills_each_prompt_once(
   prefills every row when its prompts outnumber its leaders), and every
   row is the row that prefilled its own."""
   lists, _ = prompts
-  rows = [lists[(i // 2) % B][: 2 + (i // 2) % 5] + [4 + i // 2]
-          for i in range(B * G)]
-  tokens, mask = sampling.pad_prompts(rows, SC.prompt_buckets)
-  q = cb.fresh_queue(tokens, mask, jax.random.key(3),
-                     SC.replace(num_samples=1))
-  q = q._replace(group=np.repeat(np.arange(B, dtype=np.int32), G),
-                 sample=np.tile(np.arange(G, dtype=np.int32), B))
-  shared = jax.device_get(slots4(params, q, B))
-  own = jax.device_get(own_prefill4(params, q, B))
+  shared, own = _shared_and_own(
+      [lists[(i // 2) % B][: 2 + (i // 2) % 5] + [4 + i // 2]
+       for i in range(B * G)], params, slots4, own_prefill4)
   np.testing.assert_array_equal(shared.completion_tokens,
                                 own.completion_tokens)
   np.testing.assert_allclose(shared.sampler_logprobs, own.sampler_logprobs,
