@@ -92,7 +92,8 @@ def _sample(collector, params, examples, key, version, on_dispatch,
                 else jax.random.fold_in(key, _PASS_FOLD + len(passes)))
     passes.append(_allocate(collector, params, examples, pass_key, version,
                             schedule))
-    if not refills:
+    if not refills:  # every group, as allocated
+      kept = [(0, i) for i in range(batch_size)]
       break
     kept, used = _keep(passes, batch_size, schedule.rows)
     if (schedule.rows - used < schedule.samples[0] or len(kept) == batch_size
@@ -103,10 +104,6 @@ def _sample(collector, params, examples, key, version, on_dispatch,
   # params that a refill pass still samples with.
   if on_dispatch is not None:
     on_dispatch()
-  if refills:
-    kept, used = _keep(passes, batch_size, schedule.rows)
-  else:  # every group, as allocated
-    kept = [(0, i) for i in range(batch_size)]
   plan, group_ids, trained = _plan(passes, kept, schedule)
   rounds = [r for p in passes for r in p.rounds]
   merged = collector.merge_rounds(rounds, plan,
