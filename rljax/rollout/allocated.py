@@ -138,13 +138,13 @@ def _sample(collector, params, examples, key, version, on_dispatch,
           trained if refills else None)
 
 
-_PASS_FOLD = 0x52454649  # "REFI": the key of refill pass k is fold_in(key, this + k)
+# "REFI": refill pass k samples with fold_in(key, _PASS_FOLD + k).
+_PASS_FOLD = 0x52454649
 
 
 class _Pass(NamedTuple):
   """One allocation of ``B`` prompts: its rounds, each round's entries (the
   prompt of each), each prompt's group size, kind and text."""
-
 
   rounds: list[rounds_lib.Sampled]
   entries: list[np.ndarray]
