@@ -124,7 +124,7 @@ def test_rl_counts_must_be_positive(config, field, value):
     build_lib.validate(config)
 
 
-@pytest.mark.parametrize("field", ["eval.every", "checkpoint.every",
+@pytest.mark.parametrize("field", ["checkpoint.every",
                                    "eval.num_examples", "eval.num_samples",
                                    "sampler.max_new_tokens"])
 @pytest.mark.parametrize("value", [0, -1])
@@ -132,6 +132,16 @@ def test_section_counts_must_be_positive(config, field, value):
   section, name = field.split(".")
   config[section][name] = value
   with raises(f"{field}={value}", "positive integer"):
+    build_lib.validate(config)
+
+
+def test_eval_every_zero_turns_evaluation_off_and_below_is_refused(config):
+  """``eval.every=0``: no held-out evaluation (the bound's accepted side);
+  -1 is refused, naming the field."""
+  config.eval.every = 0
+  build_lib.validate(config)
+  config.eval.every = -1
+  with no_compiles(), raises("eval.every=-1"):
     build_lib.validate(config)
 
 

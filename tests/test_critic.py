@@ -29,7 +29,7 @@ def loop_config(**overrides):
   c = tiny_config()
   c.sft.num_steps = 0
   c.rl.num_steps = 2
-  c.eval.every = 100
+  c.eval.every = 0
   c.eval.greedy = False
   c.checkpoint.every = 100
   # Parity of the completion length: every batch has rewards to fit.

@@ -70,7 +70,7 @@ def test_rounds_and_turn_caps_train_from_the_config(tmp_path):
   env.max_turn_tokens from the config, through the loop."""
   config = env_config("guess_number", **QUICK, **{"env.step_rows": 4,
                                          "env.max_turn_tokens": 3,
-                                         "eval.every": 100})
+                                         "eval.every": 0})
   train.run(config, str(tmp_path))
   rows = rl_rows(tmp_path)
   assert [r["step"] for r in rows] == [1, 2]
@@ -88,7 +88,7 @@ def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
   tests/test_envs.py, tests/test_env_slots.py)."""
   config = env_config("guess_number", **QUICK, **{
       "env.name": "tests.env_fixtures:FlakyGuess", "env.num_workers": 2,
-      "env.timeout_s": 0.5, "eval.every": 100, "rl.max_staleness": 1,
+      "env.timeout_s": 0.5, "eval.every": 0, "rl.max_staleness": 1,
       "rl.rollout": "continuous"})
   summary = train.run(config, str(tmp_path))
   rows = rl_rows(tmp_path)
@@ -132,7 +132,7 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
   """Episodes under the other schedules, prompt feeders and discounted
   estimators."""
   overrides = COMPOSE[case]
-  config = env_config("guess_number", **QUICK, **{"eval.every": 100})
+  config = env_config("guess_number", **QUICK, **{"eval.every": 0})
   for key, value in overrides.items():
     *sections, field = key.split(".")
     node = config
@@ -170,7 +170,7 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
 def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
   config = env_config("guess_number", **QUICK, **{"rl.num_steps": 3,
                                          "checkpoint.every": 1,
-                                         "eval.every": 100})
+                                         "eval.every": 0})
   train.run(config, str(tmp_path / "whole"))
   rows = rl_rows(tmp_path / "whole")
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
@@ -221,7 +221,7 @@ def test_calculator_on_slots_async_killed_mid_run_resumes_exactly(tmp_path):
   import jax  # pylint: disable=g-import-not-at-top
   from tests import subprocess_env, test_resume  # pylint: disable=g-import-not-at-top
   flags = ["--config=configs/calculator_grpo.py:tiny",
-           "--config.rl.num_steps=4", "--config.eval.every=100",
+           "--config.rl.num_steps=4", "--config.eval.every=0",
            "--config.checkpoint.every=2", "--config.sft.num_steps=0",
            "--config.eval.greedy=False", "--config.eval.num_examples=8",
            "--config.rl.rollout=continuous", "--config.rl.rollout_slots=16",

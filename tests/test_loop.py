@@ -31,7 +31,7 @@ def loop_config(**overrides):
   c = tiny_config()
   c.sft.num_steps = 0
   c.rl.num_steps = 2
-  c.eval.every = 100
+  c.eval.every = 0  # no held-out evaluation: tests that read it set it
   c.eval.greedy = False
   c.checkpoint.every = 100
   c.rewards.names = REWARDS
@@ -250,6 +250,11 @@ def test_user_built_algorithm_trains_and_moves_the_weights(tmp_path):
   assert any(r["grad_norm"] > 0 for r in rows)
   assert any(r["adv/advantage_abs_max"] > 0 for r in rows)
   assert not summary["preempted"]
+  # eval.every=0 (loop_config): no held-out evaluation, before, during or
+  # after RL.
+  assert summary["before"] == summary["after"] == {}
+  assert not [k for r in metrics.read_jsonl(f"{tmp_path}/metrics.jsonl")
+              for k in r if k.startswith("eval/")]
   # The second update moved the weights.
   one, two = (train.load_policy(str(tmp_path), step) for step in (1, 2))
   moved = [float(jnp.max(jnp.abs(a - b))) for a, b in zip(
@@ -366,7 +371,8 @@ def test_the_loop_compiles_nothing_after_the_first_step_of_a_bucket(
     train.run(config, str(tmp_path))
   finally:
     monitoring.unregister_event_duration_listener(listener)
-  first = compiles[marks[0]:marks[1]]
+  first = compiles[:marks[1]]  # the set-up's and the first step's (no eval)
+  assert 0 not in marks  # eval.every=0: no row before RL
   assert first.count("jit(rl_step)") == 1, first
   assert first.count("jit(_sample_impl)") == 1, first  # one bucket, one program
   # Later steps compile the step only for a bucket not seen before, never

@@ -289,7 +289,7 @@ def test_an_ensemble_scores_each_member_and_aggregates(tmp_path, rm_dir,
 def test_a_run_trains_on_a_reward_model_ensemble(tmp_path):
   config = tiny_config()
   config.rl.num_steps = 2
-  config.eval.every = 100
+  config.eval.every = 0
   task, train_examples, _ = build.load_task(config)
   tokenizer = build.make_tokenizer(config, task, train_examples)
   paths = [reward_models.tiny_reward_model(tmp_path / f"rm{seed}", tokenizer,

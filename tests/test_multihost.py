@@ -351,7 +351,7 @@ def test_features_on_two_processes_match_one(case, two_runs, tmp_path,
   overrides, config_file, check = CASES[case]
   if callable(overrides):
     overrides = overrides(tmp_path, two_runs)
-  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 100,
+  overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 0,
                "checkpoint.every": 100, **overrides}
   trackers = "mlflow" in overrides.get("metrics.writers", ())
   if trackers:  # no network: W&B offline, MLflow's store in the run
@@ -449,7 +449,7 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes(case, tmp_path,
   run, every step's metrics (steps 1-2 from the first launch, 3-4 from the
   resumed one) and the params."""
   extra, config_file = KILLED[case]
-  overrides = {"rl.num_steps": 4, "sft.num_steps": 0, "eval.every": 100,
+  overrides = {"rl.num_steps": 4, "sft.num_steps": 0, "eval.every": 0,
                "checkpoint.every": 2, **extra}
   want = one_process_run(tmp_path / "one", overrides, config_file)
   workdir = str(tmp_path / "two")

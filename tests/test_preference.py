@@ -450,7 +450,7 @@ def test_online_kto_on_episodes_leaves_observations_out_of_the_loss(
   from tests.test_env_loop import env_config  # pylint: disable=import-outside-toplevel
   config = env_config("calculator", **{"preference.loss": "kto",
                                        "preference.online": True,
-                                       "rl.num_steps": 2, "eval.every": 100,
+                                       "rl.num_steps": 2, "eval.every": 0,
                                        "optimizer.warmup_steps": 0,
                                        "preference.num_pairs": 64,
                                        "preference.num_heldout": 16})

@@ -225,7 +225,7 @@ def rm_and_policy(tmp_path_factory):
   policy = tiny_config()
   policy.rl.num_steps = 1
   policy.sft.num_steps = 40
-  policy.eval.every = 100
+  policy.eval.every = 0
   train.run(policy, str(root / "policy"))
   return rm_dir, first, str(root / "policy")
 

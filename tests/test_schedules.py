@@ -151,7 +151,7 @@ def test_sigterm_during_async_partial_run_exits_cleanly_and_resumes(tmp_path):
   args = [sys.executable, "-m", "launch.train",
           "--config=configs/arithmetic_grpo.py:tiny", f"--workdir={workdir}",
           "--config.rl.num_steps=6", "--config.checkpoint.every=100",
-          "--config.eval.every=100", "--config.rl.max_staleness=1",
+          "--config.eval.every=0", "--config.rl.max_staleness=1",
           "--config.rl.rollout=partial"]
   proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)

@@ -352,7 +352,7 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
              len(precomputed), time.time() - t)
     reference.params = None if not c.lora else reference.params
   step = int(state.step)
-  if fresh and data is not None:
+  if fresh and data is not None and s.eval_every:
     before = heldout_accuracy(c, data.heldout, reference, score,
                               state.params, pairs_per_step)
     run.before["eval/pair_accuracy"] = before
@@ -406,7 +406,7 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
     m.update(extra)
     m["time/step"] = time.time() - t_start
     run.steps += 1
-    if step % s.eval_every == 0 or step == s.num_steps:
+    if s.eval_every and (step % s.eval_every == 0 or step == s.num_steps):
       m.update(run.evaluate(state.params, jax.random.fold_in(run.eval_key,
                                                              step)))
       if data is not None:

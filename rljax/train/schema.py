@@ -398,7 +398,8 @@ _BASE: dict[str, Field] = {
     "env.memory_limit_mb": F(None, "int>=1?", "per environment worker, over "
                              "its start-up size", int),
     # --- eval ---
-    "eval.every": F(50, "int>=1", "held-out evaluation cadence (RL steps)"),
+    "eval.every": F(50, "int>=0", "held-out evaluation cadence (RL steps); "
+                    "0: none, not even before and after RL"),
     "eval.num_examples": F(256, "int>=1", "held-out prompts"),
     "eval.num_samples": F(1, "int>=1", "samples per held-out prompt"),
     "eval.greedy": F(True, None, "also evaluate greedy decoding"),

@@ -317,12 +317,13 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
       params = c.attach_adapters(params, _adapter_key(run))
       if not c.lora_base_from_hf:
         save_lora_base(run, params)
-    t = time.time()
-    log.info("held-out evaluation before RL (compiles the sampler once)")
-    run.before = run.evaluate(params, run.eval_key)
-    log.info("held-out evaluation took %.1f s", time.time() - t)
-    run.writer.write(0, run.before)
-    log.info("held-out before RL: %s", format_eval(run.before))
+    if c.settings.eval_every:  # eval.every=0: no held-out evaluation
+      t = time.time()
+      log.info("held-out evaluation before RL (compiles the sampler once)")
+      run.before = run.evaluate(params, run.eval_key)
+      log.info("held-out evaluation took %.1f s", time.time() - t)
+      run.writer.write(0, run.before)
+      log.info("held-out before RL: %s", format_eval(run.before))
     # With LoRA the KL reference is the frozen base itself: no copy.
     return (c.init_state(params, run.state_key),
             params if kl and not c.lora else None)
