@@ -157,7 +157,7 @@ def test_resume_writes_each_step_once(finished_run, tmp_path):
 
 
 def test_a_full_disk_gives_one_error_naming_the_path(tmp_path, monkeypatch):
-  def write(self, step, values):
+  def write(self, step, values, histograms=None):
     raise OSError(errno.ENOSPC, "No space left on device",
                   str(tmp_path / "metrics.jsonl"))
 

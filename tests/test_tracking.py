@@ -220,7 +220,8 @@ def test_a_run_logs_everywhere_and_a_crash_resumes_into_the_same_runs(
   from tests.test_loop import loop_config
   config = loop_config(**{"metrics.writers": ALL,
                           "metrics.histogram_every": 1,
-                          "checkpoint.every": 2, "rl.num_steps": 3})
+                          "checkpoint.every": 2, "rl.num_steps": 3,
+                          "eval.every": 100})  # step 0: the before-RL row
   train.run(config, str(tmp_path))
   shutil.rmtree(tmp_path / "checkpoints" / "3")
   summary = train.run(config, str(tmp_path))

@@ -352,13 +352,14 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
              len(precomputed), time.time() - t)
     reference.params = None if not c.lora else reference.params
   step = int(state.step)
-  if fresh and data is not None and s.eval_every:
-    before = heldout_accuracy(c, data.heldout, reference, score,
-                              state.params, pairs_per_step)
-    run.before["eval/pair_accuracy"] = before
-    run.writer.write(0, {"eval/pair_accuracy": before,
-                         "pref/identical_pairs": float(data.identical)})
-    log.info("held-out pair accuracy before: %.3f", before)
+  if fresh and data is not None:
+    row = {"pref/identical_pairs": float(data.identical)}
+    if s.eval_every:  # eval.every=0: no held-out evaluation
+      before = heldout_accuracy(c, data.heldout, reference, score,
+                                state.params, pairs_per_step)
+      run.before["eval/pair_accuracy"] = row["eval/pair_accuracy"] = before
+      log.info("held-out pair accuracy before: %.3f", before)
+    run.writer.write(0, row)
   last: dict[str, float] = {}
   preempted = False
   stop = guards.Guards(s)
