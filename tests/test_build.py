@@ -135,6 +135,17 @@ def test_section_counts_must_be_positive(config, field, value):
     build_lib.validate(config)
 
 
+def test_evaluation_steps_are_every_eval_every_and_the_last(config):
+  """Steps 0 (before RL), each multiple of ``eval.every`` and the last;
+  none with ``eval.every=0``."""
+  config.rl.num_steps, config.eval.every = 5, 2
+  s = build_lib.loop_settings(config)
+  assert [t for t in range(6) if s.evaluates_at(t)] == [0, 2, 4, 5]
+  config.eval.every = 0
+  s = build_lib.loop_settings(config)
+  assert not [t for t in range(6) if s.evaluates_at(t)]
+
+
 def test_eval_every_zero_turns_evaluation_off_and_below_is_refused(config):
   """``eval.every=0``: no held-out evaluation (the bound's accepted side);
   -1 is refused, naming the field."""

@@ -190,7 +190,8 @@ class LoopSettings:
     prompts_per_step: prompts per RL step (B).
     group_size: trained rows per prompt (G).
     num_rewards: reward functions (R).
-    eval_every, checkpoint_every: cadences in RL steps.
+    eval_every, checkpoint_every: cadences in RL steps (``eval_every=0``:
+      no held-out evaluation, ``evaluates_at``).
     histogram_every: per-row histograms' cadence (0: never).
     eval_num_samples: samples per held-out prompt.
     eval_greedy: also evaluate greedy decoding.
@@ -220,6 +221,12 @@ class LoopSettings:
   max_reward_failure_fraction: float = 0.99
   reward_failure_patience: int = 5
   histogram_every: int = 0
+
+  def evaluates_at(self, step: int) -> bool:
+    """Whether held-out metrics are computed at ``step`` (0: before RL):
+    every ``eval_every`` steps and at the last, never with ``eval_every=0``."""
+    return bool(self.eval_every) and (step % self.eval_every == 0
+                                      or step == self.num_steps)
 
 
 def loop_settings(config: Any) -> LoopSettings:

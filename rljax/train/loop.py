@@ -209,7 +209,7 @@ def _train(c: build_lib.Components, workdir: str, t0: float,
                "estimate and the closing tokens/s count from here.", step,
                m["time/step"])
       progress.restart_clock(step)
-    if s.eval_every and (step % s.eval_every == 0 or step == s.num_steps):
+    if s.evaluates_at(step):
       m.update(run.evaluate(state.params, jax.random.fold_in(run.eval_key,
                                                              step)))
     rows = {**(collected.rows or {}), **{k: m.pop(k) for k in list(m)

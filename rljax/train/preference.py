@@ -354,7 +354,7 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
   step = int(state.step)
   if fresh and data is not None:
     row = {"pref/identical_pairs": float(data.identical)}
-    if s.eval_every:  # eval.every=0: no held-out evaluation
+    if s.evaluates_at(0):  # eval.every=0: no held-out evaluation
       before = heldout_accuracy(c, data.heldout, reference, score,
                                 state.params, pairs_per_step)
       run.before["eval/pair_accuracy"] = row["eval/pair_accuracy"] = before
@@ -407,7 +407,7 @@ def train(c: Any, workdir: str, t0: float, stop_signal: guards.StopSignal
     m.update(extra)
     m["time/step"] = time.time() - t_start
     run.steps += 1
-    if s.eval_every and (step % s.eval_every == 0 or step == s.num_steps):
+    if s.evaluates_at(step):
       m.update(run.evaluate(state.params, jax.random.fold_in(run.eval_key,
                                                              step)))
       if data is not None:

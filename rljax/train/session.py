@@ -317,7 +317,7 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
       params = c.attach_adapters(params, _adapter_key(run))
       if not c.lora_base_from_hf:
         save_lora_base(run, params)
-    if c.settings.eval_every:  # eval.every=0: no held-out evaluation
+    if c.settings.evaluates_at(0):  # eval.every=0: no held-out evaluation
       t = time.time()
       log.info("held-out evaluation before RL (compiles the sampler once)")
       run.before = run.evaluate(params, run.eval_key)
