@@ -20,30 +20,9 @@ from rljax import models, train
 from rljax import objectives as obj
 from rljax.advantages import gae as gae_lib
 from rljax.train import critic as critic_lib
-from rljax import metrics
-from tests.test_train import load_config, tiny_config
+from tests.test_loop import loop_config, rl_rows
+from tests.test_train import load_config
 
-
-def loop_config(**overrides):
-  """The tiny config, no SFT or evaluation, 2 RL steps (as tests/test_loop.py)."""
-  c = tiny_config()
-  c.sft.num_steps = 0
-  c.rl.num_steps = 2
-  c.eval.every = 0
-  c.eval.greedy = False
-  c.checkpoint.every = 100
-  # Parity of the completion length: every batch has rewards to fit.
-  c.rewards.names = ("numeric_match", "tests.reward_fixtures:parity")
-  c.rewards.weights = (1.0, 0.5)
-  for key, value in overrides.items():
-    section, field = key.split(".")
-    c[section][field] = value
-  return c
-
-
-def rl_rows(workdir):
-  return [r for r in metrics.read_jsonl(f"{workdir}/metrics.jsonl")
-          if r["step"] > 0]
 
 # --- GAE ---------------------------------------------------------------------
 
