@@ -27,6 +27,9 @@ prompt `g`. Extra arguments are keyword-only:
   `tokens_NxT` and `completion_mask_NxT` (the completions): read by KTAE,
   whose advantages are per token (`[N, T]`), and by the token-level
   estimators below.
+* `tree_nodes_NxD` (optional int `[N, D]`, a tree rollout's
+  `Rollout.tree_nodes`): each row's ancestors, read by TreePO's
+  `center_by_subtrees`.
 * `token_rewards_NxT` (optional float `[N, T]`, verl's
   `token_level_rewards`): per-token rewards. `whiten_by_tokens` (verl's
   REINFORCE++) and `center_by_greedy_baseline` (ReMax) then compute their
@@ -76,6 +79,7 @@ from rljax.advantages.pass_at_k import grpo_passk, pass_at_k_advantages
 from rljax.advantages.presets import (
     dr_grpo, gdpo, gpg, grpo, grpo_batch_std, mc_grpo, opo, reinforce_pp_baseline,
     reinforce_pp_token, rloo, vcpo)
+from rljax.advantages.tree import center_by_subtrees, treepo
 
 __all__ = [
     "advantage_metrics",
@@ -87,6 +91,7 @@ __all__ = [
     "center_by_group_median",
     "center_by_length_weighted_group_mean",
     "center_by_min_variance_baseline",
+    "center_by_subtrees",
     "clip_advantages",
     "cvar_rank_weights",
     "dr_grpo",
@@ -116,6 +121,7 @@ __all__ = [
     "scale_by_informative_fraction",
     "sum_rewards",
     "terminal_rewards",
+    "treepo",
     "trimmed_mean_rank_weights",
     "vcpo",
     "whiten_advantages",

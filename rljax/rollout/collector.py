@@ -44,6 +44,7 @@ from rljax import rewards as rewards_lib
 from rljax import sampling
 from rljax import sharding as sharding_lib
 from rljax import tokenizers as tok_lib
+from rljax.sampling import tree as tree_lib
 from rljax.rollout import allocated, feeding, process_blocks, speculated
 from rljax.rollout import rounds as rounds_lib
 from rljax.rollout.rounds import Sampled, scored_rows
@@ -414,6 +415,13 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       rollout, spec_metrics = self._sample(
           params, prompts, group.global_array(tokens, where),
           group.global_array(mask, where), key, sampler, where, g)
+      tree = getattr(sampler or self.sampler, "tree", None)
+      if tree is not None:  # tokens decoded once per shared segment
+        nodes, lengths = distributed.local_rows_many(
+            group, rollout.tree_nodes, rollout.lengths)
+        spec_metrics = dict(spec_metrics, **tree_lib.tree_metrics(
+            group.gather_json(tree_lib.tree_counts(
+                nodes, lengths, g, tree.segment_tokens))))
       rollout = self._to_trainer(rollout)
       if on_dispatch is not None:
         on_dispatch()

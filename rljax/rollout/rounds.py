@@ -121,7 +121,8 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
 
 # Metrics of a round that count its work: a merged batch's are the sums.
 _SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
-           "rollout/prefilled_rows",
+           "rollout/prefilled_rows", "rollout/tree_leaf_tokens",
+           "rollout/tree_copies",
            "rollout/generated_tokens", "env/failed_episodes", "env/errors",
            "env/timeouts", "env/observation_tokens",
            "env/observation_truncated", "env/turn_limit", "time/env")
@@ -153,12 +154,16 @@ def merge_metrics(metrics: Sequence[Mapping[str, float]],
                 else float(values[-1]))
     else:
       out[k] = float(values[-1])
+  if out.get("rollout/tree_leaf_tokens"):  # a ratio of two sums
+    out["rollout/tree_token_saving"] = 1.0 - (
+        out["rollout/generated_tokens"] / out["rollout/tree_leaf_tokens"])
   return out
 
 
 # The Rollout fields a batch may lack; a replayed group has those of its
 # batch.
-_OPTIONAL = ("policy_logprobs", "observation_mask", "turn_rewards")
+_OPTIONAL = ("policy_logprobs", "observation_mask", "turn_rewards",
+             "tree_nodes")
 
 
 def host_groups(sampled: Sampled, groups: Sequence[Any],

@@ -157,6 +157,11 @@ class Rollout(NamedTuple):
       elsewhere; a failed episode's row is 0), or None (no environment).
       The trainer turns them into per-token rewards
       (``train.batch_layout.token_rewards``).
+    tree_nodes: ``[N, D]`` int32, a tree rollout's ancestors
+      (``rljax/sampling/tree.py``): column ``d`` is the node of depth ``d``
+      (its index among its prompt's nodes of that depth) the row descends
+      from, so rows that agree on columns ``<= d`` share their first
+      ``(d + 1) * segment_tokens`` tokens; None for independent rows.
   """
 
   prompt_tokens: jax.Array
@@ -169,6 +174,7 @@ class Rollout(NamedTuple):
   sampler_logprobs: jax.Array
   observation_mask: jax.Array | None = None
   turn_rewards: jax.Array | None = None
+  tree_nodes: jax.Array | None = None
 
   def sequences(self) -> tuple[jax.Array, jax.Array]:
     """``(tokens_NxL, mask_NxL)``: prompt and completion, ``L = P + T``."""
@@ -262,8 +268,8 @@ def _ended(tokens_NxT, column_N, token_N, eos_V, stop_sequences):
 
 # The decode API the samplers share (this module's, continuous.py's,
 # speculative.py's and the multi-turn rollout's, rljax/rollout/multi_turn.py):
-# decode_setup, pick_logprob, sampled_logprobs, fused_logprobs, row_keys and
-# token_keys.
+# decode_setup, decode_step, pick_logprob, sampled_logprobs, fused_logprobs,
+# row_keys and token_keys.
 
 
 def pick_logprob(logp_xV, token_x):
@@ -303,6 +309,53 @@ _ROW_FIELDS = ("tokens", "mask", "policy_logp", "sampler_logp", "column",
                "done", "finished", "next_position")
 
 
+def decode_step(params, state: _LoopState, keys_N, *, model, w_DxV,
+                mc: ModelConfig, sc: SamplerConfig) -> _LoopState:
+  """One decode step of every row: draws each live row's token at its
+  ``column`` (``token_keys``), writes it and its logprobs, and runs the
+  decoder on it at the cache's next slot. Rows that are done write nothing.
+  The step of ``_decode``'s loops and of the tree rollout
+  (``rljax/sampling/tree.py``)."""
+  t = sc.max_new_tokens
+  eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
+  cols_T = jnp.arange(t, dtype=jnp.int32)
+  i = state.step
+  token, sampler_logp = sc.method.get_next_tokens(
+      state.logits, token_keys(keys_N, state.column))
+  live = ~state.done
+  token = jnp.where(live, token, sc.pad_id)
+  policy_logp = None
+  if sc.record_policy_logprobs:
+    policy_logp = (sampler_logp if fused_logprobs(sc) else pick_logprob(
+        jax.nn.log_softmax(state.logits / sc.training_temperature, -1),
+        token))
+  at_NxT = (cols_T[None] == state.column[:, None]) & live[:, None]
+
+  def put(buffer, value):
+    return jnp.where(at_NxT, value[:, None].astype(buffer.dtype), buffer)
+
+  tokens = put(state.tokens, token)
+  ended = live & _ended(tokens, state.column, token, eos, sc.stop_sequences)
+  hidden, cache = model.apply(
+      {"params": params}, token[:, None], state.next_position[:, None],
+      state.cache, input_mask_BxT=live[:, None])
+  logits = compute_logits(hidden, w_DxV, mc.final_logit_softcap)[:, 0]
+  column = state.column + live.astype(jnp.int32)
+  return _LoopState(
+      step=i + 1,
+      logits=sharding.constrain(logits, ("batch", "act_vocab")),
+      cache=cache,
+      tokens=tokens,
+      mask=state.mask | at_NxT,
+      policy_logp=(None if policy_logp is None
+                   else put(state.policy_logp, policy_logp)),
+      sampler_logp=put(state.sampler_logp, sampler_logp),
+      column=column,
+      done=state.done | ended | (column >= t),
+      finished=state.finished | ended,
+      next_position=state.next_position + 1)
+
+
 def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
             sc: SamplerConfig, base_slots: int,
             row_multiple: int = 1) -> _LoopState:
@@ -323,47 +376,10 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
   ``logits`` and ``cache`` are those of the last decode batch.
   """
   t = sc.max_new_tokens
-  eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
-  cols_T = jnp.arange(t, dtype=jnp.int32)
   n_rows = state.column.shape[0]
   levels = shrink_levels(n_rows, sc.shrink_batch_to, row_multiple)
-
-  def body(state: _LoopState, keys_N) -> _LoopState:
-    i = state.step
-    token, sampler_logp = sc.method.get_next_tokens(
-        state.logits, token_keys(keys_N, state.column))
-    live = ~state.done
-    token = jnp.where(live, token, sc.pad_id)
-    policy_logp = None
-    if sc.record_policy_logprobs:
-      policy_logp = (sampler_logp if fused_logprobs(sc) else pick_logprob(
-          jax.nn.log_softmax(state.logits / sc.training_temperature, -1),
-          token))
-    at_NxT = (cols_T[None] == state.column[:, None]) & live[:, None]
-
-    def put(buffer, value):
-      return jnp.where(at_NxT, value[:, None].astype(buffer.dtype), buffer)
-
-    tokens = put(state.tokens, token)
-    ended = live & _ended(tokens, state.column, token, eos, sc.stop_sequences)
-    hidden, cache = model.apply(
-        {"params": params}, token[:, None], state.next_position[:, None],
-        state.cache, input_mask_BxT=live[:, None])
-    logits = compute_logits(hidden, w_DxV, mc.final_logit_softcap)[:, 0]
-    column = state.column + live.astype(jnp.int32)
-    return _LoopState(
-        step=i + 1,
-        logits=sharding.constrain(logits, ("batch", "act_vocab")),
-        cache=cache,
-        tokens=tokens,
-        mask=state.mask | at_NxT,
-        policy_logp=(None if policy_logp is None
-                     else put(state.policy_logp, policy_logp)),
-        sampler_logp=put(state.sampler_logp, sampler_logp),
-        column=column,
-        done=state.done | ended | (column >= t),
-        finished=state.finished | ended,
-        next_position=state.next_position + 1)
+  body = functools.partial(decode_step, params, model=model, w_DxV=w_DxV,
+                           mc=mc, sc=sc)
 
   def run(state, keys_N, end, fits):
     """Steps while ``step < end`` and more than ``fits`` rows are live."""
@@ -559,13 +575,25 @@ def make_sampler(model_config: ModelConfig, config: SamplerConfig,
   are those an unpadded call would sample.
   """
   fn = functools.partial(_sample_impl, model_config=model_config, config=config)
+  return jit_rows(fn, config, mesh, param_shardings, rules)
+
+
+def jit_rows(fn, config: SamplerConfig, mesh: jax.sharding.Mesh | None,
+             param_shardings: Any = None,
+             rules: sharding.Rules = sharding.DEFAULT_RULES, *,
+             tree_nodes: bool = False):
+  """``fn(params, prompt_tokens_BxP, prompt_mask_BxP, key[, row_multiple])
+  -> Rollout`` jitted as ``make_sampler`` describes: on a mesh, with the
+  prompts padded to a multiple of the batch ways and the padding's rows
+  dropped. ``tree_nodes``: the ``Rollout`` has ``tree_nodes``."""
   if mesh is None:
     return jax.jit(fn)
   s = mesh_shardings(mesh, rules, config)
+  out = s.rollout._replace(tree_nodes=s.batch2) if tree_nodes else s.rollout
   jitted = jax.jit(functools.partial(fn, row_multiple=s.ways),
                    in_shardings=(param_shardings, s.batch2, s.batch2,
                                  s.replicated),
-                   out_shardings=s.rollout)
+                   out_shardings=out)
 
   def call(params, prompt_tokens_BxP, prompt_mask_BxP, key):
     b = prompt_tokens_BxP.shape[0]

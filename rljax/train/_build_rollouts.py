@@ -16,6 +16,7 @@ from rljax.data import allocation as allocation_lib
 from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
 from rljax.rollout import partial as partial_lib
+from rljax.sampling import tree as tree_lib
 
 
 def _check_sampler_devices(n: int) -> None:
@@ -67,9 +68,10 @@ def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
 
 def partial_config(config: Any):
   """The ``partial.PartialConfig`` of ``rl.rollout*`` / ``rl.partial_*``;
-  None for ``rl.rollout="static"``."""
+  None for the plans without slots, ``rl.rollout="static"`` and
+  ``"tree"``."""
   rl = config.rl
-  if rl.rollout == "static":
+  if rl.rollout in ("static", "tree"):
     return None
   rows = rl.prompts_per_step * (rl.group_size + alg_lib.sampling_needs(
       rl.advantage)["extra_samples"])
@@ -98,15 +100,30 @@ def _validate_rollout(config: Any) -> None:
     fresh_allocation(config)  # with replay, the fresh prompts' rounds
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
-  if rl.rollout == "static":
+  if rl.rollout in ("static", "tree"):
     for name in ("rollout_slots", "rollout_refill_rows"):
       if rl[name] is not None:
-        raise ValueError(f"rl.{name}={rl[name]!r} with rl.rollout='static': "
-                         "the static sampler has no slots; accepted: "
-                         f"rl.rollout='continuous' or 'partial', or rl.{name}="
-                         "None.")
+        raise ValueError(f"rl.{name}={rl[name]!r} with rl.rollout="
+                         f"{rl.rollout!r}: the {rl.rollout} sampler has no "
+                         "slots; accepted: rl.rollout='continuous' or "
+                         f"'partial', or rl.{name}=None.")
+    if rl.rollout == "tree":  # its widths fit the rows and the budget
+      tree_config(config).widths(
+          rl.group_size + alg_lib.sampling_needs(rl.advantage)[
+              "extra_samples"], config.sampler.max_new_tokens)
     return
   partial_config(config)  # checks slots against refill rows
+
+
+def tree_config(config: Any) -> tree_lib.TreeConfig | None:
+  """The ``TreeConfig`` of ``rl.tree.*`` with ``rl.rollout="tree"``, else
+  None."""
+  if config.rl.rollout != "tree":
+    return None
+  t = config.rl.tree
+  return tree_lib.TreeConfig(segment_tokens=t.segment_tokens,
+                             branch=t.branch, roots=t.roots,
+                             branch_by=t.branch_by)
 
 
 def allocation(config: Any, batch_size: int | None = None) -> Any:

@@ -18,7 +18,9 @@ from rljax import rollout as rollout_lib
 from rljax import sampling
 from rljax.rollout import partial as partial_lib
 from rljax.train._build_inputs import eos_ids
-from rljax.train._build_rollouts import partial_config, replay_buffer, selection
+from rljax.sampling import tree as tree_lib
+from rljax.train._build_rollouts import (partial_config, replay_buffer,
+                                         selection, tree_config)
 
 
 def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
@@ -120,7 +122,9 @@ class Samplers:
     With a ReMax algorithm (``greedy_baseline``), the sampler of the
     training rows (``group_size + 1`` per prompt) decodes the last row of
     each prompt greedily; ``validate`` keeps ``eval.num_samples`` off that
-    count. ``training``: on the sampler's devices (``rl.sampler_devices``).
+    count. ``training``: on the sampler's devices (``rl.sampler_devices``),
+    and with ``rl.rollout="tree"`` the training rows are sampled as trees
+    (``sampling.tree``).
     """
     alg = self.algorithm
     if record_policy_logprobs is None:
@@ -129,12 +133,16 @@ class Samplers:
     greedy_every = num_samples if (
         alg.greedy_baseline and not greedy
         and num_samples == self.settings.group_size + alg.extra_samples) else 0
-    return sampling.make_sampler(
-        self.model_config,
-        sampler_config(self.config, self.tokenizer, num_samples, greedy=greedy,
-                       record_policy_logprobs=record_policy_logprobs,
-                       greedy_every=greedy_every),
-        *self._where(training))
+    config = sampler_config(self.config, self.tokenizer, num_samples,
+                            greedy=greedy,
+                            record_policy_logprobs=record_policy_logprobs,
+                            greedy_every=greedy_every)
+    tree = tree_config(self.config) if training and not greedy else None
+    if tree is not None:
+      return tree_lib.make_tree_sampler(self.model_config, config, tree,
+                                        *self._where(training))
+    return sampling.make_sampler(self.model_config, config,
+                                 *self._where(training))
 
   def _where(self, training: bool) -> tuple[jax.sharding.Mesh, Any]:
     if training and self.split:

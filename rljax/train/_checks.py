@@ -18,6 +18,7 @@ _WANT = {"int>=1": "a positive integer", "int>=0": "an integer >= 0",
          "[0,1]": "a number in [0, 1]", "(0,1)": "a number in (0, 1)",
          "[0,0.5)": "a number in [0, 0.5)"}
 _TESTS = {"int>=1": lambda v: v >= 1, "int>=0": lambda v: v >= 0,
+          "int>=2": lambda v: v >= 2,
           ">0": lambda v: v > 0, ">1": lambda v: v > 1, ">=0": lambda v: v >= 0,
           "(0,1]": lambda v: 0 < v <= 1, "[0,1)": lambda v: 0 <= v < 1,
           "[0,1]": lambda v: 0 <= v <= 1, "(0,1)": lambda v: 0 < v < 1,

@@ -193,6 +193,13 @@ ADVANTAGES: dict[str, Entry] = {
                   _head(lambda rl, c: adv.vcpo()), **_GROUPS),
     "ktae": Entry("KTAE: per-token advantages from key-token statistics",
                   _head(lambda rl, c: adv.ktae_advantages()), **_GROUPS),
+    "treepo": Entry("TreePO: the leaf's reward centred on each subtree of a "
+                    "tree rollout (rl.rollout='tree'), then token whitening",
+                    _head(lambda rl, c: adv.treepo(str(rl["tree_weighting"]))),
+                    fields={"tree_weighting": Field(
+                        "group_size", None, "treepo: each subtree's weight, "
+                        "its leaf count or 1 (\"average\")",
+                        choices=("group_size", "average"))}, **_GROUPS),
     "remax": Entry("ReMax: a greedy completion per prompt is the baseline "
                    "(sampled in the same call, not trained on)",
                    _head(lambda rl, c: adv.center_by_greedy_baseline(

@@ -200,7 +200,8 @@ class Algorithm:
 def advantage_extra_args(lengths_N: jax.Array, seq_log_ratio_N: jax.Array,
                          tokens_NxT: jax.Array,
                          completion_mask_NxT: jax.Array,
-                         token_rewards_NxT: jax.Array | None = None
+                         token_rewards_NxT: jax.Array | None = None,
+                         tree_nodes_NxD: jax.Array | None = None
                          ) -> dict[str, jax.Array]:
   """The per-row extra arguments every advantage chain receives, besides
   ``group_size``, ``mask_N`` and ``reward_weights_R``: the completion
@@ -210,12 +211,15 @@ def advantage_extra_args(lengths_N: jax.Array, seq_log_ratio_N: jax.Array,
   (KTAE, whose advantages are ``[N, T]``) and, for a multi-turn batch, the
   per-token rewards ``token_rewards_NxT`` (an environment's turn rewards:
   ``batch_layout.token_rewards``; read by ``whiten_by_tokens``, ReMax's
-  ``center_by_greedy_baseline``). Transforms that do not read them ignore
-  them."""
+  ``center_by_greedy_baseline``) and, for a tree rollout, each row's
+  ancestors ``tree_nodes_NxD`` (``Rollout.tree_nodes``; read by TreePO's
+  ``center_by_subtrees``). Transforms that do not read them ignore them."""
   out = {"lengths_N": lengths_N, "seq_log_ratio_N": seq_log_ratio_N,
          "tokens_NxT": tokens_NxT, "completion_mask_NxT": completion_mask_NxT}
   if token_rewards_NxT is not None:
     out["token_rewards_NxT"] = token_rewards_NxT
+  if tree_nodes_NxD is not None:
+    out["tree_nodes_NxD"] = tree_nodes_NxD
   return out
 
 

@@ -120,7 +120,8 @@ def postprocess(rollout, rewards_NxR, valid_N, weights_R, adv_state,
       **advantage_extra_args(
           rollout.lengths, seq_log_ratio_N, rollout.completion_tokens,
           completion_mask, None if env_token_args is None
-          else token_rewards(total_N, *env_token_args)))
+          else token_rewards(total_N, *env_token_args),
+          rollout.tree_nodes))
   per_token = advantages_N.ndim == 2  # KTAE: [N, T] on the completion.
   # Non-finite advantages never reach the update: their rows are out of the
   # loss (and counted), whatever the user's chain or optimizer.

@@ -48,12 +48,16 @@ def _get(config: Any, field: str) -> Any:
 
 
 def _slots(c: Any) -> bool:
-  return c.rl.rollout != "static"
+  return c.rl.rollout in ("continuous", "partial")
 
 
 def _extra_samples(c: Any) -> int:
   from rljax.train import algorithm  # pylint: disable=g-import-not-at-top
   return algorithm.sampling_needs(c.rl.advantage)["extra_samples"]
+
+
+def _tree(c: Any) -> bool:
+  return c.rl.rollout == "tree"
 
 
 _ALLOCATION = "rl.allocation.name"
@@ -85,6 +89,39 @@ RULES: tuple[Rule, ...] = (
          "the prompts instead, and DAPO's refills would draw prompts from "
          "outside the curriculum", "rl.selection.name='none', or "
          "rl.allocation.name='vigor' or 'pilot_commit'", "meaningless"),
+    Rule("treepo-without-tree", ("rl.advantage", "rl.rollout"),
+         lambda c, p: "treepo" in c.rl.advantage.split("+") and not _tree(c),
+         "TreePO's advantage centres each row on the subtrees of a tree "
+         "rollout; rows sampled independently have no subtrees",
+         "rl.rollout='tree'", "meaningless"),
+    Rule("tree-with-greedy-row", ("rl.rollout", "rl.advantage"),
+         lambda c, p: _tree(c) and c.rl.advantage == "remax",
+         "ReMax's baseline row is decoded greedily from the prompt on; every "
+         "row of a tree shares its first segment with sampled siblings",
+         "an advantage without a greedy row, or rl.rollout='static'",
+         "meaningless"),
+    Rule("tree-episodes", ("rl.rollout", "env.name"),
+         lambda c, p: _tree(c) and bool(c.env.name),
+         "a fork would copy a live episode, and the Environment protocol "
+         "has no copy of an environment's state",
+         "rl.rollout='static' or 'continuous' with an environment",
+         "missing"),
+    Rule("tree-speculative", ("rl.rollout", "sampler.speculative"),
+         lambda c, p: _tree(c) and bool(c.sampler.speculative),
+         "SPEC-RL verifies each row's draft in one pass from the prompt; a "
+         "tree's rows are made at forks, and the tree sampler has no "
+         "verification pass", "sampler.speculative=False",
+         "missing"),
+    Rule("tree-shrink", ("rl.rollout", "sampler.shrink_batch_to"),
+         lambda c, p: _tree(c) and c.sampler.shrink_batch_to is not None,
+         "a tree's decode batch is set by its widths; its last width does "
+         "not shrink as rows end", "sampler.shrink_batch_to=None",
+         "missing"),
+    Rule("tree-allocation", ("rl.rollout", _ALLOCATION),
+         lambda c, p: _tree(c) and c.rl.allocation.name != "none",
+         "allocation's rounds sample groups of their own sizes; a tree has "
+         "rl.tree.roots x rl.tree.branch^D rows per prompt",
+         "rl.allocation.name='none'", "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),

@@ -176,8 +176,9 @@ _BASE: dict[str, Field] = {
     "rl.num_microbatches": F(1, "int>=1", "accumulation chunks per update"),
     # --- rl: how rollouts are scheduled (docs/rollouts.md) ---
     "rl.rollout": F("static", None, "static batch, continuous batching on "
-                    "slots, or partial rollouts (APRIL)",
-                    choices=("static", "continuous", "partial")),
+                    "slots, partial rollouts (APRIL), or tree rollouts "
+                    "(TreePO: rl.tree.*)",
+                    choices=("static", "continuous", "partial", "tree")),
     "rl.rollout_slots": F(None, "int>=1?", "continuous / partial: rows "
                           "decoded at once (None: half the step's rows)", int),
     "rl.rollout_refill_rows": F(None, "int>=1?", "rows prefilled per refill "
@@ -187,6 +188,16 @@ _BASE: dict[str, Field] = {
     "rl.partial_max_carried": F(0.5, "[0,1]", "partial: groups carried to "
                                 "the next step, at most this fraction of "
                                 "rl.prompts_per_step"),
+    "rl.tree.segment_tokens": F(4, "int>=1", "tree: tokens decoded between "
+                                "two forks"),
+    "rl.tree.branch": F(2, "int>=2", "tree: each fork multiplies a prompt's "
+                        "rows by this"),
+    "rl.tree.roots": F(1, "int>=1", "tree: a prompt's rows before the first "
+                       "fork (roots x branch^D = the rows per prompt)"),
+    "rl.tree.branch_by": F("uncertainty", None, "tree: a fork's new rows go "
+                           "to the live rows by their last segment's mean "
+                           "surprisal, or equally",
+                           choices=("uncertainty", "uniform")),
     # --- rl.selection: which prompts are sampled and trained (docs/selection.md)
     "rl.selection.name": F("none", None, "dapo: drop zero-variance groups "
                            "and refill; greso: also skip prompts predicted "
