@@ -620,7 +620,7 @@ def test_reward_isolation_settings_are_checked(config, field, value, expected):
     build_lib.validate(config)
 
 
-_BAD = {"int>=1": 0, "int>=0": -1, ">0": -1.0, ">1": 1.0, ">=0": -0.5, "(0,1]": 1.5,
+_BAD = {"int>=1": 0, "int>=0": -1, "int>=2": 1, ">0": -1.0, ">1": 1.0, ">=0": -0.5, "(0,1]": 1.5,
         "[0,1)": 1.0, "[0,1]": 1.5, "(0,1)": 1.0, "[0,0.5)": 0.5}
 
 

@@ -23,6 +23,15 @@ TRIGGERS = {
                              "rl.selection.name": "dots"}, 1),
     "allocation-with-extra-rows": ({"rl.allocation.name": "vigor",
                                     "rl.advantage": "mc_grpo"}, 1),
+    "treepo-without-tree": ({"rl.advantage": "treepo"}, 1),
+    "tree-with-greedy-row": ({"rl.rollout": "tree",
+                              "rl.advantage": "remax"}, 1),
+    "tree-episodes": ({"rl.rollout": "tree", "env.name": "calculator"}, 1),
+    "tree-speculative": ({"rl.rollout": "tree",
+                          "sampler.speculative": True}, 1),
+    "tree-shrink": ({"rl.rollout": "tree", "sampler.shrink_batch_to": 2}, 1),
+    "tree-allocation": ({"rl.rollout": "tree",
+                         "rl.allocation.name": "vigor"}, 1),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 
@@ -81,7 +90,7 @@ def test_validate_raises_the_rule_before_compiling(name):
 
 @pytest.mark.parametrize("overrides", [
     {"rl.rollout": "continuous"}, {"rl.rollout": "partial"},
-    {"rl.max_staleness": 1}, {"rl.sampler_devices": 2},
+    {"rl.rollout": "tree"}, {"rl.max_staleness": 1}, {"rl.sampler_devices": 2},
     {"env.name": "calculator", "rl.rollout": "continuous"},
     {"rl.selection.name": "greso"}, {"rl.replay.fraction": 0.25},
     {"rl.allocation.name": "vigor"},

@@ -103,6 +103,9 @@ SETTING_FIXUPS = {
                                     "rl.selection.dots_reference": 8},
     ("rl.replay.fraction", 0.25): {"rl.rollout": "static"},
     ("sampler.shrink_batch_to", 2): {"rl.rollout": "static"},
+    # A tree (2 roots, one fork after 4 of the 6 tokens) samples on its own.
+    ("rl.rollout", "tree"): {"sampler.speculative": False,
+                             "sampler.shrink_batch_to": None},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)
@@ -126,7 +129,7 @@ def _allocation_fits(case):
            or case.get("rl.allocation.name") != "sgpo")
           and not case.get("rl.replay.fraction")
           and not case.get("sampler.speculative")
-          and case.get("rl.rollout", "static") != "partial"
+          and case.get("rl.rollout", "static") not in ("partial", "tree")
           and not alg_lib.sampling_needs(case["rl.advantage"])[
               "extra_samples"])
 
@@ -137,6 +140,10 @@ def _fix(case):
       case.update(fixups.get((key, value), {}))
   if not _allocation_fits(case):  # its values get cases of their own
     case["rl.allocation.name"] = "none"
+  if case.get("rl.rollout") == "tree" and (
+      case["rl.advantage"] == "remax" or alg_lib.sampling_needs(
+          case["rl.advantage"])["extra_samples"]):  # G + 1 rows: no tree
+    case["rl.rollout"] = "static"
   return case
 
 
@@ -158,6 +165,12 @@ def _cases():
         case[axis] = value
         cases.append(_fix(case))
     assert set(values) <= {c[axis] for c in cases}, axis
+  for value in axes["rl.tree.branch_by"]:  # each rule grows a tree
+    if not any(c["rl.rollout"] == "tree" and c["rl.tree.branch_by"] == value
+               for c in cases):
+      case = {a: v[0] for a, v in axes.items()}
+      case.update({"rl.rollout": "tree", "rl.tree.branch_by": value})
+      cases.append(_fix(case))
   return cases
 
 

@@ -223,19 +223,22 @@ def _teachers(tmp_path, two_runs):
   (that crashed on several processes), a reward model reading the
   policy's tokens (the global rollout) and a generative judge, a run that
   two processes wrote (each process's rows judged in one global sampler
-  call, keyed by the whole batch), with DAPO's dynamic sampling."""
+  call, keyed by the whole batch), with DAPO's dynamic sampling, on tree
+  rollouts with TreePO's advantage (each process samples the trees of its
+  block of prompts)."""
   teacher, judge = two_runs[0], two_runs[1]
   names = ("numeric_match", f"model:{_reward_model_dir(tmp_path / 'rm')}",
            f"judge:{judge}")
   return {"rl.distill_coef": 0.1, "teacher.path": teacher,
           "rewards.names": names, "rewards.weights": (1.0, 0.5, 0.1),
           "rewards.judges.parser": "tests.reward_fixtures:verdict_length",
-          "rl.selection.name": "dapo"}  # refills scored by all three
+          "rl.selection.name": "dapo",  # refills scored by all three
+          "rl.rollout": "tree", "rl.advantage": "treepo"}
 
 
 def _check_teachers(rl):
   assert all(r["distill/reverse_kl"] > 0 and r["select/rounds"] >= 1
-             for r in rl)
+             and r["rollout/tree_token_saving"] > 0 for r in rl)
   assert all(r["reward/rm/valid_frac"] == 1 and r["reward/rm/mean"] != 0
              for r in rl)
   assert all(r["reward/two/valid_frac"] == 1 and r["reward/two/mean"] > 0
@@ -414,6 +417,7 @@ COLUMN = {
     "lora": "lora-critic-vigor-dapo-replay", "padded": "default",
     "dapo": "teachers", "critic": "lora-critic-vigor-dapo-replay",
     "reward_model": "teachers", "distillation": "teachers",
+    "tree": "teachers",
 }
 
 

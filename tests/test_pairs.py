@@ -1,7 +1,8 @@
 """Every pair of the single-process rollout and training features trains.
 
-Twelve features, each a few settings of a tiny calculator config: the
-rollout plans (continuous slots, partial rollouts), the schedules
+Thirteen features, each a few settings of a tiny calculator config: the
+rollout plans (continuous slots, partial rollouts, tree rollouts), the
+schedules
 (asynchronous sampling, sampler devices), a multi-turn environment, SPEC-RL,
 LoRA, padded training, DAPO's prompt selection, PPO with a critic, a reward
 model and on-policy distillation. A pair is refused only where the table of
@@ -17,7 +18,7 @@ devices, environment turns, drafted rows, LoRA adapters, no packing,
 selection rounds, the critic's loss, the reward model's scores, the
 distillation KL).
 
-The thirteenth feature, several processes, pairs with each of these in
+The fourteenth feature, several processes, pairs with each of these in
 ``tests/test_multihost.py`` (``COLUMN`` names the two-process run of each,
 which matches one process to 1e-6).
 """
@@ -83,18 +84,25 @@ FEATURES = {
                           r["critic/value_loss"]) for r in rows)),
     "reward_model": Feature({}, lambda rows, w: all(
         math.isfinite(r["reward/pair_rm/mean"]) for r in rows)),
+    # Shared segments decoded once: fewer tokens decoded than the leaves hold.
+    "tree": Feature({"rl.rollout": "tree"}, lambda rows, w: all(
+        r["rollout/tree_token_saving"] > 0 for r in rows)),
     "distillation": Feature({"rl.distill_coef": 0.1},
                             lambda rows, w: all(math.isfinite(
                                 r["distill/reverse_kl"]) for r in rows)),
 }
 
 # Pairs that set the same field: one run cannot hold both.
-SAME_FIELD = {frozenset(("continuous", "partial"))}
+SAME_FIELD = {frozenset(p) for p in (("continuous", "partial"),
+                                     ("continuous", "tree"),
+                                     ("partial", "tree"))}
 
 # The pairs the table refuses, by its rule (docs/rollouts.md gives the
 # reasons).
 REFUSED = {
     frozenset(("partial", "env")): "episodes-partial",
+    frozenset(("tree", "env")): "tree-episodes",
+    frozenset(("tree", "spec_rl")): "tree-speculative",
 }
 
 MAX_FEATURES = 7  # per run

@@ -68,7 +68,7 @@ class TreeConfig:
 
   segment_tokens: int = 4
   branch: int = 2
-  roots: int = 1
+  roots: int = 2
   branch_by: str = "uncertainty"
 
   def __post_init__(self):

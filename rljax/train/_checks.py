@@ -1,6 +1,6 @@
 """Range rules for config values (used by ``build.validate``; reads no config).
 
-A rule is ``"int>=1"`` (an integer >= 1), ``"int>=0"``, ``">0"`` / ``">=0"`` /
+A rule is ``"int>=1"`` (an integer >= 1), ``"int>=0"``, ``"int>=2"``, ``">0"`` / ``">=0"`` /
 ``">1"``
 (a finite number), or an interval ``"(0,1]"``, ``"[0,1)"``, ``"[0,1]"``,
 ``"(0,1)"``; a
@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 _WANT = {"int>=1": "a positive integer", "int>=0": "an integer >= 0",
+         "int>=2": "an integer >= 2",
          ">0": "a finite number > 0", ">1": "a number > 1", ">=0": "a finite number >= 0",
          "(0,1]": "a number in (0, 1]", "[0,1)": "a number in [0, 1)",
          "[0,1]": "a number in [0, 1]", "(0,1)": "a number in (0, 1)",

@@ -192,7 +192,7 @@ _BASE: dict[str, Field] = {
                                 "two forks"),
     "rl.tree.branch": F(2, "int>=2", "tree: each fork multiplies a prompt's "
                         "rows by this"),
-    "rl.tree.roots": F(1, "int>=1", "tree: a prompt's rows before the first "
+    "rl.tree.roots": F(2, "int>=1", "tree: a prompt's rows before the first "
                        "fork (roots x branch^D = the rows per prompt)"),
     "rl.tree.branch_by": F("uncertainty", None, "tree: a fork's new rows go "
                            "to the live rows by their last segment's mean "

@@ -1,0 +1,284 @@
+"""Tree rollouts (``rl.rollout="tree"``, ``rljax/sampling/tree.py``) and
+TreePO's subtree advantage (``rljax/advantages/tree.py``).
+
+References: the model's own forward pass over each finished row (every
+sampled token's logprob, which a wrong cache row at a fork would change),
+hand-derived forks and counts, and a NumPy float64 port of TreePO's
+``compute_tree_reinforce_plus_plus_baseline_outcome_advantage``.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rljax import advantages as adv
+from rljax import models, sampling
+from rljax.sampling import tree as tree_lib
+from rljax.train import build, combinations
+from tests.test_loop import loop_config
+
+TINY = models.get_preset("tiny")
+T = 14
+BASE = sampling.SamplerConfig(
+    num_samples=8, max_new_tokens=T, cache_dtype="float32",
+    method=sampling.SamplingMethod(temperature=1.0),
+    eos_ids=tuple(range(20, 30)), prompt_buckets=(8, 16), segment_slots=8,
+    record_policy_logprobs=True)
+TREE = tree_lib.TreeConfig(segment_tokens=3, branch=2, roots=1)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return models.init_params(TINY, jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  rng = np.random.RandomState(0)
+  lists = [list(rng.randint(40, TINY.vocab_size, size=n)) for n in (3, 11, 6)]
+  return sampling.pad_prompts(lists, (8, 16))
+
+
+@pytest.fixture(scope="module")
+def rollout(params, prompts):
+  fn = tree_lib.make_tree_sampler(TINY, BASE, TREE)
+  return jax.device_get(fn(params, *prompts, jax.random.key(3)))
+
+
+# --- the tree's shape --------------------------------------------------------
+
+
+def test_widths_grow_by_the_branch_up_to_the_rows():
+  assert TREE.widths(8, T) == (1, 2, 4, 8)
+  assert tree_lib.TreeConfig(roots=2, branch=3).widths(18, 20) == (2, 6, 18)
+
+
+@pytest.mark.parametrize("rows", [6, 1])
+def test_rows_that_are_not_roots_times_a_power_are_refused(rows):
+  with pytest.raises(ValueError, match=r"rl\.tree\.roots=1 x rl\.tree\."
+                     r"branch=2.*accepted row counts: \[2, 4, 8"):
+    TREE.widths(rows, T)
+
+
+def test_every_fork_comes_before_the_last_token():
+  # 3 forks after 4, 8 and 12 tokens: 13 tokens allow them, 12 do not.
+  tree = tree_lib.TreeConfig(segment_tokens=4, roots=1)
+  assert tree.widths(8, 13) == (1, 2, 4, 8)
+  with pytest.raises(ValueError, match=r"rl\.tree\.segment_tokens=4.*"
+                     r"sampler\.max_new_tokens=12.*<= 3"):
+    tree.widths(8, 12)
+
+
+@pytest.mark.parametrize("field,value", [("segment_tokens", 0), ("branch", 1),
+                                         ("roots", 0), ("branch", True),
+                                         ("branch_by", "entropy")])
+def test_a_bad_setting_is_refused_naming_it(field, value):
+  with pytest.raises(ValueError, match=rf"rl\.tree\.{field}={value!r}"):
+    tree_lib.TreeConfig(**{field: value})
+
+
+# --- forks -------------------------------------------------------------------
+
+
+def test_forks_give_live_rows_the_new_rows_by_surprisal_or_equally():
+  done = jnp.array([[False, False], [True, False], [True, True],
+                    [False, False]])
+  surprisal = jnp.array([[1.0, 3.0], [5.0, 1.0], [1.0, 1.0], [0.5, 9.5]])
+  # Hand-derived: 2 new rows per prompt. [1, 3]: quotas 0.5 / 1.5, the tie
+  # of remainders to the first; an ended row keeps its one child; no live
+  # row: copies, one each; [0.5, 9.5]: quotas 0.1 / 1.9.
+  got = tree_lib.fork_parents(done, surprisal, 4, "uncertainty")
+  np.testing.assert_array_equal(got, [[0, 0, 1, 1], [0, 1, 1, 1],
+                                      [0, 0, 1, 1], [0, 1, 1, 1]])
+  uniform = tree_lib.fork_parents(done, surprisal, 4, "uniform")
+  np.testing.assert_array_equal(uniform, [[0, 0, 1, 1], [0, 1, 1, 1],
+                                          [0, 0, 1, 1], [0, 0, 1, 1]])
+
+
+def test_leaves_share_the_segments_of_their_common_ancestors(rollout):
+  nodes = rollout.tree_nodes
+  assert nodes.shape == (24, 3)
+  tokens, lengths = rollout.completion_tokens, rollout.lengths
+  seg = TREE.segment_tokens
+  for i in range(24):
+    for j in range(24):
+      if i // 8 != j // 8:
+        continue
+      shared = 0  # the depth of the last common ancestor, plus one
+      while shared < 3 and nodes[i, shared] == nodes[j, shared]:
+        shared += 1
+      n = shared * seg
+      np.testing.assert_array_equal(tokens[i, :n], tokens[j, :n])
+  # Siblings diverge: each prompt's 8 leaves are not all one completion.
+  for b in range(3):
+    rows = {tuple(tokens[i, :lengths[i]]) for i in range(8 * b, 8 * b + 8)}
+    assert len(rows) > 1
+
+
+def test_every_leaf_has_its_own_tokens_logprobs_under_the_model(params,
+                                                                rollout):
+  """A fork that gathered the wrong cache row, logits or position would
+  give a leaf logprobs that the model's forward pass over the leaf's own
+  tokens does not."""
+  tokens, mask = rollout.sequences()
+  lp, _ = models.sequence_logprobs(params, TINY, tokens, mask, with_entropy=False)
+  p = rollout.prompt_tokens.shape[1]
+  want = np.where(rollout.completion_mask, np.asarray(lp)[:, p:], 0.0)
+  np.testing.assert_allclose(rollout.policy_logprobs, want, atol=2e-5)
+  np.testing.assert_allclose(rollout.sampler_logprobs, want, atol=2e-5)
+  assert rollout.completion_mask.sum() > 24 * 2 * TREE.segment_tokens
+
+
+def test_on_a_mesh_the_tree_is_the_same(params, prompts, rollout):
+  """3 prompts over 8 devices: padded to 8 prompts, their rows dropped."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8, 1, 1),
+                           ("data", "fsdp", "tensor"))
+  fn = tree_lib.make_tree_sampler(TINY, BASE, TREE, mesh)
+  got = jax.device_get(fn(params, *prompts, jax.random.key(3)))
+  np.testing.assert_array_equal(got.completion_tokens,
+                                rollout.completion_tokens)
+  np.testing.assert_array_equal(got.tree_nodes, rollout.tree_nodes)
+  np.testing.assert_allclose(got.sampler_logprobs, rollout.sampler_logprobs,
+                             atol=1e-5)
+
+
+def test_counts_follow_the_shared_segments():
+  # Two prompts of 4 leaves, widths 1, 2, 4, segments of 2 tokens.
+  # A: node 1 of depth 1 ended after 3 tokens and kept one child; node 0
+  # got three. Decoded: the root's 2, node 0's 2, node 1's 1, then the
+  # leaves past 4 tokens 1 + 2 + 1 = 9 of the leaves' 19.
+  # B: the root ended after 2 tokens: every fork copied it, 3 copies;
+  # decoded 2 of 8.
+  nodes = np.array([[0, 0], [0, 0], [0, 0], [0, 1],
+                    [0, 0], [0, 0], [0, 1], [0, 1]])
+  lengths = np.array([5, 6, 5, 3, 2, 2, 2, 2])
+  got = tree_lib.tree_counts(nodes, lengths, 4, 2)
+  assert got == {"rollout/generated_tokens": 11.0,
+                 "rollout/tree_leaf_tokens": 27.0,
+                 "rollout/tree_copies": 3.0}
+  merged = tree_lib.tree_metrics([got, got])
+  assert merged["rollout/tree_token_saving"] == pytest.approx(1 - 22 / 54)
+
+
+# --- TreePO's advantage ------------------------------------------------------
+
+
+def _treepo_reference(scores, uids, lengths, weighting="group_size"):
+  """TreePO's compute_tree_reinforce_plus_plus_baseline_outcome_advantage,
+  ported to NumPy float64: uids "prompt#node0#node1...", subgroup means by
+  depth (a subgroup of one skipped below the root), then masked_whiten over
+  every completion token (Bessel, eps 1e-8)."""
+  scores = np.asarray(scores, np.float64)
+  depth = max(len(u.split("#")) - 1 for u in uids)
+  terms = [[] for _ in uids]
+  for d in range(depth):
+    ids = ["#".join(u.split("#")[:d + 1]) for u in uids]
+    groups = collections.defaultdict(list)
+    for i, k in enumerate(ids):
+      groups[k].append(scores[i])
+    for i, k in enumerate(ids):
+      size = len(groups[k])
+      mean = 0.0 if size == 1 else np.mean(groups[k])
+      if d == 0 or size > 1:
+        terms[i].append((scores[i] - mean, size))
+  out = []
+  for t in terms:
+    if weighting == "group_size":
+      total = sum(s for _, s in t)
+      out.append(sum(v * s / total for v, s in t))
+    else:
+      out.append(np.mean([v for v, _ in t]))
+  tok = np.repeat(np.asarray(out), lengths)
+  mean, var = tok.mean(), tok.var(ddof=1)
+  return (np.asarray(out) - mean) / np.sqrt(var + 1e-8)
+
+
+@pytest.mark.parametrize("weighting", ["group_size", "average"])
+def test_treepo_matches_its_reference_implementation(weighting):
+  rng = np.random.RandomState(1)
+  # Two prompts of 8 leaves: a tree of widths 1, 2, 4, 8 and one whose
+  # forks went unevenly (a row that ended kept one child).
+  nodes = np.array([[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 1],
+                    [0, 1, 2], [0, 1, 2], [0, 1, 3], [0, 1, 3],
+                    [0, 0, 0], [0, 0, 0], [0, 0, 0], [0, 0, 1],
+                    [0, 1, 2], [0, 1, 3], [0, 1, 3], [0, 1, 3]])
+  rewards = rng.randint(0, 3, size=16).astype(np.float32)
+  lengths = rng.randint(1, 9, size=16)
+  uids = [f"p{i // 8}#" + "#".join(str(x) for x in nodes[i]) + f"#{i}"
+          for i in range(16)]
+  # The reference's depth-0 group is the prompt, depth d + 1 the leaf's
+  # node of depth d (here one root: its subtree is the prompt's group
+  # again, as in TreePO's code), the leaf itself last (never a group).
+  want = _treepo_reference(rewards, uids, lengths, weighting)
+  tx = adv.treepo(weighting)
+  t = 9
+  mask = np.arange(t)[None] < lengths[:, None]
+  got, _ = tx.update(jnp.asarray(rewards), tx.init(rewards), group_size=8,
+                     tree_nodes_NxD=jnp.asarray(nodes),
+                     lengths_N=jnp.asarray(lengths),
+                     completion_mask_NxT=jnp.asarray(mask))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_a_tree_the_baseline_is_the_group_mean():
+  rewards = jnp.array([1.0, 0.0, 0.0, 3.0, 2.0, 2.0])
+  tx = adv.center_by_subtrees()
+  got, _ = tx.update(rewards, tx.init(rewards), group_size=3)
+  np.testing.assert_allclose(got, [2 / 3, -1 / 3, -1 / 3, 2 / 3, -1 / 3,
+                                   -1 / 3], rtol=1e-6)
+
+
+def test_invalid_rows_are_in_no_subtree():
+  rewards = jnp.array([1.0, 0.0, 5.0, 0.0])
+  nodes = jnp.array([[0], [0], [1], [1]])
+  tx = adv.center_by_subtrees()
+  got, _ = tx.update(rewards, tx.init(rewards), group_size=4,
+                     mask_N=jnp.array([True, True, False, True]),
+                     tree_nodes_NxD=nodes)
+  # Root mean of the valid 1, 0, 0: 1/3 (weight 3); node 0's (1, 0): 1/2
+  # (weight 2); node 1 holds one valid row: skipped.
+  np.testing.assert_allclose(got, [(3 * 2 / 3 + 2 * 0.5) / 5,
+                                   (3 * -1 / 3 + 2 * -0.5) / 5, 0.0, -1 / 3],
+                             rtol=1e-6)
+
+
+def test_tree_nodes_of_another_batch_are_refused():
+  tx = adv.center_by_subtrees()
+  with pytest.raises(ValueError, match=r"tree_nodes_NxD must be \[N, D\] "
+                     r"with N=4 rows; got shape \(8, 2\)"):
+    tx.update(jnp.zeros(4), tx.init(jnp.zeros(4)), group_size=2,
+              tree_nodes_NxD=jnp.zeros((8, 2), jnp.int32))
+
+
+# --- the config --------------------------------------------------------------
+
+
+def test_a_tree_that_does_not_fit_is_refused_before_any_compile():
+  # The tiny config: 4 rows per prompt, 6 new tokens; the default tree
+  # (2 roots, branch 2) forks once: after 5 tokens it fits, after 6 not.
+  build.validate(loop_config(**{"rl.rollout": "tree",
+                                "rl.tree.segment_tokens": 5}))
+  with pytest.raises(ValueError, match=r"rl\.tree\.segment_tokens=6"):
+    build.validate(loop_config(**{"rl.rollout": "tree",
+                                  "rl.tree.segment_tokens": 6}))
+  with pytest.raises(ValueError, match=r"accepted row counts"):
+    build.validate(loop_config(**{"rl.rollout": "tree",
+                                  "rl.group_size": 6}))
+
+
+@pytest.mark.parametrize("overrides,rule", [
+    ({"rl.advantage": "treepo"}, "treepo-without-tree"),
+    ({"rl.rollout": "tree", "rl.advantage": "remax"}, "tree-with-greedy-row"),
+    ({"rl.rollout": "tree", "sampler.speculative": True}, "tree-speculative"),
+    ({"rl.rollout": "tree", "sampler.shrink_batch_to": 2}, "tree-shrink"),
+    ({"rl.rollout": "tree", "rl.allocation.name": "vigor"},
+     "tree-allocation"),
+])
+def test_what_a_tree_does_not_combine_with_is_refused(overrides, rule):
+  config = loop_config(**overrides)
+  assert [r.name for r in combinations.applying(config)][:1] == [rule]
+  with pytest.raises(ValueError, match=rule.split("-")[0]):
+    build.validate(config)
