@@ -432,6 +432,14 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
     t_sample = time.time()
     completions = tok_lib.decode_completions(
         self.tokenizer, completion_tokens, completion_mask, self.eos_ids)
+    # Distinct completions in each group (every process's groups): what a
+    # batch's sampled tokens bought, a tree's shared segments or not.
+    distinct = sum(len(set(completions[i:i + g]))
+                   for i in range(0, len(completions), g))
+    if not group.single:
+      distinct = sum(group.gather_json(distinct))
+    spec_metrics = dict(spec_metrics, **{
+        "rollout/distinct_completions": float(distinct)})
     fields = data_lib.repeat_each(scored_examples, g)
     if env_reward is not None:
       fields["env_reward"] = env_reward

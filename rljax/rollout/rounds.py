@@ -122,6 +122,7 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
 # Metrics of a round that count its work: a merged batch's are the sums.
 _SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
            "rollout/prefilled_rows", "rollout/tree_leaf_tokens",
+           "rollout/distinct_completions",
            "rollout/tree_copies",
            "rollout/generated_tokens", "env/failed_episodes", "env/errors",
            "env/timeouts", "env/observation_tokens",
