@@ -32,6 +32,14 @@ TRIGGERS = {
     "tree-shrink": ({"rl.rollout": "tree", "sampler.shrink_batch_to": 2}, 1),
     "tree-allocation": ({"rl.rollout": "tree",
                          "rl.allocation.name": "vigor"}, 1),
+    "paged-on-slots": ({"sampler.kv_cache": "paged",
+                        "rl.rollout": "continuous"}, 1),
+    "paged-episodes": ({"sampler.kv_cache": "paged",
+                        "env.name": "calculator"}, 1),
+    "paged-speculative": ({"sampler.kv_cache": "paged",
+                           "sampler.speculative": True}, 1),
+    "paged-shrink": ({"sampler.kv_cache": "paged",
+                      "sampler.shrink_batch_to": 2}, 1),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 
@@ -90,7 +98,8 @@ def test_validate_raises_the_rule_before_compiling(name):
 
 @pytest.mark.parametrize("overrides", [
     {"rl.rollout": "continuous"}, {"rl.rollout": "partial"},
-    {"rl.rollout": "tree"}, {"rl.max_staleness": 1}, {"rl.sampler_devices": 2},
+    {"rl.rollout": "tree"}, {"sampler.kv_cache": "paged"},
+    {"rl.max_staleness": 1}, {"rl.sampler_devices": 2},
     {"env.name": "calculator", "rl.rollout": "continuous"},
     {"rl.selection.name": "greso"}, {"rl.replay.fraction": 0.25},
     {"rl.allocation.name": "vigor"},

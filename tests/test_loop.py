@@ -86,6 +86,8 @@ OTHER_AXES = {
     "model.overrides.remat": ("none", "full", "dots"),
     # The decode batch halves as rows end, down to 2 rows.
     "sampler.shrink_batch_to": (None, 2),
+    # The static batch on blocks of 4 slots.
+    "sampler.kv_cache": ("dense", "paged"),
 }
 
 
@@ -103,6 +105,10 @@ SETTING_FIXUPS = {
                                     "rl.selection.dots_reference": 8},
     ("rl.replay.fraction", 0.25): {"rl.rollout": "static"},
     ("sampler.shrink_batch_to", 2): {"rl.rollout": "static"},
+    ("sampler.kv_cache", "paged"): {"rl.rollout": "static",
+                                    "sampler.speculative": False,
+                                    "sampler.shrink_batch_to": None,
+                                    "sampler.kv_block_size": 4},
     # A tree (2 roots, one fork after 4 of the 6 tokens) samples on its own.
     ("rl.rollout", "tree"): {"sampler.speculative": False,
                              "sampler.shrink_batch_to": None},
@@ -140,6 +146,8 @@ def _fix(case):
       case.update(fixups.get((key, value), {}))
   if not _allocation_fits(case):  # its values get cases of their own
     case["rl.allocation.name"] = "none"
+  if case.get("rl.rollout") == "tree":  # a tree keeps a dense cache
+    case["sampler.kv_cache"] = "dense"
   if case.get("rl.rollout") == "tree" and (
       case["rl.advantage"] == "remax" or alg_lib.sampling_needs(
           case["rl.advantage"])["extra_samples"]):  # G + 1 rows: no tree

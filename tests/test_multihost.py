@@ -311,7 +311,8 @@ CASES = {
                                         and r["env/failed_episodes"] == 0
                                         and r["rollout/slots"] == 8
                                         for r in rl)),
-    # LoRA adapters on a frozen base, PPO's critic (GAE), VIGOR's rounds
+    # The static batch on a paged KV cache, LoRA adapters on a frozen
+    # base, PPO's critic (GAE), VIGOR's rounds
     # refilled by DAPO's dynamic sampling (passes of new prompts while
     # groups without variance leave rows), with replay (step 2 samples 6
     # fresh prompts in rounds and replays 2 groups of step 1's).
@@ -319,9 +320,10 @@ CASES = {
         {"model.lora.rank": 4, "rl.advantage": "gae",
          "rl.allocation.name": "vigor", "rl.allocation.rounds": 2,
          "rl.selection.name": "dapo", "rl.replay.fraction": 0.25,
-         **_PARITY}, None,
+         "sampler.kv_cache": "paged", **_PARITY}, None,
         lambda rl: all(r["alloc/rounds"] == 2 and r["select/rounds"] >= 1
-                       and np.isfinite(r["critic/value_loss"]) for r in rl)
+                       and np.isfinite(r["critic/value_loss"])
+                       and r["rollout/kv_blocks_peak"] > 0 for r in rl)
         and rl[-1]["replay/fraction"] > 0),
     # sGPO's profiling pass over the pool at the first step, then its
     # curriculum's group sizes (16 training prompts: a short pass; the
@@ -417,7 +419,7 @@ COLUMN = {
     "lora": "lora-critic-vigor-dapo-replay", "padded": "default",
     "dapo": "teachers", "critic": "lora-critic-vigor-dapo-replay",
     "reward_model": "teachers", "distillation": "teachers",
-    "tree": "teachers",
+    "tree": "teachers", "paged": "lora-critic-vigor-dapo-replay",
 }
 
 

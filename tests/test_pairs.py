@@ -1,8 +1,8 @@
 """Every pair of the single-process rollout and training features trains.
 
-Thirteen features, each a few settings of a tiny calculator config: the
-rollout plans (continuous slots, partial rollouts, tree rollouts), the
-schedules
+Fourteen features, each a few settings of a tiny calculator config: the
+rollout plans (continuous slots, partial rollouts, tree rollouts, the
+static batch on a paged KV cache), the schedules
 (asynchronous sampling, sampler devices), a multi-turn environment, SPEC-RL,
 LoRA, padded training, DAPO's prompt selection, PPO with a critic, a reward
 model and on-policy distillation. A pair is refused only where the table of
@@ -18,7 +18,7 @@ devices, environment turns, drafted rows, LoRA adapters, no packing,
 selection rounds, the critic's loss, the reward model's scores, the
 distillation KL).
 
-The fourteenth feature, several processes, pairs with each of these in
+The fifteenth feature, several processes, pairs with each of these in
 ``tests/test_multihost.py`` (``COLUMN`` names the two-process run of each,
 which matches one process to 1e-6).
 """
@@ -87,6 +87,10 @@ FEATURES = {
     # Shared segments decoded once: fewer tokens decoded than the leaves hold.
     "tree": Feature({"rl.rollout": "tree"}, lambda rows, w: all(
         r["rollout/tree_token_saving"] > 0 for r in rows)),
+    # The static batch on blocks: ended rows gave theirs back.
+    "paged": Feature({"sampler.kv_cache": "paged"}, lambda rows, w: all(
+        r["rollout/kv_blocks_peak"] > 0 and r["rollout/kv_blocks_left"] == 0
+        for r in rows)),
     "distillation": Feature({"rl.distill_coef": 0.1},
                             lambda rows, w: all(math.isfinite(
                                 r["distill/reverse_kl"]) for r in rows)),
@@ -103,9 +107,14 @@ REFUSED = {
     frozenset(("partial", "env")): "episodes-partial",
     frozenset(("tree", "env")): "tree-episodes",
     frozenset(("tree", "spec_rl")): "tree-speculative",
+    frozenset(("paged", "continuous")): "paged-on-slots",
+    frozenset(("paged", "partial")): "paged-on-slots",
+    frozenset(("paged", "tree")): "paged-on-slots",
+    frozenset(("paged", "env")): "paged-episodes",
+    frozenset(("paged", "spec_rl")): "paged-speculative",
 }
 
-MAX_FEATURES = 7  # per run
+MAX_FEATURES = 10  # per run
 
 
 def config(features, rm_dir="/rm", teacher_dir="/teacher"):

@@ -31,6 +31,7 @@ from rljax.models import lora as lora_lib
 from rljax.models.attention import (  # noqa: F401  (re-exported)
     CAUSAL_MAX_BLOCKS, CAUSAL_QUERY_BLOCK, DECODE_BLOCK, DECODE_VECTOR_ROWS,
     _softcap, attend, decode_attend)
+from rljax.models import paged_cache
 from rljax.models.kv_cache import KVCache, LayerKV
 
 def positions_from_mask(input_mask_BxT: jax.Array) -> jax.Array:
@@ -263,6 +264,14 @@ class Attention(nn.Module):
 
     if layer_kv is None:
       keys, values, new_kv = kk, vv, None
+    elif isinstance(layer_kv, paged_cache.PagedLayer):  # blocks, per row
+      pk, pv = paged_cache.write(
+          layer_kv.k, layer_kv.v, layer_kv.table, layer_kv.lengths,
+          jnp.transpose(kk, (0, 2, 1, 3)), jnp.transpose(vv, (0, 2, 1, 3)),
+          layer_kv.k.shape[2])
+      keys = paged_cache.gather(pk, layer_kv.table)
+      values = paged_cache.gather(pv, layer_kv.table)
+      new_kv = LayerKV(pk, pv)
     else:
       keys = _write_slots(layer_kv.k, jnp.transpose(kk, (0, 2, 1, 3)), index)
       values = _write_slots(layer_kv.v, jnp.transpose(vv, (0, 2, 1, 3)), index)
@@ -447,11 +456,19 @@ class Decoder(nn.Module):
       x = x * jnp.asarray(math.sqrt(c.d_model), c.jnp_dtype)
     x = sharding.constrain(x, ("batch", "length", "act_embed"))
 
+    paged = isinstance(cache, paged_cache.PagedKVCache)
     if cache is None:
       index = jnp.zeros((), jnp.int32)
       key_mask_BxS = input_mask_BxT
       q_slot_T = k_slot_S = jnp.arange(t)
       new_mask = None
+    elif paged:  # each row writes at its own length, into its blocks
+      index = cache.lengths
+      new_mask = paged_cache.write_mask(cache.slot_mask, cache.table, index,
+                                        input_mask_BxT)
+      key_mask_BxS = paged_cache.gather_mask(new_mask, cache.table)
+      q_slot_T = index[:, None] + jnp.arange(t)
+      k_slot_S = jnp.arange(key_mask_BxS.shape[1])
     else:
       index = cache.index
       if index.ndim == 0:
@@ -477,7 +494,7 @@ class Decoder(nn.Module):
       global_mask = global_mask & (segment_ids_BxT[:, :, None]
                                    == segment_ids_BxT[:, None, :])
     local_mask = global_mask
-    prefix = None if cache is None else cache.prefix
+    prefix = None if cache is None or paged else cache.prefix
     prefix_global = prefix_local = None
     if prefix is not None:
       sp = prefix.mask.shape[1]
@@ -511,17 +528,23 @@ class Decoder(nn.Module):
             block, x, sin_cos_local if local else sin_cos_global,
             local_mask if local else global_mask, index), None
       else:
+        layer = None if cache is None else cache.layers[i]
+        if paged:
+          layer = paged_cache.PagedLayer(layer.k, layer.v, cache.table,
+                                         cache.lengths)
         x, kv = block(
             x, sin_cos_local if local else sin_cos_global,
-            local_mask if local else global_mask,
-            None if cache is None else cache.layers[i], index,
+            local_mask if local else global_mask, layer, index,
             None if prefix is None else prefix.layers[i],
             prefix_local if local else prefix_global)
       new_layers.append(kv)
     x = RMSNorm(c.norm_eps, c.norm_offset, c.jnp_param_dtype,
                 name="final_norm")(x)
     new_cache = None
-    if cache is not None:
+    if paged:
+      new_cache = cache._replace(layers=tuple(new_layers), slot_mask=new_mask,
+                                 lengths=index + t)
+    elif cache is not None:
       new_cache = KVCache(tuple(new_layers), new_mask, index + t, prefix)
     if c.tie_embeddings:
       w_DxV = embedding.T

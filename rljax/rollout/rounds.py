@@ -122,7 +122,8 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
 # Metrics of a round that count its work: a merged batch's are the sums.
 _SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
            "rollout/prefilled_rows", "rollout/tree_leaf_tokens",
-           "rollout/distinct_completions",
+           "rollout/distinct_completions", "rollout/kv_cut_rows",
+           "rollout/kv_blocks_left",
            "rollout/tree_copies",
            "rollout/generated_tokens", "env/failed_episodes", "env/errors",
            "env/timeouts", "env/observation_tokens",
@@ -131,7 +132,7 @@ _SUMMED = ("spec/drafted_rows", "rollout/decode_steps", "rollout/prefills",
 _ROW_MEANS = ("env/turns/mean", "spec/accept_rate",
               "spec/accepted_tokens/mean", "spec/full_accept_fraction")
 _STEP_MEANS = ("rollout/slot_utilization",)
-_MAXIMA = ("env/turns/max",)
+_MAXIMA = ("env/turns/max", "rollout/kv_blocks_peak")
 
 
 def merge_metrics(metrics: Sequence[Mapping[str, float]],

@@ -29,6 +29,9 @@ class Speculated:
             if sampler is self.allocation_sampler else None)
     where = where or self.mesh
     if spec is None:
+      with_metrics = getattr(sampler, "with_metrics", None)  # a paged pool's
+      if with_metrics is not None:
+        return with_metrics(params, tokens, mask, key)
       return sampler(params, tokens, mask, key), {}
     g, group = samples or self.samples_per_prompt, self.group
     # The store is replicated: every process looks up and stores every

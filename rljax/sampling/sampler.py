@@ -581,15 +581,19 @@ def make_sampler(model_config: ModelConfig, config: SamplerConfig,
 def jit_rows(fn, config: SamplerConfig, mesh: jax.sharding.Mesh | None,
              param_shardings: Any = None,
              rules: sharding.Rules = sharding.DEFAULT_RULES, *,
-             tree_nodes: bool = False):
+             tree_nodes: bool = False, with_stats: bool = False):
   """``fn(params, prompt_tokens_BxP, prompt_mask_BxP, key[, row_multiple])
   -> Rollout`` jitted as ``make_sampler`` describes: on a mesh, with the
   prompts padded to a multiple of the batch ways and the padding's rows
-  dropped. ``tree_nodes``: the ``Rollout`` has ``tree_nodes``."""
+  dropped. ``tree_nodes``: the ``Rollout`` has ``tree_nodes``;
+  ``with_stats``: ``fn`` returns ``(Rollout, {name: scalar})``, the scalars
+  replicated."""
   if mesh is None:
     return jax.jit(fn)
   s = mesh_shardings(mesh, rules, config)
   out = s.rollout._replace(tree_nodes=s.batch2) if tree_nodes else s.rollout
+  if with_stats:
+    out = (out, s.replicated)
   jitted = jax.jit(functools.partial(fn, row_multiple=s.ways),
                    in_shardings=(param_shardings, s.batch2, s.batch2,
                                  s.replicated),
@@ -604,7 +608,10 @@ def jit_rows(fn, config: SamplerConfig, mesh: jax.sharding.Mesh | None,
       rollout = jitted(params, prompt_tokens_BxP, prompt_mask_BxP, key)
     if extra:
       n = b * config.num_samples
-      rollout = jax.tree.map(lambda x: x[:n], rollout)
+      if with_stats:
+        rollout = (jax.tree.map(lambda x: x[:n], rollout[0]), rollout[1])
+      else:
+        rollout = jax.tree.map(lambda x: x[:n], rollout)
     return rollout
   call.jitted = jitted
   return call

@@ -18,6 +18,7 @@ from rljax import rollout as rollout_lib
 from rljax import sampling
 from rljax.rollout import partial as partial_lib
 from rljax.train._build_inputs import eos_ids
+from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
 from rljax.train._build_rollouts import (partial_config, replay_buffer,
                                          selection, tree_config)
@@ -124,7 +125,8 @@ class Samplers:
     each prompt greedily; ``validate`` keeps ``eval.num_samples`` off that
     count. ``training``: on the sampler's devices (``rl.sampler_devices``),
     and with ``rl.rollout="tree"`` the training rows are sampled as trees
-    (``sampling.tree``).
+    (``sampling.tree``). ``sampler.kv_cache="paged"``: the static batch
+    decodes on a paged KV cache (``sampling.paged``).
     """
     alg = self.algorithm
     if record_policy_logprobs is None:
@@ -141,6 +143,12 @@ class Samplers:
     if tree is not None:
       return tree_lib.make_tree_sampler(self.model_config, config, tree,
                                         *self._where(training))
+    s = self.config.sampler
+    if s.kv_cache == "paged":
+      return paged_lib.make_paged_sampler(
+          self.model_config, config,
+          paged_lib.PagedConfig(s.kv_block_size, s.kv_blocks),
+          *self._where(training))
     return sampling.make_sampler(self.model_config, config,
                                  *self._where(training))
 

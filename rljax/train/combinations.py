@@ -60,6 +60,10 @@ def _tree(c: Any) -> bool:
   return c.rl.rollout == "tree"
 
 
+def _paged(c: Any) -> bool:
+  return c.sampler.kv_cache == "paged"
+
+
 _ALLOCATION = "rl.allocation.name"
 RULES: tuple[Rule, ...] = (
     # --- one process -------------------------------------------------------
@@ -122,6 +126,25 @@ RULES: tuple[Rule, ...] = (
          "allocation's rounds sample groups of their own sizes; a tree has "
          "rl.tree.roots x rl.tree.branch^D rows per prompt",
          "rl.allocation.name='none'", "missing"),
+    Rule("paged-on-slots", ("sampler.kv_cache", "rl.rollout"),
+         lambda c, p: _paged(c) and (_slots(c) or _tree(c)),
+         "the slots and the tree keep a dense cache per row; only the static "
+         "batch's sampler decodes on blocks", "sampler.kv_cache='dense', or "
+         "rl.rollout='static'", "missing"),
+    Rule("paged-episodes", ("sampler.kv_cache", "env.name"),
+         lambda c, p: _paged(c) and bool(c.env.name),
+         "multi-turn episodes insert observations into a dense cache per "
+         "row; they have no paged path", "sampler.kv_cache='dense'",
+         "missing"),
+    Rule("paged-speculative", ("sampler.kv_cache", "sampler.speculative"),
+         lambda c, p: _paged(c) and bool(c.sampler.speculative),
+         "SPEC-RL's verification pass writes a dense cache; it has no paged "
+         "path", "sampler.kv_cache='dense'", "missing"),
+    Rule("paged-shrink", ("sampler.kv_cache", "sampler.shrink_batch_to"),
+         lambda c, p: _paged(c) and c.sampler.shrink_batch_to is not None,
+         "a paged batch frees the blocks of ended rows but does not gather "
+         "its live rows into smaller batches", "sampler.shrink_batch_to=None",
+         "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),

@@ -79,6 +79,14 @@ _BASE: dict[str, Field] = {
                                  "live ones in halved batches down to this "
                                  "many rows (None: every row to the end)",
                                  int),
+    "sampler.kv_cache": F("dense", None, "the static batch's KV cache: "
+                          "rows of their own, or blocks shared by a group "
+                          "and freed as rows end (docs/rollouts.md)",
+                          choices=("dense", "paged")),
+    "sampler.kv_block_size": F(16, "int>=1", "paged: slots per block"),
+    "sampler.kv_blocks": F(None, "int>=1?", "paged: blocks in the pool "
+                           "(None: the worst case; fewer: a row that finds "
+                           "none ends, counted in rollout/kv_cut_rows)", int),
     "sampler.speculative": F(False, None, "SPEC-RL: a prompt's previous "
                              "rollout is the draft, verified in one pass"),
     "sampler.spec_log_lenience": F(0.5, ">=0", "SPEC-RL: accept a draft "
