@@ -146,8 +146,6 @@ def _fix(case):
       case.update(fixups.get((key, value), {}))
   if not _allocation_fits(case):  # its values get cases of their own
     case["rl.allocation.name"] = "none"
-  if case.get("rl.rollout") == "tree":  # a tree keeps a dense cache
-    case["sampler.kv_cache"] = "dense"
   if case.get("rl.rollout") == "tree" and (
       case["rl.advantage"] == "remax" or alg_lib.sampling_needs(
           case["rl.advantage"])["extra_samples"]):  # G + 1 rows: no tree

@@ -109,7 +109,6 @@ REFUSED = {
     frozenset(("tree", "spec_rl")): "tree-speculative",
     frozenset(("paged", "continuous")): "paged-on-slots",
     frozenset(("paged", "partial")): "paged-on-slots",
-    frozenset(("paged", "tree")): "paged-on-slots",
     frozenset(("paged", "env")): "paged-episodes",
     frozenset(("paged", "spec_rl")): "paged-speculative",
 }

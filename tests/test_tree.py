@@ -16,6 +16,7 @@ import pytest
 
 from rljax import advantages as adv
 from rljax import models, sampling
+from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
 from rljax.train import build, combinations
 from tests.test_loop import loop_config
@@ -282,3 +283,21 @@ def test_what_a_tree_does_not_combine_with_is_refused(overrides, rule):
   assert [r.name for r in combinations.applying(config)][:1] == [rule]
   with pytest.raises(ValueError, match=rule.split("-")[0]):
     build.validate(config)
+
+
+def test_on_a_paged_cache_forks_share_blocks_and_draw_the_same_tree(
+    params, prompts, rollout):
+  """Forks point to their parents' blocks (copy on write) instead of
+  copying cache rows: the same leaves, every block back at the end."""
+  fn = tree_lib.make_tree_sampler(TINY, BASE, TREE,
+                                  paged=paged_lib.PagedConfig(block_size=2))
+  got, stats = fn.with_metrics(params, *prompts, jax.random.key(3))
+  got = jax.device_get(got)
+  np.testing.assert_array_equal(got.completion_tokens,
+                                rollout.completion_tokens)
+  np.testing.assert_array_equal(got.tree_nodes, rollout.tree_nodes)
+  np.testing.assert_allclose(got.sampler_logprobs, rollout.sampler_logprobs,
+                             atol=1e-5)
+  assert stats["rollout/kv_blocks_left"] == 0
+  assert stats["rollout/kv_cut_rows"] == 0
+  assert 0 < stats["rollout/kv_blocks_peak"] < stats["rollout/kv_blocks_pool"]

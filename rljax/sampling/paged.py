@@ -147,14 +147,21 @@ def _sample_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   state, peak, cut = paged_decode(
       params, state, row_keys(key, b * g), sc.max_new_tokens, model=model,
       w_DxV=w_DxV, mc=mc, sc=sc)
-  stats = {"rollout/kv_blocks_peak": peak.astype(jnp.float32),
-           "rollout/kv_blocks_pool": jnp.asarray(num_blocks, jnp.float32),
-           "rollout/kv_cut_rows": (cut + g * jnp.sum(failed_B)).astype(
-               jnp.float32),
-           "rollout/kv_blocks_left": pc.blocks_in_use(
-               pc.release(state.cache, jnp.ones_like(state.done))).astype(
-                   jnp.float32)}
-  return _to_rollout(prompt_tokens_BxP, prompt_mask_BxP, state, sc), stats
+  return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, state, sc),
+          pool_stats(state.cache, num_blocks, peak,
+                     cut + g * jnp.sum(failed_B).astype(jnp.int32)))
+
+
+def pool_stats(cache: pc.PagedKVCache, num_blocks: int, peak, cut
+               ) -> dict[str, jax.Array]:
+  """A paged decode's figures: the most blocks in use at once, the pool,
+  the rows cut for want of a block, and the blocks still held after the
+  last row ended (released: 0)."""
+  return {"rollout/kv_blocks_peak": peak.astype(jnp.float32),
+          "rollout/kv_blocks_pool": jnp.asarray(num_blocks, jnp.float32),
+          "rollout/kv_cut_rows": jnp.asarray(cut, jnp.float32),
+          "rollout/kv_blocks_left": pc.blocks_in_use(cache).astype(
+              jnp.float32)}
 
 
 class PagedSampler:
@@ -189,4 +196,4 @@ def make_paged_sampler(model_config: ModelConfig, config: SamplerConfig,
 
 
 __all__ = ["PagedConfig", "PagedSampler", "make_paged_sampler",
-           "paged_decode", "prefill_groups"]
+           "paged_decode", "pool_stats", "prefill_groups"]

@@ -43,8 +43,10 @@ import numpy as np
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
+from rljax.models import paged_cache as pc
 from rljax.models import positions_from_mask
 from rljax.models.kv_cache import LayerKV
+from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import _cache_slots, _grow
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
@@ -153,12 +155,17 @@ def fork_parents(done_BxW, surprisal_BxW, width: int, branch_by: str):
 
 def _gather(state, rows_n):
   """The decode state of rows ``rows_n``: per-row fields, next-token logits
-  and the decode cache's own rows (a shared prompt prefix stays)."""
+  and the decode cache's own rows (a shared prompt prefix stays), or on a
+  paged cache the rows' block tables (``paged_cache.fork``: no key or value
+  is copied until a row writes into a shared block)."""
   take = lambda x: None if x is None else jnp.take(x, rows_n, axis=0)
   cache = state.cache
-  cache = cache._replace(
-      layers=tuple(LayerKV(take(l.k), take(l.v)) for l in cache.layers),
-      mask=take(cache.mask))
+  if isinstance(cache, pc.PagedKVCache):
+    cache = pc.fork(cache, rows_n)
+  else:
+    cache = cache._replace(
+        layers=tuple(LayerKV(take(l.k), take(l.v)) for l in cache.layers),
+        mask=take(cache.mask))
   return state._replace(
       logits=sharding.constrain(take(state.logits), ("batch", "act_vocab")),
       cache=cache, **{f: take(getattr(state, f)) for f in _ROW_FIELDS})
@@ -166,7 +173,8 @@ def _gather(state, rows_n):
 
 def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                       model_config: ModelConfig, config: SamplerConfig,
-                      tree: TreeConfig, row_multiple: int = 1) -> Rollout:
+                      tree: TreeConfig, paged: paged_lib.PagedConfig | None = None,
+                      row_multiple: int = 1):
   del row_multiple  # every width is a multiple of the prompts
   mc, sc = model_config, config
   t, seg = sc.max_new_tokens, tree.segment_tokens
@@ -175,28 +183,46 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
   model, w_DxV, cache_dtype, _ = decode_setup(params, prompt_mask_BxP, mc, sc)
   b, p = prompt_tokens_BxP.shape
-  prefix = init_cache(mc, b, p, cache_dtype)
-  hidden, prefix = model.apply(
-      {"params": params}, prompt_tokens_BxP,
-      positions_from_mask(prompt_mask_BxP), prefix,
-      input_mask_BxT=prompt_mask_BxP)
-  logits_B = compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0]
-  prompt_len_B = prompt_mask_BxP.astype(jnp.int32).sum(-1)
   w0 = widths[0]
-  state = _empty_state(jnp.repeat(logits_B, w0, axis=0),
-                       init_cache(mc, b * w0, 0, cache_dtype, prefix=prefix),
+  if paged is None:  # a shared prompt prefix, a dense cache per row
+    prefix = init_cache(mc, b, p, cache_dtype)
+    hidden, prefix = model.apply(
+        {"params": params}, prompt_tokens_BxP,
+        positions_from_mask(prompt_mask_BxP), prefix,
+        input_mask_BxT=prompt_mask_BxP)
+    hidden_BxD = hidden[:, -1]
+    cache = init_cache(mc, b * w0, 0, cache_dtype, prefix=prefix)
+  else:  # blocks: forks share their parents' (copy on write)
+    num_blocks, max_blocks = paged.sizes(b, p, b * sc.num_samples, t)
+    cache = pc.init_paged_cache(mc, b * w0, num_blocks, paged.block_size,
+                                max_blocks, cache_dtype)
+    hidden_BxD, cache, failed_B = paged_lib.prefill_groups(
+        params, prompt_tokens_BxP, prompt_mask_BxP, cache, w0, model)
+  logits_B = compute_logits(hidden_BxD[:, None], w_DxV,
+                            mc.final_logit_softcap)[:, 0]
+  prompt_len_B = prompt_mask_BxP.astype(jnp.int32).sum(-1)
+  state = _empty_state(jnp.repeat(logits_B, w0, axis=0), cache,
                        jnp.repeat(prompt_len_B, w0), sc)
+  peak = cut = jnp.zeros((), jnp.int32)
+  if paged is not None:
+    state = state._replace(done=jnp.repeat(failed_B, w0))
+    cut = w0 * jnp.sum(failed_B).astype(jnp.int32)
   nodes = jnp.zeros((b * w0, forks), jnp.int32)
   body = functools.partial(decode_step, params, model=model, w_DxV=w_DxV,
                            mc=mc, sc=sc)
   cols_T = jnp.arange(t, dtype=jnp.int32)
   for d, w in enumerate(widths):
     end = t if d == forks else (d + 1) * seg
-    state = state._replace(cache=_grow(state.cache, _cache_slots(end, t)))
     keys = row_keys(jax.random.fold_in(key, d), b * w)
-    state = jax.lax.while_loop(
-        lambda s, end=end: (s.step < end) & jnp.any(~s.done),
-        lambda s, keys=keys: body(s, keys), state)
+    if paged is None:
+      state = state._replace(cache=_grow(state.cache, _cache_slots(end, t)))
+      state = jax.lax.while_loop(
+          lambda s, end=end: (s.step < end) & jnp.any(~s.done),
+          lambda s, keys=keys: body(s, keys), state)
+    else:
+      state, phase_peak, phase_cut = paged_lib.paged_decode(
+          params, state, keys, end, model=model, w_DxV=w_DxV, mc=mc, sc=sc)
+      peak, cut = jnp.maximum(peak, phase_peak), cut + phase_cut
     if d == forks:
       break
     in_seg = state.mask & (cols_T[None] >= d * seg)
@@ -208,43 +234,61 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
     state = _gather(state, rows)
     nodes = jnp.take(nodes, rows, axis=0).at[:, d].set(parents.reshape(-1))
   g = sc.num_samples
-  return Rollout(
+  rollout = Rollout(
       prompt_tokens=jnp.repeat(prompt_tokens_BxP, g, axis=0),
       prompt_mask=jnp.repeat(prompt_mask_BxP, g, axis=0),
       completion_tokens=state.tokens, completion_mask=state.mask,
       lengths=state.mask.sum(-1).astype(jnp.int32), finished=state.finished,
       policy_logprobs=state.policy_logp, sampler_logprobs=state.sampler_logp,
       tree_nodes=nodes)
+  if paged is None:
+    return rollout
+  return rollout, paged_lib.pool_stats(state.cache, num_blocks, peak, cut)
 
 
 def make_tree_sampler(model_config: ModelConfig, config: SamplerConfig,
                       tree: TreeConfig, mesh: jax.sharding.Mesh | None = None,
                       param_shardings=None,
-                      rules: sharding.Rules = sharding.DEFAULT_RULES):
+                      rules: sharding.Rules = sharding.DEFAULT_RULES, *,
+                      paged: paged_lib.PagedConfig | None = None):
   """A jitted ``fn(params, prompt_tokens_BxP, prompt_mask_BxP, key) ->
   Rollout`` sampling ``config.num_samples`` leaves per prompt as a tree
   (the module docstring); shardings as ``sampling.make_sampler``'s.
+  ``paged``: on a paged KV cache, a fork sharing its parent's blocks
+  (``sampling.paged``).
 
   Raises:
     ValueError: when the tree's widths do not fit (``TreeConfig.widths``).
   """
   tree.widths(config.num_samples, config.max_new_tokens)
   fn = functools.partial(_sample_tree_impl, model_config=model_config,
-                         config=config, tree=tree)
+                         config=config, tree=tree, paged=paged)
   return TreeSampler(jit_rows(fn, config, mesh, param_shardings, rules,
-                              tree_nodes=True), tree)
+                              tree_nodes=True, with_stats=paged is not None),
+                     tree, paged)
 
 
 class TreeSampler:
   """A tree rollout's sampler (``make_tree_sampler``): called as a static
-  sampler; ``tree`` tells the collector how to count its tokens."""
+  sampler; ``tree`` tells the collector how to count its tokens, and
+  ``with_metrics`` also returns a paged pool's figures (none on a dense
+  cache)."""
 
-  def __init__(self, fn, tree: TreeConfig):
-    self._fn, self.tree = fn, tree
+  def __init__(self, fn, tree: TreeConfig,
+               paged: paged_lib.PagedConfig | None = None):
+    self._fn, self.tree, self.paged = fn, tree, paged
     self.jitted = getattr(fn, "jitted", fn)
 
   def __call__(self, params, prompt_tokens_BxP, prompt_mask_BxP, key):
-    return self._fn(params, prompt_tokens_BxP, prompt_mask_BxP, key)
+    return self.with_metrics(params, prompt_tokens_BxP, prompt_mask_BxP,
+                             key)[0]
+
+  def with_metrics(self, params, prompt_tokens_BxP, prompt_mask_BxP, key
+                   ) -> tuple[Rollout, dict[str, float]]:
+    out = self._fn(params, prompt_tokens_BxP, prompt_mask_BxP, key)
+    if self.paged is None:
+      return out, {}
+    return out[0], {k: float(v) for k, v in jax.device_get(out[1]).items()}
 
 
 def tree_counts(tree_nodes_NxD: np.ndarray, lengths_N: np.ndarray,

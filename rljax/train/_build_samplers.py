@@ -139,16 +139,16 @@ class Samplers:
                             greedy=greedy,
                             record_policy_logprobs=record_policy_logprobs,
                             greedy_every=greedy_every)
+    s = self.config.sampler
+    paged = (paged_lib.PagedConfig(s.kv_block_size, s.kv_blocks)
+             if s.kv_cache == "paged" else None)
     tree = tree_config(self.config) if training and not greedy else None
     if tree is not None:
       return tree_lib.make_tree_sampler(self.model_config, config, tree,
-                                        *self._where(training))
-    s = self.config.sampler
-    if s.kv_cache == "paged":
-      return paged_lib.make_paged_sampler(
-          self.model_config, config,
-          paged_lib.PagedConfig(s.kv_block_size, s.kv_blocks),
-          *self._where(training))
+                                        *self._where(training), paged=paged)
+    if paged is not None:
+      return paged_lib.make_paged_sampler(self.model_config, config, paged,
+                                          *self._where(training))
     return sampling.make_sampler(self.model_config, config,
                                  *self._where(training))
 

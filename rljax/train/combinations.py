@@ -127,10 +127,10 @@ RULES: tuple[Rule, ...] = (
          "rl.tree.roots x rl.tree.branch^D rows per prompt",
          "rl.allocation.name='none'", "missing"),
     Rule("paged-on-slots", ("sampler.kv_cache", "rl.rollout"),
-         lambda c, p: _paged(c) and (_slots(c) or _tree(c)),
-         "the slots and the tree keep a dense cache per row; only the static "
-         "batch's sampler decodes on blocks", "sampler.kv_cache='dense', or "
-         "rl.rollout='static'", "missing"),
+         lambda c, p: _paged(c) and _slots(c),
+         "continuous and partial slots keep a dense cache per slot; the "
+         "static batch and trees decode on blocks", "sampler.kv_cache='dense',"
+         " or rl.rollout='static' or 'tree'", "missing"),
     Rule("paged-episodes", ("sampler.kv_cache", "env.name"),
          lambda c, p: _paged(c) and bool(c.env.name),
          "multi-turn episodes insert observations into a dense cache per "
