@@ -108,6 +108,13 @@ class Postprocess(Protocol):
     ...
 
 
+def distinct_completions(completions: Sequence[str], g: int) -> float:
+  """The distinct completions of each group of ``g`` consecutive rows of
+  the batch (every process's rows), summed."""
+  return float(sum(len(set(completions[i:i + g]))
+                   for i in range(0, len(completions), g)))
+
+
 class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
                 speculated.Speculated):
   """Samples, scores and turns one batch of prompts into an ``RLBatch``.
@@ -415,13 +422,6 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       rollout, spec_metrics = self._sample(
           params, prompts, group.global_array(tokens, where),
           group.global_array(mask, where), key, sampler, where, g)
-      tree = getattr(sampler or self.sampler, "tree", None)
-      if tree is not None:  # tokens decoded once per shared segment
-        nodes, lengths = distributed.local_rows_many(
-            group, rollout.tree_nodes, rollout.lengths)
-        spec_metrics = dict(spec_metrics, **tree_lib.tree_metrics(
-            group.gather_json(tree_lib.tree_counts(
-                nodes, lengths, g, tree.segment_tokens))))
       rollout = self._to_trainer(rollout)
       if on_dispatch is not None:
         on_dispatch()
@@ -432,14 +432,12 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
     t_sample = time.time()
     completions = tok_lib.decode_completions(
         self.tokenizer, completion_tokens, completion_mask, self.eos_ids)
-    # Distinct completions in each group (every process's groups): what a
+    # Distinct completions in each group of every process's rows: what a
     # batch's sampled tokens bought, a tree's shared segments or not.
-    distinct = sum(len(set(completions[i:i + g]))
-                   for i in range(0, len(completions), g))
-    if not group.single:
-      distinct = sum(group.gather_json(distinct))
+    every = completions if group.single else [
+        c for block in group.gather_blocks(completions, mesh) for c in block]
     spec_metrics = dict(spec_metrics, **{
-        "rollout/distinct_completions": float(distinct)})
+        "rollout/distinct_completions": distinct_completions(every, g)})
     fields = data_lib.repeat_each(scored_examples, g)
     if env_reward is not None:
       fields["env_reward"] = env_reward
@@ -461,6 +459,10 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       result = rewards_lib.merge_results(
           result.names, rewards_all, valid_all, total_all,
           group.gather_json(result.metrics))
+    if rollout.tree_nodes is not None:  # each shared segment decoded once
+      nodes = group.gather_rows(group.local_rows(rollout.tree_nodes), mesh)
+      spec_metrics = dict(spec_metrics, **self._tree_metrics(
+          sampler, nodes, lengths, g))
     t_reward = time.time()
     return Sampled(rollout, examples, completions, result, rewards_NxR,
                     valid_N, lengths, finished, prompt_tokens_N,
@@ -575,10 +577,19 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
         c for block in completions for c in block])
     if not pad:
       return sampled
-    rows = n * (kwargs.get("samples") or self.samples_per_prompt)
+    g = kwargs.get("samples") or self.samples_per_prompt
+    rows = n * g
     cut = lambda x: None if x is None else x[:rows]  # noqa: E731
     r = sampled.result
-    return sampled._replace(
+    spec = dict(sampled.spec_metrics, **{  # the padding's groups left out
+        "rollout/distinct_completions": distinct_completions(
+            sampled.completions[:rows], g)})
+    if sampled.rollout.tree_nodes is not None:
+      nodes = self.group.gather_rows(self.group.local_rows(
+          sampled.rollout.tree_nodes), self.mesh)
+      spec.update(self._tree_metrics(kwargs.get("sampler"), nodes[:rows],
+                                     sampled.lengths[:rows], g))
+    return sampled._replace(spec_metrics=spec,
         rollout=jax.tree.map(cut, sampled.rollout),
         completions=sampled.completions[:rows],
         result=rewards_lib.merge_results(
@@ -589,6 +600,14 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
         prompt_tokens_N=cut(sampled.prompt_tokens_N),
         completion_tokens_N=cut(sampled.completion_tokens_N),
         token_versions=cut(sampled.token_versions))
+
+  def _tree_metrics(self, sampler, nodes_NxD, lengths_N, g: int
+                    ) -> dict[str, float]:
+    """A tree rollout's counts (``sampling.tree.tree_counts``) of every
+    process's rows."""
+    tree = (sampler or self.sampler).tree
+    return tree_lib.tree_metrics([tree_lib.tree_counts(
+        nodes_NxD, lengths_N, g, tree.segment_tokens)])
 
   def _scored(self, sampled: Sampled) -> np.ndarray:
     """Every row's ``valid_N`` on the host (``scored_rows`` of the gathered
