@@ -47,7 +47,7 @@ from rljax import tokenizers as tok_lib
 from rljax.sampling import tree as tree_lib
 from rljax.rollout import allocated, feeding, process_blocks, speculated
 from rljax.rollout import rounds as rounds_lib
-from rljax.rollout.rounds import Sampled, scored_rows
+from rljax.rollout.rounds import Sampled, distinct_completions, scored_rows
 
 log = logging.getLogger("rljax")
 
@@ -106,13 +106,6 @@ class Postprocess(Protocol):
     ``nonfinite_rows``. ``groups``: ``(prompts, max_group)`` for groups of
     unequal size, else None; ``env_column``: the ``"env"`` reward's column."""
     ...
-
-
-def distinct_completions(completions: Sequence[str], g: int) -> float:
-  """The distinct completions of each group of ``g`` consecutive rows of
-  the batch (every process's rows), summed."""
-  return float(sum(len(set(completions[i:i + g]))
-                   for i in range(0, len(completions), g)))
 
 
 class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
@@ -540,66 +533,6 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       completions = completions[self.group.rows(self.mesh, len(completions))]
     return Collected(batch, adv_state, metrics, completions,
                      result.rewards_NxR, sampled.token_versions, rows_out)
-
-  def sample_global(self, params, examples, key, version, on_dispatch=None,
-                    more_examples=None, **kwargs
-                     ) -> Sampled:
-    """``sample_round`` of a global batch of examples: this process samples
-    and scores its block, and the result holds every process's examples
-    and completions (rounds are planned and merged on the global batch;
-    ``_finish`` keeps this process's completions). The reward failure
-    counts include a padded row's (a copy of the last example's). Slots
-    play the whole batch on every process (``more_examples``: the next
-    global batch, for partial rollouts' over-provisioning)."""
-    if self.group.single:
-      return self.sample_round(params, examples, key, version, on_dispatch,
-                               more_examples, **kwargs)
-    if self.slots is not None:  # the slots play the whole batch
-      sampled = self.sample_round(params, examples, key, version,
-                                  on_dispatch, more_examples, whole=True,
-                                  **kwargs)
-      completions = self.group.gather_blocks(sampled.completions, self.mesh)
-      return sampled._replace(examples=dict(examples), completions=[
-          c for block in completions for c in block])
-    # Prompt arrays split over the batch's shards: a count that does not
-    # divide is padded with copies of the last example, whose rows are
-    # dropped (as the static sampler pads on one process). Episodes play
-    # each process's block (a count of examples that does not split into
-    # the process blocks is refused by ProcessGroup.rows).
-    n = len(examples["prompt"])
-    pad = 0 if self.episodes is not None else -n % sharding_lib.batch_ways(
-        self.mesh)
-    padded = {f: list(v) + [v[-1]] * pad for f, v in examples.items()}
-    sampled = self.sample_round(params, self.block(padded), key, version,
-                                on_dispatch, None, **kwargs)
-    completions = self.group.gather_blocks(sampled.completions, self.mesh)
-    sampled = sampled._replace(examples=dict(examples), completions=[
-        c for block in completions for c in block])
-    if not pad:
-      return sampled
-    g = kwargs.get("samples") or self.samples_per_prompt
-    rows = n * g
-    cut = lambda x: None if x is None else x[:rows]  # noqa: E731
-    r = sampled.result
-    spec = dict(sampled.spec_metrics, **{  # the padding's groups left out
-        "rollout/distinct_completions": distinct_completions(
-            sampled.completions[:rows], g)})
-    if sampled.rollout.tree_nodes is not None:
-      nodes = self.group.gather_rows(self.group.local_rows(
-          sampled.rollout.tree_nodes), self.mesh)
-      spec.update(self._tree_metrics(kwargs.get("sampler"), nodes[:rows],
-                                     sampled.lengths[:rows], g))
-    return sampled._replace(spec_metrics=spec,
-        rollout=jax.tree.map(cut, sampled.rollout),
-        completions=sampled.completions[:rows],
-        result=rewards_lib.merge_results(
-            r.names, r.rewards_NxR[:rows], r.valid_NxR[:rows],
-            r.total_N[:rows], [r.metrics]),
-        rewards_NxR=cut(sampled.rewards_NxR), valid_N=cut(sampled.valid_N),
-        lengths=cut(sampled.lengths), finished=cut(sampled.finished),
-        prompt_tokens_N=cut(sampled.prompt_tokens_N),
-        completion_tokens_N=cut(sampled.completion_tokens_N),
-        token_versions=cut(sampled.token_versions))
 
   def _tree_metrics(self, sampler, nodes_NxD, lengths_N, g: int
                     ) -> dict[str, float]:

@@ -16,12 +16,75 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from rljax import rewards as rewards_lib
 from rljax import sharding as sharding_lib
+from rljax.rollout.rounds import Sampled, distinct_completions
 
 
 class ProcessBlocks:
-  """Mixed into ``Collector``: needs ``group`` (``ProcessGroup``), ``mesh``
-  and ``sample_mesh``."""
+  """Mixed into ``Collector``: needs ``group`` (``ProcessGroup``), ``mesh``,
+  ``sample_mesh``, and for ``sample_global`` its ``sample_round``,
+  ``slots``, ``episodes``, ``samples_per_prompt`` and ``_tree_metrics``."""
+
+  def sample_global(self, params, examples, key, version, on_dispatch=None,
+                    more_examples=None, **kwargs
+                     ) -> Sampled:
+    """``sample_round`` of a global batch of examples: this process samples
+    and scores its block, and the result holds every process's examples
+    and completions (rounds are planned and merged on the global batch;
+    ``_finish`` keeps this process's completions). The reward failure
+    counts include a padded row's (a copy of the last example's). Slots
+    play the whole batch on every process (``more_examples``: the next
+    global batch, for partial rollouts' over-provisioning)."""
+    if self.group.single:
+      return self.sample_round(params, examples, key, version, on_dispatch,
+                               more_examples, **kwargs)
+    if self.slots is not None:  # the slots play the whole batch
+      sampled = self.sample_round(params, examples, key, version,
+                                  on_dispatch, more_examples, whole=True,
+                                  **kwargs)
+      completions = self.group.gather_blocks(sampled.completions, self.mesh)
+      return sampled._replace(examples=dict(examples), completions=[
+          c for block in completions for c in block])
+    # Prompt arrays split over the batch's shards: a count that does not
+    # divide is padded with copies of the last example, whose rows are
+    # dropped (as the static sampler pads on one process). Episodes play
+    # each process's block (a count of examples that does not split into
+    # the process blocks is refused by ProcessGroup.rows).
+    n = len(examples["prompt"])
+    pad = 0 if self.episodes is not None else -n % sharding_lib.batch_ways(
+        self.mesh)
+    padded = {f: list(v) + [v[-1]] * pad for f, v in examples.items()}
+    sampled = self.sample_round(params, self.block(padded), key, version,
+                                on_dispatch, None, **kwargs)
+    completions = self.group.gather_blocks(sampled.completions, self.mesh)
+    sampled = sampled._replace(examples=dict(examples), completions=[
+        c for block in completions for c in block])
+    if not pad:
+      return sampled
+    g = kwargs.get("samples") or self.samples_per_prompt
+    rows = n * g
+    cut = lambda x: None if x is None else x[:rows]  # noqa: E731
+    r = sampled.result
+    spec = dict(sampled.spec_metrics, **{  # the padding's groups left out
+        "rollout/distinct_completions": distinct_completions(
+            sampled.completions[:rows], g)})
+    if sampled.rollout.tree_nodes is not None:
+      nodes = self.group.gather_rows(self.group.local_rows(
+          sampled.rollout.tree_nodes), self.mesh)
+      spec.update(self._tree_metrics(kwargs.get("sampler"), nodes[:rows],
+                                     sampled.lengths[:rows], g))
+    return sampled._replace(spec_metrics=spec,
+        rollout=jax.tree.map(cut, sampled.rollout),
+        completions=sampled.completions[:rows],
+        result=rewards_lib.merge_results(
+            r.names, r.rewards_NxR[:rows], r.valid_NxR[:rows],
+            r.total_N[:rows], [r.metrics]),
+        rewards_NxR=cut(sampled.rewards_NxR), valid_N=cut(sampled.valid_N),
+        lengths=cut(sampled.lengths), finished=cut(sampled.finished),
+        prompt_tokens_N=cut(sampled.prompt_tokens_N),
+        completion_tokens_N=cut(sampled.completion_tokens_N),
+        token_versions=cut(sampled.token_versions))
 
   def gathered(self, examples: Mapping[str, Sequence[Any]]
                 ) -> dict[str, list[Any]]:

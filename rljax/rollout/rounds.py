@@ -51,6 +51,13 @@ class Sampled(NamedTuple):
   seconds_reward: float
 
 
+def distinct_completions(completions: Sequence[str], g: int) -> float:
+  """The distinct completions of each group of ``g`` consecutive rows of
+  the batch (every process's rows), summed."""
+  return float(sum(len(set(completions[i:i + g]))
+                   for i in range(0, len(completions), g)))
+
+
 def left_pad(x: Any, name: str, width: int, pad_id: int, xp: Any = np) -> Any:
   """A ``prompt_*`` array of a rollout left-padded to ``width`` columns
   (``pad_id`` tokens, False mask); other fields as they are."""
@@ -231,5 +238,6 @@ def from_groups(groups: Sequence[Mapping[str, np.ndarray]], like: Sampled, *,
       {}, 0.0, 0.0)
 
 
-__all__ = ["Sampled", "from_groups", "host_groups", "left_pad", "merge",
+__all__ = ["Sampled", "distinct_completions", "from_groups", "host_groups",
+           "left_pad", "merge",
            "merge_metrics", "scored_rows"]

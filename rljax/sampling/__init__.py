@@ -4,7 +4,8 @@ from rljax.models.kv_cache import KVCache, LayerKV, init_cache
 from rljax.sampling.methods import (SamplingMethod, apply_temperature,
                                     inverse_cdf_sample, min_p,
                                     sample_tokens, top_k, top_p)
-from rljax.sampling.sampler import (Rollout, SamplerConfig, make_sampler,
+from rljax.sampling.jitting import make_sampler
+from rljax.sampling.sampler import (Rollout, SamplerConfig,
                                     pad_prompts, pick_bucket, sample,
                                     segment_ends, shrink_levels)
 from rljax.sampling.speculative import Draft, make_speculative_sampler

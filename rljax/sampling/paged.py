@@ -33,9 +33,10 @@ import jax.numpy as jnp
 
 from rljax.models import ModelConfig, compute_logits, positions_from_mask
 from rljax.models import paged_cache as pc
+from rljax.sampling.jitting import jit_rows
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _empty_state,
                                     _to_rollout, decode_setup, decode_step,
-                                    jit_rows, row_keys)
+                                    row_keys)
 
 
 @dataclasses.dataclass(frozen=True)

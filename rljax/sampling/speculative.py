@@ -57,8 +57,8 @@ import jax.numpy as jnp
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits
+from rljax.sampling.jitting import mesh_shardings, pad_rows
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _decode, _ended,
-                                    mesh_shardings, pad_rows,
                                     _LoopState, _grow, _prefill,
                                     _round_up, decode_setup, _to_rollout,
                                     sampled_logprobs)

@@ -48,9 +48,10 @@ from rljax.models import positions_from_mask
 from rljax.models.kv_cache import LayerKV
 from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import _cache_slots, _grow
+from rljax.sampling.jitting import jit_rows
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
-                                    jit_rows, row_keys)
+                                    row_keys)
 
 BRANCH_BY = ("uncertainty", "uniform")
 
