@@ -110,5 +110,27 @@ def jit_rows(fn, config: SamplerConfig, mesh: jax.sharding.Mesh | None,
   return call
 
 
-__all__ = ["MeshShardings", "jit_rows", "make_sampler", "mesh_shardings",
-           "pad_rows"]
+class MeteredSampler:
+  """A sampler called as the static one, whose ``with_metrics`` also
+  returns its figures: a paged pool's (``paged``, ``sampling.paged``), none
+  for a dense cache. ``tree``: a tree rollout's ``TreeConfig``, which tells
+  the collector how to count its tokens."""
+
+  def __init__(self, fn, *, paged: Any = None, tree: Any = None):
+    self._fn, self.paged, self.tree = fn, paged, tree
+    self.jitted = getattr(fn, "jitted", fn)
+
+  def __call__(self, params, prompt_tokens_BxP, prompt_mask_BxP, key):
+    return self.with_metrics(params, prompt_tokens_BxP, prompt_mask_BxP,
+                             key)[0]
+
+  def with_metrics(self, params, prompt_tokens_BxP, prompt_mask_BxP, key
+                   ) -> tuple[Rollout, dict[str, float]]:
+    out = self._fn(params, prompt_tokens_BxP, prompt_mask_BxP, key)
+    if self.paged is None:
+      return out, {}
+    return out[0], {k: float(v) for k, v in jax.device_get(out[1]).items()}
+
+
+__all__ = ["MeshShardings", "MeteredSampler", "jit_rows", "make_sampler",
+           "mesh_shardings", "pad_rows"]

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from rljax.models import ModelConfig, compute_logits, positions_from_mask
 from rljax.models import paged_cache as pc
-from rljax.sampling.jitting import jit_rows
+from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _empty_state,
                                     _to_rollout, decode_setup, decode_step,
                                     row_keys)
@@ -165,36 +165,19 @@ def pool_stats(cache: pc.PagedKVCache, num_blocks: int, peak, cut
               jnp.float32)}
 
 
-class PagedSampler:
-  """A sampler on a paged cache (``make_paged_sampler``): called as the
-  static sampler, ``with_metrics`` also returns its pool's figures."""
-
-  def __init__(self, fn, paged: PagedConfig):
-    self._fn, self.paged = fn, paged
-    self.jitted = getattr(fn, "jitted", fn)
-
-  def __call__(self, params, prompt_tokens_BxP, prompt_mask_BxP, key):
-    return self.with_metrics(params, prompt_tokens_BxP, prompt_mask_BxP,
-                             key)[0]
-
-  def with_metrics(self, params, prompt_tokens_BxP, prompt_mask_BxP, key
-                   ) -> tuple[Rollout, dict[str, float]]:
-    rollout, stats = self._fn(params, prompt_tokens_BxP, prompt_mask_BxP, key)
-    return rollout, {k: float(v) for k, v in jax.device_get(stats).items()}
-
-
 def make_paged_sampler(model_config: ModelConfig, config: SamplerConfig,
                        paged: PagedConfig,
                        mesh: jax.sharding.Mesh | None = None,
-                       param_shardings: Any = None) -> PagedSampler:
+                       param_shardings: Any = None) -> MeteredSampler:
   """The static sampler's rows on a paged KV cache (the module docstring);
   without a mesh, or on one with the rows split over its batch axes as
-  ``sampling.make_sampler``'s."""
+  ``sampling.make_sampler``'s; ``with_metrics`` also returns the pool's
+  figures (``pool_stats``)."""
   fn = functools.partial(_sample_paged_impl, model_config=model_config,
                          config=config, paged=paged)
-  return PagedSampler(jit_rows(fn, config, mesh, param_shardings,
-                               with_stats=True), paged)
+  return MeteredSampler(jit_rows(fn, config, mesh, param_shardings,
+                                 with_stats=True), paged=paged)
 
 
-__all__ = ["PagedConfig", "PagedSampler", "make_paged_sampler",
+__all__ = ["PagedConfig", "make_paged_sampler",
            "paged_decode", "pool_stats", "prefill_groups"]

@@ -48,7 +48,7 @@ from rljax.models import positions_from_mask
 from rljax.models.kv_cache import LayerKV
 from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import _cache_slots, _grow
-from rljax.sampling.jitting import jit_rows
+from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
                                     row_keys)
@@ -264,32 +264,10 @@ def make_tree_sampler(model_config: ModelConfig, config: SamplerConfig,
   tree.widths(config.num_samples, config.max_new_tokens)
   fn = functools.partial(_sample_tree_impl, model_config=model_config,
                          config=config, tree=tree, paged=paged)
-  return TreeSampler(jit_rows(fn, config, mesh, param_shardings, rules,
-                              tree_nodes=True, with_stats=paged is not None),
-                     tree, paged)
-
-
-class TreeSampler:
-  """A tree rollout's sampler (``make_tree_sampler``): called as a static
-  sampler; ``tree`` tells the collector how to count its tokens, and
-  ``with_metrics`` also returns a paged pool's figures (none on a dense
-  cache)."""
-
-  def __init__(self, fn, tree: TreeConfig,
-               paged: paged_lib.PagedConfig | None = None):
-    self._fn, self.tree, self.paged = fn, tree, paged
-    self.jitted = getattr(fn, "jitted", fn)
-
-  def __call__(self, params, prompt_tokens_BxP, prompt_mask_BxP, key):
-    return self.with_metrics(params, prompt_tokens_BxP, prompt_mask_BxP,
-                             key)[0]
-
-  def with_metrics(self, params, prompt_tokens_BxP, prompt_mask_BxP, key
-                   ) -> tuple[Rollout, dict[str, float]]:
-    out = self._fn(params, prompt_tokens_BxP, prompt_mask_BxP, key)
-    if self.paged is None:
-      return out, {}
-    return out[0], {k: float(v) for k, v in jax.device_get(out[1]).items()}
+  return MeteredSampler(jit_rows(fn, config, mesh, param_shardings, rules,
+                                 tree_nodes=True,
+                                 with_stats=paged is not None),
+                        paged=paged, tree=tree)
 
 
 def tree_counts(tree_nodes_NxD: np.ndarray, lengths_N: np.ndarray,
@@ -334,4 +312,4 @@ def tree_metrics(counts: list[dict[str, float]]) -> dict[str, float]:
 
 
 __all__ = ["BRANCH_BY", "TreeConfig", "fork_parents", "make_tree_sampler",
-           "TreeSampler", "tree_counts", "tree_metrics"]
+           "tree_counts", "tree_metrics"]
