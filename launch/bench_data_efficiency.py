@@ -36,8 +36,6 @@ method that samples more per update shows it on the token and clock axes.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -70,7 +68,6 @@ _RECORD_DIR = flags.DEFINE_string(
     "record_dir", "", "where the JSON record and the PNG go "
     "(benchmarks/results to keep them); default: the workdir")
 
-_ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def _args(method: str, seed: int, workdir: str, quick: bool,
@@ -121,13 +118,7 @@ def main(argv):
       args = _args(method, seed, workdir, quick, eval_every)
       print(f"{method} seed {seed} ...", flush=True)
       start = time.time()
-      result = subprocess.run([sys.executable, "-m", "launch.train", *args],
-                              cwd=_ROOT, env=env, capture_output=True,
-                              text=True)
-      if result.returncode:
-        print(result.stdout[-3000:], result.stderr[-3000:])
-        raise SystemExit(f"{method} seed {seed} failed "
-                         f"(exit {result.returncode}).")
+      benchlib.run_train(args, env, f"{method} seed {seed}")
       c = curve(workdir)
       c["wall_s"] = time.time() - start
       curves.setdefault(method, []).append(c)

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -55,7 +53,6 @@ _WORKDIR = flags.DEFINE_string("workdir", "", "where the runs go (default: "
 _RECORD_DIR = flags.DEFINE_string("record_dir", "", "where the JSON record "
                                   "goes (default: the workdir)")
 
-_ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def run_figures(workdir: str) -> dict:
@@ -116,13 +113,7 @@ def main(argv):
                  "--config.rl.tree.segment_tokens=2"]
       print(f"{method} seed {seed} ...", flush=True)
       start = time.time()
-      result = subprocess.run([sys.executable, "-m", "launch.train", *args],
-                              cwd=_ROOT, env=env, capture_output=True,
-                              text=True)
-      if result.returncode:
-        print(result.stdout[-3000:], result.stderr[-3000:])
-        raise SystemExit(f"{method} seed {seed} failed "
-                         f"(exit {result.returncode}).")
+      benchlib.run_train(args, env, f"{method} seed {seed}")
       f = run_figures(workdir)
       f["wall_s"] = time.time() - start
       runs.setdefault(method, []).append(f)

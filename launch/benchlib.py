@@ -43,6 +43,20 @@ def git(*args: str) -> str:
     return ""
 
 
+def run_train(args: list[str], env: dict, what: str) -> None:
+  """``python -m launch.train <args>`` in the repository with ``env``;
+  on failure, prints the end of its output and exits naming ``what``."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..")
+  result = subprocess.run([sys.executable, "-m", "launch.train", *args],
+                          cwd=root, env=env, capture_output=True, text=True)
+  if result.returncode:
+    print(result.stdout[-3000:], result.stderr[-3000:])
+    raise SystemExit(f"{what} failed (exit {result.returncode}).")
+
+
 def cpu() -> dict:
   """The host CPU as far as XLA:CPU's float results depend on it: vendor,
   family, model, cache size and the vector ISA flags (``/proc/cpuinfo``).

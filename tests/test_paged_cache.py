@@ -19,14 +19,9 @@ from rljax.sampling import paged as paged_lib
 from rljax.train import build, combinations
 from tests.test_loop import loop_config
 
-TINY = models.get_preset("tiny")
-T = 40
-BASE = sampling.SamplerConfig(
-    num_samples=4, max_new_tokens=T, cache_dtype="float32",
-    method=sampling.SamplingMethod(temperature=1.0),
-    eos_ids=tuple(range(20, 36)), stop_sequences=((7, 9),),
-    prompt_buckets=(8, 16), segment_slots=8, record_policy_logprobs=True,
-    training_temperature=1.3)
+# The shrinking sampler's tests' model and sampler: rows that end at
+# scattered steps, some at T.
+from tests.test_sampler_shrink import BASE, TINY
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ hand-derived forks and counts, and a NumPy float64 port of TreePO's
 """
 
 import collections
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -301,3 +303,46 @@ def test_on_a_paged_cache_forks_share_blocks_and_draw_the_same_tree(
   assert stats["rollout/kv_blocks_left"] == 0
   assert stats["rollout/kv_cut_rows"] == 0
   assert 0 < stats["rollout/kv_blocks_peak"] < stats["rollout/kv_blocks_pool"]
+
+
+# --- the benchmarks ----------------------------------------------------------
+
+
+def _launch(module, *flags, cwd):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from tests import subprocess_env  # pylint: disable=import-outside-toplevel
+  root = os.path.join(os.path.dirname(__file__), "..")
+  result = subprocess.run([sys.executable, "-m", module, *flags], cwd=root,
+                          env=subprocess_env.one_device_env(),
+                          capture_output=True, text=True, timeout=900)
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  [record] = [f for f in os.listdir(cwd) if f.endswith(".json")]
+  return json.loads((cwd / record).read_text())["figures"]
+
+
+@pytest.mark.slow
+def test_bench_tree_quick_decodes_fewer_tokens_than_independent_rows(
+    tmp_path):
+  figures = _launch("launch.bench_tree", "--quick", "--methods=grpo,tree",
+                    f"--workdir={tmp_path}", cwd=tmp_path)
+  s = figures["summary"]
+  assert s["tree"]["tokens"]["mean"] < s["grpo"]["tokens"]["mean"]
+  assert 0 < s["tree"]["tree_token_saving"]["mean"] < 1
+  assert s["grpo"]["tree_token_saving"]["mean"] == 0
+  for method in ("grpo", "tree"):
+    [run] = figures["runs"][method]
+    assert run["tokens_per_distinct"] == pytest.approx(
+        run["tokens"] / run["distinct"])
+
+
+@pytest.mark.slow
+def test_bench_paged_small_run_finds_the_same_tokens_in_fewer_slots(tmp_path):
+  figures = _launch("launch.bench_paged", "--prompts=2", "--group_size=4",
+                    "--prompt_len=16", "--max_new_tokens=32",
+                    "--eos_every=8", "--block_size=4", "--steps=3",
+                    f"--record_dir={tmp_path}", cwd=tmp_path)
+  cache = figures["cache"]
+  assert cache["paged_peak_slots"] < cache["dense_slots"]
+  assert cache["dense_slots"] == 2 * 16 + 8 * 32
+  assert figures["cut_rows"] == 0
