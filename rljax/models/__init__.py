@@ -13,6 +13,7 @@ from rljax.models.hf_config import (ARCHITECTURES, hf_config_from_model_config,
 from rljax.models.hf_weights import (HFModel, copy_files, load_hf_checkpoint,
                                      load_hf_pretrained, save_hf_checkpoint)
 from rljax.models.kv_cache import KVCache, LayerKV, init_cache
+from rljax.models.paged_cache import PagedKVCache, init_paged_cache
 from rljax.models.packing import Packing, pack_rows
 from rljax.models.reward_model import (RewardModelConfig,
                                        load_hf_reward_model,
@@ -29,6 +30,7 @@ __all__ = [
     "LORA_TARGETS", "LoraConfig", "lora", "attach_base", "init_adapters",
     "init_params", "param_logical_axes", "param_shapes", "param_shardings",
     "Decoder", "KVCache", "LayerKV", "attend", "compute_logits", "init_cache",
+    "PagedKVCache", "init_paged_cache",
     "map_row_chunks", "output_projection", "Packing", "pack_rows",
     "positions_from_mask",
     "sequence_logprobs",

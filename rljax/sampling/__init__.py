@@ -1,4 +1,5 @@
-"""Rollout sampling: KV cache, prefill + decode loop, sampling methods."""
+"""Rollout sampling: KV cache, prefill + decode loop, sampling methods, tree
+rollouts and the static batch on a paged KV cache."""
 
 from rljax.models.kv_cache import KVCache, LayerKV, init_cache
 from rljax.sampling.methods import (SamplingMethod, apply_temperature,
@@ -10,6 +11,8 @@ from rljax.sampling.sampler import (Rollout, SamplerConfig,
                                     segment_ends, shrink_levels)
 from rljax.sampling.speculative import Draft, make_speculative_sampler
 from rljax.sampling.drafts import DraftStore, Speculation
+from rljax.sampling.paged import PagedConfig, make_paged_sampler
+from rljax.sampling.tree import TreeConfig, make_tree_sampler
 
 __all__ = [
     "KVCache", "LayerKV", "init_cache", "SamplingMethod", "apply_temperature",
@@ -18,4 +21,5 @@ __all__ = [
     "make_sampler", "pad_prompts", "pick_bucket", "sample", "segment_ends",
     "shrink_levels",
     "Draft", "DraftStore", "Speculation", "make_speculative_sampler",
+    "PagedConfig", "make_paged_sampler", "TreeConfig", "make_tree_sampler",
 ]
