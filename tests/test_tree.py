@@ -248,6 +248,20 @@ def test_invalid_rows_are_in_no_subtree():
                              rtol=1e-6)
 
 
+def test_a_nan_reward_of_an_invalid_row_reaches_no_other_row():
+  """A reward function's NaN on a failed row (``mask_N`` False, as the
+  evaluator marks it) is in no subtree's mean."""
+  rewards = jnp.array([1.0, jnp.nan, 0.0, 0.0])
+  nodes = jnp.array([[0], [0], [1], [1]])
+  tx = adv.treepo()
+  got, _ = tx.update(rewards, tx.init(rewards), group_size=4,
+                     mask_N=jnp.array([True, False, True, True]),
+                     tree_nodes_NxD=nodes, lengths_N=jnp.array([2, 2, 2, 2]),
+                     completion_mask_NxT=jnp.ones((4, 2), bool))
+  assert np.all(np.isfinite(got)) and got[1] == 0
+  assert got[0] > 0 > got[2] and got[2] == got[3]
+
+
 def test_tree_nodes_of_another_batch_are_refused():
   tx = adv.center_by_subtrees()
   with pytest.raises(ValueError, match=r"tree_nodes_NxD must be \[N, D\] "
