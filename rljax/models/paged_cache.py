@@ -111,10 +111,11 @@ def blocks_in_use(cache: PagedKVCache) -> jax.Array:
   return jnp.sum(refcounts(cache) > 0).astype(jnp.int32)
 
 
-def _allocate(cache: PagedKVCache, need_R: jax.Array) -> jax.Array:
-  """A distinct free block for each row of ``need_R`` (lowest ids first, in
-  row order), -1 for the others and for the rows beyond the free blocks."""
-  free = refcounts(cache) == 0
+def _allocate(counts: jax.Array, need_R: jax.Array) -> jax.Array:
+  """A distinct free block (``counts`` 0, the ``refcounts``) for each row of
+  ``need_R`` (lowest ids first, in row order), -1 for the others and for
+  the rows beyond the free blocks."""
+  free = counts == 0
   rows = need_R.shape[0]
   ids = jnp.nonzero(free, size=rows, fill_value=-1)[0]
   rank = jnp.cumsum(need_R.astype(jnp.int32)) - 1
@@ -158,9 +159,10 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
     touched = rows_R & (col * bs < cache.lengths + num_slots) & (col < mb)
     col = jnp.clip(col, 0, mb - 1)
     current = cache.table[rows, col]
-    shared = (current >= 0) & (refcounts(cache)[jnp.maximum(current, 0)] > 1)
+    counts = refcounts(cache)
+    shared = (current >= 0) & (counts[jnp.maximum(current, 0)] > 1)
     need = touched & ((current < 0) | shared)
-    block = _allocate(cache, need)
+    block = _allocate(counts, need)
     failed = failed | (need & (block < 0))
     copy = need & shared & (block >= 0)
     cache = _copy_blocks(cache, current, jnp.where(copy, block, -1))
@@ -196,38 +198,38 @@ def release(cache: PagedKVCache, rows_R: jax.Array) -> PagedKVCache:
       lengths=jnp.where(rows_R, 0, cache.lengths))
 
 
+def _slots(table_RxM, lengths_R, t: int, block_size: int, num_blocks: int):
+  """``(block_RxT, offset_RxT)`` of each row's logical slots ``lengths[r] ..
+  lengths[r] + t - 1``; ``num_blocks`` (out of range: a dropped write) where
+  the row has no block there."""
+  slot = lengths_R[:, None] + jnp.arange(t)[None]
+  col = slot // block_size
+  block = jnp.take_along_axis(
+      table_RxM, jnp.clip(col, 0, table_RxM.shape[1] - 1), 1)
+  block = jnp.where((block >= 0) & (col < table_RxM.shape[1]), block,
+                    num_blocks)
+  return block, slot % block_size
+
+
 def write(pool_k, pool_v, table_RxM, lengths_R, new_k_RxKxTxH, new_v_RxKxTxH,
           block_size: int):
   """The pools with row ``r``'s ``T`` new keys and values written at its
   logical slots ``lengths[r] .. lengths[r] + T - 1`` (blocks from
   ``reserve``; a slot whose row has no block there is dropped)."""
-  r, _, t, _ = new_k_RxKxTxH.shape
-  n = pool_k.shape[0]
-  slot = lengths_R[:, None] + jnp.arange(t)[None]  # [R, T]
-  col = jnp.clip(slot // block_size, 0, table_RxM.shape[1] - 1)
-  block = jnp.take_along_axis(table_RxM, col, 1)
-  block = jnp.where((block >= 0) & (slot // block_size < table_RxM.shape[1]),
-                    block, n)
-  off = slot % block_size
+  block, off = _slots(table_RxM, lengths_R, new_k_RxKxTxH.shape[2],
+                      block_size, pool_k.shape[0])
   # [R, T, K, H] rows of the pool's [N, K, BS, H] at (block, :, off, :).
   k_rt = jnp.transpose(new_k_RxKxTxH, (0, 2, 1, 3)).astype(pool_k.dtype)
   v_rt = jnp.transpose(new_v_RxKxTxH, (0, 2, 1, 3)).astype(pool_v.dtype)
-  pool_k = pool_k.at[block, :, off, :].set(k_rt, mode="drop")
-  pool_v = pool_v.at[block, :, off, :].set(v_rt, mode="drop")
-  del r
-  return pool_k, pool_v
+  return (pool_k.at[block, :, off, :].set(k_rt, mode="drop"),
+          pool_v.at[block, :, off, :].set(v_rt, mode="drop"))
 
 
 def write_mask(slot_mask, table_RxM, lengths_R, mask_RxT):
   """The slot mask with ``mask_RxT`` written as ``write`` writes keys."""
-  block_size = slot_mask.shape[1]
-  t = mask_RxT.shape[1]
-  slot = lengths_R[:, None] + jnp.arange(t)[None]
-  col = jnp.clip(slot // block_size, 0, table_RxM.shape[1] - 1)
-  block = jnp.take_along_axis(table_RxM, col, 1)
-  block = jnp.where((block >= 0) & (slot // block_size < table_RxM.shape[1]),
-                    block, slot_mask.shape[0])
-  return slot_mask.at[block, slot % block_size].set(mask_RxT, mode="drop")
+  block, off = _slots(table_RxM, lengths_R, mask_RxT.shape[1],
+                      slot_mask.shape[1], slot_mask.shape[0])
+  return slot_mask.at[block, off].set(mask_RxT, mode="drop")
 
 
 def gather(pool, table_RxM):
