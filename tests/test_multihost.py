@@ -54,7 +54,7 @@ _CLOCKS = ("time/", "tokens_per_s/", "reward/eval_seconds")
 
 
 def config_for(overrides, config_file=None):
-  c = tiny_config() if config_file is None else load_config(
+  c = tiny_config(None) if config_file is None else load_config(
       os.path.join(ROOT, config_file), "tiny")
   for key, value in {**COMMON, **overrides}.items():
     *path, field = key.split(".")

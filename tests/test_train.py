@@ -14,9 +14,17 @@ def load_config(path, arg=None):
   return module.get_config(arg)
 
 
-def tiny_config():
-  return load_config(os.path.join(os.path.dirname(__file__), "..", "configs",
-                                  "arithmetic_grpo.py"), "tiny")
+def tiny_config(num_layers: int | None = 1):
+  """``configs/arithmetic_grpo.py:tiny`` for runs inside the test process,
+  with one decoder block (``num_layers=None``: the tiny preset's two, as a
+  launcher given ``:tiny`` builds). A loop's programs then compile ~25%
+  faster (a 2-step loop run: 5.0 s instead of 7.0 s on 2 cores); stacking
+  blocks is the model's tests' business, on the two-block preset."""
+  c = load_config(os.path.join(os.path.dirname(__file__), "..", "configs",
+                               "arithmetic_grpo.py"), "tiny")
+  if num_layers is not None:
+    c.model.overrides.num_layers = num_layers
+  return c
 
 
 def _clean(rows):
