@@ -108,10 +108,24 @@ def define_config_file(name: str, default: str, help_string: str):
   ``--config.<field>=<value>`` overrides when it is defined (as the
   launcher is imported): an override that names no field, or a value of
   the wrong type, is reported in one line (``config_error_line``) and the
-  process exits with status 1; ``--verbosity`` keeps the traceback."""
+  process exits with status 1; ``--verbosity`` keeps the traceback.
+
+  A key under a dict field that the config file does not set is added
+  (``--config.model.overrides.num_layers=1`` on ``:tiny``, whose
+  ``model.overrides`` is empty): ml_collections' ``accept_new_attributes``,
+  with every other new name refused first, in one line, as a mistyped
+  field."""
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  unknown = unknown_field_line(sys.argv)
+  if unknown:
+    if any(a.startswith("--verbosity") for a in sys.argv):
+      raise ValueError(unknown)  # with its traceback
+    print(unknown, file=sys.stderr, flush=True)
+    sys.exit(1)
   try:
-    return config_flags.DEFINE_config_file(name, default, help_string)
+    return config_flags.DEFINE_config_file(
+        name, default, help_string, lock_config=False,
+        accept_new_attributes=True)
   except Exception as e:  # pylint: disable=broad-exception-caught
     if any(a.startswith("--verbosity") for a in sys.argv):
       raise
@@ -153,6 +167,18 @@ def config_error_line(argv: list[str], error: BaseException) -> str:
   """One line for a config override that failed to parse: an unknown
   field with the closest names (``rljax/train/schema.py`` lists every
   field), else the override and ml_collections' message."""
+  unknown = unknown_field_line(argv)
+  if unknown:
+    return unknown
+  message = " ".join(str(error).split())  # ml_collections' message, one line
+  overrides = " ".join(f"--config.{f}={v}" for f, v in _config_overrides(argv))
+  return f"error: {overrides}: {message[:300]}"
+
+
+def unknown_field_line(argv: list[str]) -> str | None:
+  """``error: --config.<field>=<value>: config has no field ...`` with the
+  closest names, for the first override of ``argv`` that names no field
+  of the schema and no key under a dict field; None if there is none."""
   import difflib  # pylint: disable=import-outside-toplevel
   from rljax.train import schema  # pylint: disable=import-outside-toplevel
   fields = schema.fields()
@@ -172,9 +198,7 @@ def config_error_line(argv: list[str], error: BaseException) -> str:
             if close else "")
     return (f"error: --config.{field}={value}: config has no field "
             f"{field!r}{hint} (every field: rljax/train/schema.py)")
-  message = " ".join(str(error).split())  # ml_collections' message, one line
-  overrides = " ".join(f"--config.{f}={v}" for f, v in _config_overrides(argv))
-  return f"error: {overrides}: {message[:300]}"
+  return None
 
 
 def error_line(error: BaseException) -> str:

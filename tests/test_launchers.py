@@ -256,6 +256,26 @@ def test_a_mistyped_config_field_is_one_line_with_the_closest_names(
   assert not stdout and not os.path.exists(f"{tmp_path}/w")
 
 
+@pytest.mark.slow
+def test_a_model_override_the_config_does_not_set_is_added(tmp_path):
+  """``:tiny`` sets no ``model.overrides``: a flag adds the key (a one-block
+  decoder, read back from the checkpoint's parameters); a key the model
+  config has no field for is one line naming the closest."""
+  flags_ = ["--config=configs/arithmetic_grpo.py:tiny", "--config.rl.num_steps=1",
+            "--config.sft.num_steps=0", "--config.eval.every=0"]
+  _run("launch.train", *flags_, "--config.model.overrides.num_layers=1",
+       f"--workdir={tmp_path}/one")
+  params = train.load_policy(f"{tmp_path}/one").params
+  assert sorted(k for k in params if k.startswith("layers_")) == ["layers_0"]
+  _, stderr = _run_failing("launch.train", *flags_,
+                           "--config.model.overrides.num_layerz=1",
+                           f"--workdir={tmp_path}/typo")
+  [error] = [line for line in stderr.splitlines() if line.startswith("error:")]
+  assert ("model.overrides.num_layerz=1: the model config has no field "
+          "'num_layerz'; did you mean num_layers?") in error, stderr
+  assert "Traceback" not in stderr
+
+
 def test_a_dict_fields_keys_and_verbosity_keep_their_ways(tmp_path):
   """Keys under a dict field (``task.kwargs``) are not mistakes; with
   ``--verbosity`` the mistyped field keeps ml_collections' traceback."""

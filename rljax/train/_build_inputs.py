@@ -10,6 +10,8 @@ is trained or read and ``model.preset`` is initialised from scratch.
 from __future__ import annotations
 
 import base64
+import dataclasses
+import difflib
 import functools
 import importlib
 import logging
@@ -296,6 +298,14 @@ def preset_model_config(config: Any, vocab_size: int) -> models.ModelConfig:
   and ``model.lora``."""
   overrides = dict(config.model.overrides or {})
   overrides.setdefault("vocab_size", vocab_size)
+  known = [f.name for f in dataclasses.fields(models.ModelConfig)]
+  for key in overrides:
+    if key not in known:  # a flag adds any key under model.overrides
+      close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+      hint = (f"; did you mean {', '.join(close)}?" if close else "")
+      raise ValueError(
+          f"model.overrides.{key}={overrides[key]!r}: the model config has "
+          f"no field {key!r}{hint} (accepted: {', '.join(known)})")
   if "lora" in overrides:
     raise ValueError("model.overrides.lora is set: LoRA is configured by "
                      "model.lora.rank, model.lora.alpha, model.lora.targets "
