@@ -118,7 +118,7 @@ def define_config_file(name: str, default: str, help_string: str):
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   unknown = unknown_field_line(sys.argv)
   if unknown:
-    if any(a.startswith("--verbosity") for a in sys.argv):
+    if _verbose(sys.argv):
       raise ValueError(unknown)  # with its traceback
     print(unknown, file=sys.stderr, flush=True)
     sys.exit(1)
@@ -127,7 +127,7 @@ def define_config_file(name: str, default: str, help_string: str):
         name, default, help_string, lock_config=False,
         accept_new_attributes=True)
   except Exception as e:  # pylint: disable=broad-exception-caught
-    if any(a.startswith("--verbosity") for a in sys.argv):
+    if _verbose(sys.argv):
       raise
     print(config_error_line(sys.argv, e), file=sys.stderr, flush=True)
     sys.exit(1)
@@ -147,10 +147,15 @@ def parse_flags(argv: list[str]) -> list[str]:
     error: BaseException = e
   except Exception as e:  # pylint: disable=broad-exception-caught
     error = e
-  if any(a.startswith("--verbosity") for a in argv):
+  if _verbose(argv):
     raise error
   print(config_error_line(argv, error), file=sys.stderr, flush=True)
   sys.exit(1)
+
+
+def _verbose(argv: list[str]) -> bool:
+  """``--verbosity`` on the command line: errors keep their tracebacks."""
+  return any(a.startswith("--verbosity") for a in argv)
 
 
 def _config_overrides(argv: list[str]) -> list[tuple[str, str]]:
