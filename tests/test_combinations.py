@@ -15,8 +15,6 @@ DOCS = os.path.join(os.path.dirname(__file__), "..", "docs", "rollouts.md")
 TRIGGERS = {
     "shrink-on-slots": ({"sampler.shrink_batch_to": 2,
                          "rl.rollout": "continuous"}, 1),
-    "episodes-partial": ({"env.name": "calculator",
-                          "rl.rollout": "partial"}, 1),
     "allocation-with-partial": ({"rl.allocation.name": "vigor",
                                  "rl.rollout": "partial"}, 1),
     "sgpo-with-selection": ({"rl.allocation.name": "sgpo",

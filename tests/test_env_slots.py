@@ -140,7 +140,7 @@ def test_async_episodes_dispatch_the_update_first_and_decode_a_copy(params):
   events = []
 
   class Episodes:
-    def run(self, p, examples, key):
+    def run(self, p, examples, key, **_):
       same = jax.tree.leaves(jax.tree.map(lambda a, b: a is b, p, params))
       events.append("episodes on " + (
           "the params" if all(same) else "a copy" if not any(same) else "?"))

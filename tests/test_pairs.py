@@ -104,7 +104,6 @@ SAME_FIELD = {frozenset(p) for p in (("continuous", "partial"),
 # The pairs the table refuses, by its rule (docs/rollouts.md gives the
 # reasons).
 REFUSED = {
-    frozenset(("partial", "env")): "episodes-partial",
     frozenset(("tree", "env")): "tree-episodes",
     frozenset(("tree", "spec_rl")): "tree-speculative",
     frozenset(("paged", "continuous")): "paged-on-slots",

@@ -255,6 +255,32 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
           env_column=self._env_column, episodes=self.episodes is not None)
     return self._jitted[has_old_logprobs]
 
+  def carried_arrays(self) -> dict[str, Any] | None:
+    """What the slots carry to the next step (partial rollouts' groups, or
+    with an environment their episodes), as host arrays: a checkpoint's
+    ``partial`` item; None without slots."""
+    if self.slots is not None:
+      return self.slots.arrays()
+    carry = None if self.episodes is None else self.episodes.carry
+    return None if carry is None else carry.arrays()
+
+  def load_carried(self, arrays: Mapping[str, Any]) -> str | None:
+    """Restores ``carried_arrays``' record; returns what was dropped (the
+    run no longer carries that kind), or None."""
+    carry = None if self.episodes is None else self.episodes.carry
+    if carry is not None and "episodes_dropped" in arrays:
+      sc = self.episodes.config
+      carry.load_arrays(arrays, group_size=sc.num_samples,
+                        max_new_tokens=sc.max_new_tokens,
+                        policy_logp=sc.record_policy_logprobs,
+                        blocks=self.group.block(self.mesh)[1])
+    elif self.slots is not None and "dropped" in arrays:
+      self.slots.load_arrays(arrays)
+    elif "prompts" in arrays or "episodes" in arrays:
+      return (f"{len(arrays['born'])} partial groups" if "prompts" in arrays
+              else "partial episodes")
+    return None
+
   def _encoded(self, examples):
     return tok_lib.encode_prompts(self.tokenizer, examples["prompt"]), examples
 
@@ -369,8 +395,13 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
           params = jax.tree.map(jnp.copy, params)
         on_dispatch()
         on_dispatch = None
-      episodes = (sampler or self.episodes).run(params, examples, key)
+      episodes = (sampler or self.episodes).run(
+          params, examples, key, version=version, more=more_examples)
       rollout, spec_metrics = episodes.rollout, episodes.metrics
+      if episodes.examples is not None:  # partial: the trained groups'
+        examples = self.block({k: [x[k] for x in episodes.examples]
+                               for k in examples})
+        token_versions = episodes.token_versions
       # The rewards read the episodes' prompts (Environment.reset's); the
       # batch keeps the data's examples, which selection and replay key by.
       # Several processes: every episode's figures, of which this process

@@ -83,12 +83,14 @@ class Speculation:
     self.accepted_tokens += int(accepted[has].sum())
     return state
 
-  def store(self, buffers) -> None:
+  def store(self, buffers, examples=None) -> None:
     """Each episode of the run as its prompt's next draft (the prompts whose
-    reset failed are left out)."""
+    reset failed are left out); ``examples``: those examples' only (partial
+    rollouts: the trained groups), None: every one."""
     tokens, mask, logprobs, observed = (np.asarray(x) for x in buffers)
     g = self.g
-    ok = [i for i in range(len(self.encoded))
+    ok = [int(i) for i in (range(len(self.encoded)) if examples is None
+                           else examples)
           if not self.ep.failed[i * g:(i + 1) * g].all()]
     rows = np.concatenate([np.arange(i * g, (i + 1) * g) for i in ok]
                           ) if ok else np.zeros(0, np.int64)

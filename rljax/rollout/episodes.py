@@ -31,6 +31,10 @@ class Episodes(NamedTuple):
       step's latency hidden behind decoding is not counted).
     turn_tokens: each row's turns as ``(start, end, kind)`` column spans,
       ``kind`` ``"model"`` or ``"observation"`` (tests and debugging).
+    examples: partial rollouts: the trained groups' examples, in row order
+      (carried groups of earlier steps among them); None: the run's own.
+    token_versions: partial rollouts: ``[N, T]`` int32, the policy version
+      that drew or inserted each token (-1 outside the completion).
   """
 
   rollout: Rollout
@@ -39,6 +43,8 @@ class Episodes(NamedTuple):
   failed: np.ndarray
   metrics: dict[str, float]
   turn_tokens: list[list[tuple[int, int, str]]]
+  examples: list[dict[str, Any]] | None = None
+  token_versions: np.ndarray | None = None
 
 
 class SlotOutputs:
@@ -73,24 +79,32 @@ class SlotOutputs:
       getattr(self, f)[rows] = np.asarray(x)[slots]
 
   def rollout(self, tokens_NxP, mask_NxP, turn_rewards_NxT, *,
-              xp: Any = jnp) -> Rollout:
+              xp: Any = jnp, rows: np.ndarray | None = None) -> Rollout:
     """The episodes' ``Rollout``: device arrays, or with ``xp=np`` host
-    arrays (several processes place them split by process blocks)."""
+    arrays (several processes place them split by process blocks);
+    ``rows``: those episode rows only (partial rollouts' trained groups),
+    None: every one."""
+    at = slice(None) if rows is None else rows
+    mask, observed = self.mask[at], self.observed[at]
     return Rollout(
-        prompt_tokens=xp.asarray(tokens_NxP),
-        prompt_mask=xp.asarray(mask_NxP),
-        completion_tokens=xp.asarray(self.tokens),
-        completion_mask=xp.asarray(self.mask),
-        lengths=xp.asarray((self.mask & ~self.observed).sum(1), xp.int32),
-        finished=xp.asarray(self.finished),
+        prompt_tokens=xp.asarray(tokens_NxP[at]),
+        prompt_mask=xp.asarray(mask_NxP[at]),
+        completion_tokens=xp.asarray(self.tokens[at]),
+        completion_mask=xp.asarray(mask),
+        lengths=xp.asarray((mask & ~observed).sum(1), xp.int32),
+        finished=xp.asarray(self.finished[at]),
         policy_logprobs=(None if self.policy_logp is None
-                         else xp.asarray(self.policy_logp)),
-        sampler_logprobs=xp.asarray(self.sampler_logp),
-        observation_mask=xp.asarray(self.observed),
-        turn_rewards=xp.asarray(turn_rewards_NxT))
+                         else xp.asarray(self.policy_logp[at])),
+        sampler_logprobs=xp.asarray(self.sampler_logp[at]),
+        observation_mask=xp.asarray(observed),
+        turn_rewards=xp.asarray(turn_rewards_NxT[at]))
 
-  def metrics(self, decode_steps: int, slots: int) -> dict[str, float]:
-    model_tokens = float((self.mask & ~self.observed).sum())
+  def metrics(self, decode_steps: int, slots: int,
+              model_tokens: int | None = None) -> dict[str, float]:
+    """``model_tokens``: those decoded in the run (None: every one held;
+    partial rollouts hold carried ones decoded before)."""
+    if model_tokens is None:
+      model_tokens = float((self.mask & ~self.observed).sum())
     return {"rollout/slots": float(slots),
             "rollout/decode_steps": float(decode_steps),
             "rollout/prefills": float(self.prefills + slots),
@@ -137,14 +151,19 @@ class EpisodeLog:
           out[r, column] += reward
     return out
 
-  def episodes(self, rollout, prompts, restarts: int) -> Episodes:
+  def episodes(self, rollout, prompts, restarts: int,
+               rows: np.ndarray | None = None) -> Episodes:
+    """``rows``: the episodes returned (partial rollouts' trained groups);
+    None: every one."""
+    at = slice(None) if rows is None else rows
+    turns, failed = self.turns[at], self.failed[at]
     metrics = {
-        "env/turns/mean": float(self.turns.mean()),
-        "env/turns/max": float(self.turns.max()),
+        "env/turns/mean": float(turns.mean()),
+        "env/turns/max": float(turns.max()),
         "env/observation_tokens": float(self.obs_tokens),
         "env/observation_truncated": float(self.truncated_obs),
         "env/turn_limit": float(self.turn_limit),
-        "env/failed_episodes": float(self.failed.sum()),
+        "env/failed_episodes": float(failed.sum()),
         "env/errors": float(self.counts["errors"]),
         "env/timeouts": float(self.counts["timeouts"]),
         "env/worker_restarts": float(restarts),
@@ -152,9 +171,11 @@ class EpisodeLog:
     }
     metrics.update({f"env/{k}": float(v) for k, v in self.info.items()})
     metrics.update(self.slot_metrics)
+    spans = (self.spans if rows is None
+             else [self.spans[r] for r in rows])
     return Episodes(rollout, prompts,
-                    np.where(self.failed, np.nan, self.reward), self.failed,
-                    metrics, self.spans)
+                    np.where(failed, np.nan, self.reward[at]), failed,
+                    metrics, spans)
 
 
 __all__ = ["EpisodeLog", "Episodes", "SlotOutputs"]

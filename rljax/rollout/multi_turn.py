@@ -66,7 +66,7 @@ import numpy as np
 from rljax import distributed
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
-from rljax.rollout import env_steps
+from rljax.rollout import env_steps, episode_carry
 from rljax.rollout import turns as turns_lib
 from rljax.rollout.env_steps import StepCall
 from rljax.rollout.episode_drafts import Speculation
@@ -75,7 +75,7 @@ from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig
 from rljax.sampling.decode_cache import shrink_levels
 from rljax.sampling.drafts import DraftStore
-from rljax.sampling.sampler import (SamplerConfig, pad_prompts)
+from rljax.sampling.sampler import SamplerConfig, pad_prompts, row_keys
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +155,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
       prompt's last episode where its history matches; None: no drafts.
     log_lenience: the acceptance rule's ``log l >= 0``
       (``sampling.speculative``).
+    carry: partial rollouts of episodes (``rl.rollout="partial"``,
+      ``episode_carry.EpisodeCarry``, needs ``slots``): ``run`` stops once
+      its step's ``B`` groups have ended and carries the others; None:
+      every episode is played to its end.
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
@@ -164,7 +168,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
                param_shardings: Any = None, observation_role: str = "user",
                slots: int | None = None, refill_rows: int = 1,
                group: distributed.ProcessGroup | None = None,
-               drafts: DraftStore | None = None, log_lenience: float = 0.0):
+               drafts: DraftStore | None = None, log_lenience: float = 0.0,
+               carry: episode_carry.EpisodeCarry | None = None):
     for name, value in (("rl.rollout_slots", slots),
                         ("rl.rollout_refill_rows", refill_rows)):
       if value is not None and (isinstance(value, bool)
@@ -172,6 +177,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
         raise ValueError(f"{name}={value!r}: a positive integer is "
                          "required.")
     self.slots, self.refill_rows = slots, refill_rows
+    if carry is not None and slots is None:
+      raise ValueError("partial rollouts of episodes play on slots: pass "
+                       "slots with carry.")
+    self.carry = carry
     self.group = group or distributed.ProcessGroup()
     if not self.group.single and mesh is None:
       raise ValueError("MultiTurnSampler with several processes needs the "
@@ -205,6 +214,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
                            static_argnames=("prompt_width",))
     self._insert = jax.jit(functools.partial(turns_lib.insert, **kw),
                            static_argnames=("prompt_width",))
+    self._restore = jax.jit(functools.partial(turns_lib.restore, **kw),
+                            static_argnames=("prompt_width",))
     self._decode_rows = jax.jit(
         functools.partial(turns_lib.decode_rows, turns=turns, **kw),
         static_argnames=("prompt_width",))
@@ -219,7 +230,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
             else contextlib.nullcontext())
 
   def run(self, params: Any, examples: Mapping[str, Sequence[Any]],
-          key: jax.Array) -> Episodes:
+          key: jax.Array, *, version: int = 0, more: Any = None
+          ) -> Episodes:
     """Runs ``G`` episodes of each of the ``B`` examples.
 
     Rounds: a decode (until every live row has ended its turn, or until
@@ -242,23 +254,37 @@ class MultiTurnSampler(env_steps.EnvSteps):
       examples: ``{field: list of B values}`` (every field reaches
         ``Environment.reset`` as the example dict).
       key: PRNG key of the draws.
+      version: the policy version of ``params`` (partial rollouts: each
+        token's version, ``Episodes.token_versions``).
+      more: ``fn() -> examples``, another batch of this process's examples
+        (partial rollouts over-provision: ``B + max_carried`` groups).
     """
-    g = self.config.num_samples
+    g, carry = self.config.num_samples, self.carry
+    old = carry.groups if carry is not None else []
+    n0 = len(old) * g  # carried episodes' rows come first
     names = list(examples)
     b_local = len(examples[names[0]])
-    rows = [{k: examples[k][i] for k in names} for i in range(b_local)]
     block, blocks = self.group.block(self.mesh)
+    target = b_local * blocks if carry is not None else None
+    while (more is not None and target is not None
+           and len(old) + b_local * blocks < target + carry.max_carried):
+      extra = more()
+      examples = {k: list(examples[k]) + list(extra[k]) for k in names}
+      b_local = len(examples[names[0]])
+    rows = [{k: examples[k][i] for k in names} for i in range(b_local)]
     b = b_local * blocks  # every process's examples (one: these)
-    n = b * g
+    n = n0 + b * g
     # The episode rows this process plays (its environments and states).
-    self._own = range(block * b_local * g, (block + 1) * b_local * g)
+    own_new = range(n0 + block * b_local * g, n0 + (block + 1) * b_local * g)
+    self._own = set(own_new) | {i * g + j for i, gr in enumerate(old)
+                                if gr.owner == block for j in range(g)}
     ep = EpisodeLog(n)
     resets = ep.timed(lambda: self.runner.reset(rows))
     states = [None] * n
     for i, outcome in enumerate(resets):
       if outcome.status == "ok":
         for r in range(i * g, (i + 1) * g):
-          states[self._own[r]] = _state_copy(outcome.value["state"])
+          states[own_new[r]] = _state_copy(outcome.value["state"])
     # Every example's prompt (a failed reset's: the example's own stands in,
     # and its rows end at once), gathered from the processes' blocks.
     shared = [(o.status, o.value["prompt"] if o.status == "ok"
@@ -266,11 +292,13 @@ class MultiTurnSampler(env_steps.EnvSteps):
               for o, row in zip(resets, rows)]
     shared = [x for part in self.group.gather_blocks(shared, self.mesh)
               for x in part]
-    prompts = [prompt for _, prompt, _ in shared]
+    prompts = [gr.prompt for gr in old] + [x for _, x, _ in shared]
     for i, (status, _, message) in enumerate(shared):
       if status != "ok":
-        for r in range(i * g, (i + 1) * g):
+        for r in range(n0 + i * g, n0 + (i + 1) * g):
           ep.fail(r, EnvOutcome(status, None, message))
+    keys_N = np.array(jax.random.key_data(row_keys(key, n)))
+    held = episode_carry.unpack(old, ep, states, keys_N, self.config)
     encoded = tok_lib.encode_prompts(self.tokenizer, prompts)
     longest = max(self.buckets)
     for i, ids in enumerate(encoded):
@@ -289,20 +317,34 @@ class MultiTurnSampler(env_steps.EnvSteps):
     mask_NxP = np.repeat(mask_BxP, g, 0)
     m = min(self.slots or n, n)
     min_waiting = np.int32(self.turns.step_rows or m)
-    slot_row = np.arange(m)  # the episode row each slot plays (-1: free)
-    queue = list(range(m, n))  # rows waiting for a slot, in order
-    out = SlotOutputs(n, self.config) if m < n else None
+    # Carried episodes with a history take the first slots (turns.restore),
+    # then the rows waiting for a slot, in order (episodes already over
+    # take none).
+    order = np.concatenate([np.flatnonzero(held.history),
+                            np.flatnonzero(~held.history & ~held.over)])
+    slot_row = np.full(m, -1)  # the episode row each slot plays (-1: free)
+    slot_row[:min(m, len(order))] = order[:m]
+    queue = [int(r) for r in order[m:]]
+    out = (SlotOutputs(n, self.config) if m < n or carry is not None
+           else None)
+    if out is not None:
+      held.fill(out)
     # The static batch decodes its live rows only, in the smallest of these
     # batch sizes that holds them (sampler.shrink_batch_to).
     levels = (shrink_levels(n, self.config.shrink_batch_to) if out is None
               else (m,))
     steps_before, row_steps = 0, 0
     with self._mesh():
-      distinct = _distinct_prompts(slot_row, g, tokens_NxP, mask_NxP)
-      state = self._start(params, *distinct, key, slot_row.astype(np.int32))
+      rows_M = np.maximum(slot_row, 0).astype(np.int32)
+      distinct = _distinct_prompts(rows_M, g, tokens_NxP, mask_NxP)
+      state = self._start(params, *distinct, keys_N[rows_M], rows_M)
       if out is not None:
         out.prefilled_rows += len(distinct[0])
-      decoding = ~ep.failed[:m]  # the slots live in the decode dispatched next
+      if held.history.any():
+        state = self._restore(params, state, *held.slots(slot_row),
+                              prompt_width=p)
+      # The slots live in the decode dispatched next.
+      decoding = (slot_row >= 0) & ~ep.failed[rows_M]
       if not decoding.all():  # rows whose reset failed never decode
         state = state._replace(live=state.live & decoding,
                                done=state.done | ~decoding)
@@ -311,6 +353,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
       taken = np.zeros(0, np.int64)  # slots whose turn waits for its env
       taken_turns = None
       calls: dict[int, StepCall] = {}  # environment calls in flight, by ticket
+      stopped_early = False
       while (decoding.any() or len(taken) or queue
              or self.group.any(bool(calls))):
         if len(levels) == 1:
@@ -353,7 +396,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
         if out is not None:
           state, decoding = self._turnover(
               params, state, out, slot_row, queue, done & ~decoding,
-              decoding, tokens_NxP, mask_NxP, key, ep, spec, p)
+              decoding, tokens_NxP, mask_NxP, keys_N, ep, spec, p, held)
+        if target is not None and held.complete(g) >= target:
+          stopped_early = True
+          break
       if out is None:
         if self.group.single:
           tokens_NxP, mask_NxP = jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP)
@@ -370,17 +416,56 @@ class MultiTurnSampler(env_steps.EnvSteps):
               "rollout/decode_utilization": self._model_tokens(state)
               / max(row_steps, 1)}
       else:
+        if stopped_early:
+          state = self._drain(params, state, taken, taken_turns, slot_row,
+                              states, calls, ep, held, m, p)
+        held.turn_start[slot_row[slot_row >= 0]] = np.asarray(self._host(
+            state.turn_start))[slot_row >= 0]
         out.retire(state, slot_row >= 0, slot_row, self._host)
+        trained = (np.arange(n // g) if carry is None
+                   else held.finish(carry, self, out, ep, states, prompts,
+                                    rows, version, target))
         if spec is not None:
-          spec.store((out.tokens, out.mask, out.sampler_logp, out.observed))
+          spec.store((out.tokens, out.mask, out.sampler_logp, out.observed),
+                     trained)
+        trained_rows = (trained[:, None] * g + np.arange(g)).ravel()
+        prompts = [prompts[i] for i in trained]
         rollout = self._split_by_blocks(out.rollout(
             tokens_NxP, mask_NxP, ep.turn_rewards(self.config.max_new_tokens),
-            xp=jnp if self.group.single else np))
-        ep.slot_metrics = out.metrics(int(self._host(state.steps)), m)
+            xp=jnp if self.group.single else np, rows=trained_rows))
+        ep.slot_metrics = out.metrics(
+            int(self._host(state.steps)), m,
+            None if carry is None else held.generated)
+        if carry is not None:
+          ep.slot_metrics.update(carry.metrics(), **{
+              "rollout/generated_tokens": float(held.generated)})
       if spec is not None:
         ep.slot_metrics.update(spec.metrics())
-    return ep.episodes(rollout, prompts,
-                       sum(self.group.gather_json(self.runner.restarts)))
+    episodes = ep.episodes(rollout, prompts,
+                           sum(self.group.gather_json(self.runner.restarts)),
+                           rows=None if carry is None else trained_rows)
+    if carry is None:
+      return episodes
+    return episodes._replace(examples=held.trained_examples,
+                             token_versions=held.trained_versions)
+
+  def _drain(self, params, state, taken, taken_turns, slot_row, states,
+             calls, ep, held, m, prompt_width):
+    """Partial rollouts, once the step's groups have ended: the environment
+    steps in flight and those of the turns just ended end, and their
+    observations go in, so every unfinished episode stops where its model
+    decodes next (``episode_carry``)."""
+    if len(taken):
+      self._submit(taken, slot_row, taken_turns, states, calls, ep)
+    arrived = ep.timed(lambda: self._collect(calls, wait=True))
+    ended = self._exchange([(calls.pop(t), o)
+                            for t, o in sorted(arrived.items())])
+    if ended:
+      inserts, _ = self._apply(ended, states, ep, m)
+      state = self._insert(params, state, *inserts, prompt_width=prompt_width)
+    done = np.asarray(self._host(state.done))
+    held.over[slot_row[(slot_row >= 0) & done]] = True
+    return state
 
   def _decode_shrinking(self, params, state, clear, min_waiting, decoding,
                         levels, prompt_width):
@@ -404,8 +489,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
     return int(np.sum(np.asarray(mask) & ~np.asarray(observed)))
 
   def _turnover(self, params, state, out: "SlotOutputs", slot_row, queue,
-                over, decoding, tokens_NxP, mask_NxP, key, ep, spec,
-                prompt_width):
+                over, decoding, tokens_NxP, mask_NxP, keys_N, ep, spec,
+                prompt_width, held):
     """Slots: the episodes that are over leave their slots (``out`` keeps
     them), and queued episodes take the free slots once
     ``refill_rows`` are free (or the queue's last ones). Updates
@@ -414,6 +499,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
     over = over & (slot_row >= 0)
     if over.any():
       out.retire(state, over, slot_row, self._host)
+      held.over[slot_row[over]] = True
       slot_row[over] = -1
     free = np.flatnonzero(slot_row < 0)
     if not queue or len(free) < min(self.refill_rows, len(queue),
@@ -427,7 +513,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
     rows_M = np.where(refill, slot_row, rows[0]).astype(np.int32)
     distinct = _distinct_prompts(rows_M, self.config.num_samples,
                                  tokens_NxP, mask_NxP)
-    state = self._refill(params, state, refill, *distinct, key, rows_M)
+    state = self._refill(params, state, refill, *distinct, keys_N[rows_M],
+                         rows_M)
     out.prefilled_rows += len(distinct[0])
     failed = refill & ep.failed[np.maximum(slot_row, 0)]
     if failed.any():  # their reset failed: over at once

@@ -140,8 +140,7 @@ class Synchronous:
     return StepOutput(state, collected, train_metrics, metrics)
 
   def checkpoint_extras(self):
-    slots = self.collector.slots
-    return self.iterator.get_state(), (slots.arrays() if slots else None)
+    return self.iterator.get_state(), self.collector.carried_arrays()
 
 
 class OffPolicy(Synchronous):
@@ -166,8 +165,7 @@ class OffPolicy(Synchronous):
     self._adv_state = None
 
   def _collect(self, state, params, version, for_step, on_dispatch=None):
-    slots = self.collector.slots
-    before = (self.iterator.get_state(), slots.arrays() if slots else None)
+    before = (self.iterator.get_state(), self.collector.carried_arrays())
     adv_state = (state.adv_state if self._adv_state is None
                  else self._adv_state)
     # The batch trained now is drawn with the synchronous key (so that a

@@ -44,15 +44,15 @@ class Turns(NamedTuple):
   steps: jax.Array         # [] int32, decode steps run so far
 
 
-def start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, key, row_N,
-          *, mc, sc, obs_width):
+def start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, keys_Nx2,
+          row_N, *, mc, sc, obs_width):
   """Each row's prompt in its own cache row; every row live.
 
   The ``U`` prompts are distinct ones, each prefilled once; row ``n``'s is
   prompt ``source_N[n]``, whose keys, values and first-token logits it
   copies (a group's ``G`` rows cost one prompt forward). ``row_N``: the
-  episode row each cache row plays (its draws are that row's:
-  ``row_keys``)."""
+  episode row each cache row plays; ``keys_Nx2``: that row's key data (its
+  draws: ``row_keys``; a carried episode keeps the key it started with)."""
   p = prompt_tokens_UxP.shape[1]
   n = source_N.shape[0]
   t = sc.max_new_tokens
@@ -80,20 +80,19 @@ def start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, key, row_N,
       column=jnp.zeros((n,), jnp.int32),
       position=jnp.sum(mask.astype(jnp.int32), -1),
       turn_start=jnp.zeros((n,), jnp.int32),
-      keys=jax.vmap(jax.random.fold_in, (None, 0))(
-          key, row_N.astype(jnp.uint32)),
+      keys=jax.random.wrap_key_data(keys_Nx2),
       live=~false, ended_turn=false, done=false, finished=false,
       row=row_N.astype(jnp.int32), steps=jnp.zeros((), jnp.int32))
 
 
 def refill(params, state: Turns, refill_N, prompt_tokens_UxP,
-           prompt_mask_UxP, source_N, key, row_N, *, mc, sc, obs_width
+           prompt_mask_UxP, source_N, keys_Nx2, row_N, *, mc, sc, obs_width
            ) -> Turns:
   """The slots in ``refill_N`` start the episodes ``row_N``, slot ``n``
   with prompt ``source_N[n]`` of the ``U`` given (``start``; every buffer
   reset); the other slots are unchanged. One program per ``U``."""
-  fresh = start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, key,
-                row_N, mc=mc, sc=sc, obs_width=obs_width)
+  fresh = start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N,
+                keys_Nx2, row_N, mc=mc, sc=sc, obs_width=obs_width)
 
   def pick(new, old):
     if new is None or new.ndim == 0:
@@ -104,6 +103,46 @@ def refill(params, state: Turns, refill_N, prompt_tokens_UxP,
           where[:, None], jax.random.key_data(new), jax.random.key_data(old)))
     return jnp.where(where, new, old)
   return jax.tree.map(pick, fresh, state, is_leaf=lambda x: x is None)
+
+
+def restore(params, state: Turns, restore_N, tokens_NxT, mask_NxT,
+            observed_NxT, sampler_logp_NxT, policy_logp_NxT, turn_start_N, *,
+            mc: ModelConfig, sc: SamplerConfig, prompt_width: int) -> Turns:
+  """Rows just started (``start``) go on with a carried episode's history
+  (``restore_N``; ``rljax/rollout/episode_carry.py``): its completion
+  buffers are written back and its tokens, model and observation alike,
+  are prefilled after the prompt in one forward under these params (never
+  re-sampled), so the row decodes on from its last token. A history is
+  contiguous: its column is its count of real tokens. The other rows are
+  unchanged (they are fresh: nothing after their prompt is attended to)."""
+  model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
+  n, t = state.tokens.shape
+  mask_NxT = mask_NxT & restore_N[:, None]
+  column = jnp.sum(mask_NxT.astype(jnp.int32), -1)
+  cache = state.cache._replace(index=jnp.full((n,), prompt_width, jnp.int32))
+  hidden, cache = model.apply(
+      {"params": params}, tokens_NxT,
+      state.position[:, None] + jnp.arange(t), cache, input_mask_BxT=mask_NxT)
+  last = jnp.take_along_axis(hidden, jnp.maximum(column - 1, 0)[:, None, None],
+                             1)
+  logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
+  has = column > 0
+  rows = restore_N[:, None]
+
+  def put(new, old):
+    return jnp.where(rows, new.astype(old.dtype), old)
+
+  return state._replace(
+      cache=cache._replace(index=prompt_width + column),
+      logits=jnp.where(has[:, None], logits, state.logits),
+      tokens=put(tokens_NxT, state.tokens), mask=put(mask_NxT, state.mask),
+      observed=put(observed_NxT & mask_NxT, state.observed),
+      sampler_logp=put(sampler_logp_NxT, state.sampler_logp),
+      policy_logp=(None if state.policy_logp is None
+                   else put(policy_logp_NxT, state.policy_logp)),
+      column=jnp.where(restore_N, column, state.column),
+      position=state.position + column,
+      turn_start=jnp.where(restore_N, turn_start_N, state.turn_start))
 
 
 def turn_ended(tokens_NxT, column_N, token_N, turn_start_N, eos_V,

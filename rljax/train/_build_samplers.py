@@ -16,6 +16,7 @@ import jax
 
 from rljax import rollout as rollout_lib
 from rljax import sampling
+from rljax.rollout import episode_carry
 from rljax.rollout import partial as partial_lib
 from rljax.train._build_inputs import eos_ids
 from rljax.sampling import paged as paged_lib
@@ -81,7 +82,11 @@ class Samplers:
         slots=None if partial is None else partial.slots,
         refill_rows=1 if partial is None else partial.refill_rows,
         group=self.group, drafts=drafts,
-        log_lenience=float(self.config.sampler.spec_log_lenience))
+        log_lenience=float(self.config.sampler.spec_log_lenience),
+        carry=(episode_carry.EpisodeCarry(partial.slots, partial.max_age,
+                                          partial.max_carried)
+               if partial is not None and partial.mode == "partial"
+               else None))
 
   @property
   def split(self) -> bool:

@@ -72,12 +72,6 @@ RULES: tuple[Rule, ...] = (
          "slots refill as rows end, so there is no batch to shrink",
          "sampler.shrink_batch_to=None, or rl.rollout='static'",
          "meaningless"),
-    Rule("episodes-partial", ("rl.rollout", "env.name"),
-         lambda c, p: bool(c.env.name) and c.rl.rollout == "partial",
-         "episodes play on slots (rl.rollout='continuous') but are not "
-         "carried to the next step: an unfinished episode's environment "
-         "state is not kept", "rl.rollout='continuous' or 'static'",
-         "missing"),
     Rule("allocation-with-partial", (_ALLOCATION, "rl.rollout"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and c.rl.rollout == "partial"),

@@ -110,9 +110,8 @@ class Session:
     partial rows. ``extras``: ``(data position, carried rows)`` to save
     instead of the current ones (``schedules.Schedule.checkpoint_extras``)."""
     t = time.time()
-    slots = self.collector.slots
     data_state, carried = extras or (self.iterator.get_state(),
-                                     slots.arrays() if slots else None)
+                                     self.collector.carried_arrays())
     c = self.c
     tree = {"state": state}
     meta = {"data_iterator": data_state, "before": self.before,
@@ -355,12 +354,11 @@ def initial_state(run: Session) -> tuple[TrainState, Any]:
     run.collector.replay.load_arrays(extras["replay"])
   if extras["allocation"] is not None:  # sGPO's profile and curriculum
     run.collector.allocation.load_arrays(extras["allocation"])
-  carried = extras["partial"]
-  if run.collector.slots is not None and carried is not None:
-    run.collector.slots.load_arrays(carried)
-  elif carried is not None and "prompts" in carried:
-    log.warning("the checkpoint carries %d partial groups, dropped: "
-                "rl.rollout is not 'partial' now.", len(carried["born"]))
+  lost = (None if extras["partial"] is None
+           else run.collector.load_carried(extras["partial"]))
+  if lost:
+    log.warning("the checkpoint carries %s, dropped: rl.rollout is not "
+                "'partial' now, or env.name changed.", lost)
   run.before = meta.get("before", {})
   run.kl_coef = meta.get("kl_coef")
   dropped = rundir.trim_metrics(run.metrics_path, resumed) if primary else 0
