@@ -300,17 +300,21 @@ CASES = {
     # Calculator episodes on 8 slots (a slot plays any process's episode),
     # each process stepping its own (in-process: with workers the decode
     # rounds, and so the slot figures, follow when the steps end; the kill
-    # test runs workers); held-out episodes.
-    "calculator-slots": ({"eval.every": 2, "env.num_workers": 0,
-                          "rl.rollout": "continuous", "rl.rollout_slots": 8,
-                          "rewards.names": ("env",
-                                            "tests.reward_fixtures:parity"),
-                          "rewards.weights": (1.0, 0.5)},
-                         "configs/calculator_grpo.py",
-                         lambda rl: all(r["env/turns/mean"] > 1
-                                        and r["env/failed_episodes"] == 0
-                                        and r["rollout/slots"] == 8
-                                        for r in rl)),
+    # test runs workers), as partial rollouts: an episode unfinished at a
+    # step's end is carried with its environment state, which any process
+    # can step next; held-out episodes.
+    "calculator-partial": ({"eval.every": 2, "env.num_workers": 0,
+                            "rl.rollout": "partial", "rl.rollout_slots": 8,
+                            "rl.partial_max_carried": 1.0,
+                            "rewards.names": ("env",
+                                              "tests.reward_fixtures:parity"),
+                            "rewards.weights": (1.0, 0.5)},
+                           "configs/calculator_grpo.py",
+                           lambda rl: all(r["env/turns/mean"] > 1
+                                          and r["env/failed_episodes"] == 0
+                                          and r["rollout/slots"] == 8
+                                          for r in rl)
+                           and rl[0]["rollout/carried_groups"] > 0),
     # The static batch on a paged KV cache, LoRA adapters on a frozen
     # base, PPO's critic (GAE), VIGOR's rounds
     # refilled by DAPO's dynamic sampling (passes of new prompts while

@@ -131,16 +131,18 @@ class Held:
 
   def finish(self, carry: "EpisodeCarry", sampler: Any, out: Any, ep: Any,
              states: list[Any], prompts: list[str],
-             rows_local: list[dict[str, Any]], version: int,
-             target: int) -> np.ndarray:
+             rows_local: list[dict[str, Any]], order: list[tuple[int, int]],
+             version: int, target: int) -> np.ndarray:
     """After a partial run: the first ``target`` groups that ended (the
     carried ones first, oldest first) are trained, the others are carried
-    (``carry.keep``). Sets ``trained_examples`` and ``trained_versions``;
-    returns the trained groups' indices."""
+    (``carry.keep``). ``rows_local``: this process's new examples;
+    ``order``: the run's new groups as ``(process block, example index)``.
+    Sets ``trained_examples`` and ``trained_versions``; returns the trained
+    groups' indices."""
     g = sampler.config.num_samples
     k_old = len(self.old)
-    new = [x for part in sampler.group.gather_blocks(rows_local, sampler.mesh)
-           for x in part]
+    parts = sampler.group.gather_blocks(rows_local, sampler.mesh)
+    new = [parts[q][i] for q, i in order]
     examples = [gr.example for gr in self.old] + new
     cols = np.arange(self.t)[None]
     fresh = out.mask & (cols >= self.start_col[:, None])
@@ -175,8 +177,7 @@ class Held:
       rows["keys"] = keys[at].copy()
       groups.append(CarriedGroup(
           example=examples[i], prompt=prompts[i],
-          owner=(before.owner if before is not None
-                 else (i - k_old) // max(len(rows_local), 1)),
+          owner=before.owner if before is not None else order[i - k_old][0],
           born=born, rows=rows, states=list(states[at]),
           spans=[list(x) for x in ep.spans[at]],
           rewards_at=[list(x) for x in ep.rewards_at[at]]))

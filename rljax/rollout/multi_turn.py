@@ -266,32 +266,40 @@ class MultiTurnSampler(env_steps.EnvSteps):
     b_local = len(examples[names[0]])
     block, blocks = self.group.block(self.mesh)
     target = b_local * blocks if carry is not None else None
+    sizes = [b_local]  # this process's examples of each batch
     while (more is not None and target is not None
-           and len(old) + b_local * blocks < target + carry.max_carried):
+           and len(old) + sum(sizes) * blocks < target + carry.max_carried):
       extra = more()
       examples = {k: list(examples[k]) + list(extra[k]) for k in names}
-      b_local = len(examples[names[0]])
+      sizes.append(len(extra[names[0]]))
+    b_local = len(examples[names[0]])
     rows = [{k: examples[k][i] for k in names} for i in range(b_local)]
-    b = b_local * blocks  # every process's examples (one: these)
+    # Every process's examples, batch by batch and within a batch block by
+    # block (one process: these): (process block, its example index).
+    placed = [(q, sum(sizes[:k]) + i) for k, size in enumerate(sizes)
+              for q in range(blocks) for i in range(size)]
+    b = len(placed)
     n = n0 + b * g
     # The episode rows this process plays (its environments and states).
-    own_new = range(n0 + block * b_local * g, n0 + (block + 1) * b_local * g)
-    self._own = set(own_new) | {i * g + j for i, gr in enumerate(old)
-                                if gr.owner == block for j in range(g)}
+    group_of = {i: u for u, (q, i) in enumerate(placed) if q == block}
+    self._own = {n0 + u * g + j for u in group_of.values()
+                 for j in range(g)} | {i * g + j for i, gr in enumerate(old)
+                                       if gr.owner == block for j in range(g)}
     ep = EpisodeLog(n)
     resets = ep.timed(lambda: self.runner.reset(rows))
     states = [None] * n
     for i, outcome in enumerate(resets):
       if outcome.status == "ok":
-        for r in range(i * g, (i + 1) * g):
-          states[own_new[r]] = _state_copy(outcome.value["state"])
+        for j in range(g):
+          states[n0 + group_of[i] * g + j] = _state_copy(
+              outcome.value["state"])
     # Every example's prompt (a failed reset's: the example's own stands in,
     # and its rows end at once), gathered from the processes' blocks.
     shared = [(o.status, o.value["prompt"] if o.status == "ok"
                else str(row.get("prompt", "")) or " ", o.message)
               for o, row in zip(resets, rows)]
-    shared = [x for part in self.group.gather_blocks(shared, self.mesh)
-              for x in part]
+    parts = self.group.gather_blocks(shared, self.mesh)
+    shared = [parts[q][i] for q, i in placed]
     prompts = [gr.prompt for gr in old] + [x for _, x, _ in shared]
     for i, (status, _, message) in enumerate(shared):
       if status != "ok":
@@ -424,7 +432,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
         out.retire(state, slot_row >= 0, slot_row, self._host)
         trained = (np.arange(n // g) if carry is None
                    else held.finish(carry, self, out, ep, states, prompts,
-                                    rows, version, target))
+                                    rows, placed, version, target))
         if spec is not None:
           spec.store((out.tokens, out.mask, out.sampler_logp, out.observed),
                      trained)
