@@ -178,3 +178,66 @@ def test_the_carry_caps_by_age_count_and_slots_on_both_sides():
   carry = episode_carry.EpisodeCarry(slots=4, max_age=9, max_carried=5)
   carry.keep([group(1, 3), group(2, 1), group(3, 1)], 5)  # 3 + 1 = 4 slots
   assert [gr.born for gr in carry.groups] == [1, 2] and carry.dropped == 1
+
+
+def test_failing_environments_end_their_episodes_and_the_steps_go_on(params):
+  """Partial steps over an environment that kills its worker, hangs past
+  the timeout (a step the carry waits for) or refuses a reset: each such
+  episode ends as failed, counted in the metrics, wherever it stops; the
+  other episodes train."""
+  runner = envs.EnvRunner(env_fixtures.Misbehaves(), num_workers=1,
+                          timeout_s=1.0)
+  carry = episode_carry.EpisodeCarry(slots=4, max_age=10, max_carried=2)
+  sampler = _sampler(runner, carry)
+  bad = ["exit", "nan_reward", "hang", "bad_reset"]
+  runs = []
+  try:
+    for i in range(4):
+      examples = {"prompt": bad[:2]} if i == 0 else {"prompt": ["k", "lm"]}
+      runs.append(jax.device_get(sampler.run(
+          params, examples, jax.random.key(i), version=i,
+          more=(lambda: {"prompt": bad[2:]}) if i == 0 else None)))
+  finally:
+    runner.close()
+  seen = set()
+  t = SC.max_new_tokens
+  for run in runs:
+    prompts = [ex["prompt"] for ex in run.examples]
+    bad_rows = np.repeat([p in bad for p in prompts], G)
+    # A row of a bad prompt fails, unless its one turn ran to the budget
+    # (then no step was asked of the environment).
+    budget = np.array([bool(spans) and spans[-1][1] == t
+                       for spans in run.turn_tokens])
+    np.testing.assert_array_equal(run.failed, bad_rows & ~budget)
+    assert np.isnan(run.env_reward[run.failed]).all()
+    assert np.isfinite(run.env_reward[~run.failed]).all()
+    assert run.metrics["env/failed_episodes"] == run.failed.sum()
+    seen |= {p for i, p in enumerate(prompts)
+             if run.failed[i * G:(i + 1) * G].any()}
+  # A killed worker, a hang and a failed reset each failed an episode (the
+  # NaN prompt's rows run to the budget here: no step asked).
+  assert seen >= {"exit", "hang", "bad_reset"}
+  assert sum(r.metrics["env/timeouts"] for r in runs) >= 1
+  assert sum(r.metrics["env/worker_restarts"] for r in runs) >= 1
+
+
+def test_a_nan_turn_reward_fails_its_episode_carried_or_not(params):
+  runner = envs.EnvRunner(env_fixtures.Graded((1.0, float("nan"), 2.0)),
+                          num_workers=0)
+  carry = episode_carry.EpisodeCarry(slots=4, max_age=10, max_carried=2)
+  try:
+    runs = _steps(params, _sampler(runner, carry), 4)
+  finally:
+    runner.close()
+  failed_carried = 0
+  for k, run in enumerate(runs):
+    assert run.metrics["env/failed_episodes"] == run.failed.sum()
+    assert np.isnan(run.env_reward[run.failed]).all()
+    np.testing.assert_array_equal(run.rollout.turn_rewards[run.failed], 0)
+    # The others had one step at most (reward 1) or none (0).
+    assert set(run.env_reward[~run.failed]) <= {0.0, 1.0}
+    for i, ex in enumerate(run.examples):
+      if k and ex["prompt"] in FIRST["prompt"] + MORE["prompt"]:
+        failed_carried += int(run.failed[i * G:(i + 1) * G].sum())
+  assert sum(r.failed.sum() for r in runs) > 0
+  assert failed_carried > 0  # a carried episode failed after its carry
