@@ -49,6 +49,9 @@ COMMON = {
     # different configs) train packed.
     "rl.padding_free": False,
 }
+# The feature cases build one decoder block (half the programs to compile;
+# stacking blocks is the default case's and the model tests' to check).
+ONE_BLOCK = {"model.overrides.num_layers": 1}
 # Wall-clock figures differ between any two runs.
 _CLOCKS = ("time/", "tokens_per_s/", "reward/eval_seconds")
 
@@ -123,8 +126,8 @@ def rows(workdir):
 
 def assert_same_metrics(got_rows, want_rows):
   """Every figure but the clocks equal to 1e-6 (relative, or absolute for
-  figures that are themselves rounding noise, e.g. sampler/trainer logprob
-  mismatches of ~1e-7)."""
+  figures that are themselves rounding noise; 1e-5 for the sampler/trainer
+  logprob mismatches, differences of two fp32 logprobs)."""
   assert [r["step"] for r in got_rows] == [r["step"] for r in want_rows]
   for got, want in zip(got_rows, want_rows):
     keys = {k for k in set(got) | set(want) if not k.startswith(_CLOCKS)}
@@ -134,7 +137,10 @@ def assert_same_metrics(got_rows, want_rows):
       if isinstance(b, float) and math.isnan(b):
         assert math.isnan(a), (got["step"], k, a, b)
       else:
-        assert np.isclose(a, b, rtol=1e-6, atol=1e-6), (got["step"], k, a, b)
+        # A sampler/trainer logprob mismatch is a difference of two fp32
+        # logprobs, each computed in the process layout's order.
+        atol = 1e-5 if k.startswith("mismatch/") else 1e-6
+        assert np.isclose(a, b, rtol=1e-6, atol=atol), (got["step"], k, a, b)
 
 
 def assert_same_params(workdir_a, workdir_b):
@@ -361,7 +367,7 @@ def test_features_on_two_processes_match_one(case, two_runs, tmp_path,
   if callable(overrides):
     overrides = overrides(tmp_path, two_runs)
   overrides = {"rl.num_steps": 2, "sft.num_steps": 0, "eval.every": 0,
-               "checkpoint.every": 100, **overrides}
+               "checkpoint.every": 100, **ONE_BLOCK, **overrides}
   trackers = "mlflow" in overrides.get("metrics.writers", ())
   if trackers:  # no network: W&B offline, MLflow's store in the run
     pytest.importorskip("wandb")
