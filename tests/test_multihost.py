@@ -49,8 +49,9 @@ COMMON = {
     # different configs) train packed.
     "rl.padding_free": False,
 }
-# The feature cases build one decoder block (half the programs to compile;
-# stacking blocks is the default case's and the model tests' to check).
+# The feature and kill cases build one decoder block (half the programs to
+# compile; stacking blocks is the default case's and the model tests' to
+# check).
 ONE_BLOCK = {"model.overrides.num_layers": 1}
 # Wall-clock figures differ between any two runs.
 _CLOCKS = ("time/", "tokens_per_s/", "reward/eval_seconds")
@@ -466,7 +467,7 @@ def test_a_killed_process_stops_the_other_and_the_run_resumes(case, tmp_path,
   resumed one) and the params."""
   extra, config_file = KILLED[case]
   overrides = {"rl.num_steps": 4, "sft.num_steps": 0, "eval.every": 0,
-               "checkpoint.every": 2, **extra}
+               "checkpoint.every": 2, **ONE_BLOCK, **extra}
   want = one_process_run(tmp_path / "one", overrides, config_file)
   workdir = str(tmp_path / "two")
   args = flags_for(overrides, workdir, config_file)
