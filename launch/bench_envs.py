@@ -27,11 +27,13 @@ two schedules, for each of ``--seeds`` seeds:
   * ``sync_static``: the static batch, turn by turn, synchronous
     (``rl.rollout=static``, ``rl.max_staleness=0``): the demo as the README
     gives it;
-  * ``async_continuous``: episodes on continuous slots (the default
-    ``rl.rollout_slots``, ``N / 2``), sampled one update ahead
+  * ``async_continuous``: episodes on continuous slots (``--slots``; None:
+    the default ``rl.rollout_slots``, ``N / 2``), sampled one update ahead
     (``rl.rollout=continuous``, ``rl.max_staleness=1``; ``--step_rows``
-    sets ``env.step_rows``): the environments' latency overlaps the update
-    (and, in rounds, the other slots' decoding).
+    sets ``env.step_rows``): the update is dispatched once the first turns'
+    decode is, so it runs while the host waits for the first environment
+    steps; the slots' episodes go on turn by turn each, the environments'
+    latency overlapping the other slots' decoding.
 
 It prints the episodes per second of the RL steps (after the first
 ``--warmup_steps``, which compile; the last step, which samples nothing
@@ -84,6 +86,8 @@ _WORKERS = flags.DEFINE_integer("workers", None, "environment processes "
 _STEP_ROWS = flags.DEFINE_integer("step_rows", None, "rows per round (None: "
                                   "16 for rounds; for schedules, "
                                   "async_continuous's env.step_rows)")
+_SLOTS = flags.DEFINE_integer("slots", None, "schedules: async_continuous's "
+                              "rl.rollout_slots (None: the config's, N / 2)")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs (best of)")
 _RECORD = flags.DEFINE_string("record_dir", "benchmarks/results",
                               "where the JSON record goes ('' for none)")
@@ -119,6 +123,8 @@ def calculator_config(schedule: str, seed: int, workers: int, step_rows: int,
     c[section][name] = value
   if schedule != "sync_static" and step_rows:
     c.env.step_rows = step_rows
+  if schedule != "sync_static" and _SLOTS.value:
+    c.rl.rollout_slots = _SLOTS.value
   if _RL_STEPS.value is not None:
     c.rl.num_steps = _RL_STEPS.value
     c.eval.every = c.checkpoint.every = _RL_STEPS.value
@@ -184,6 +190,7 @@ def schedules_main():
     print("record:", benchlib.write_record(
         "bench_envs_schedules", figures, _RECORD.value,
         {"seeds": _SEEDS.value, "delay_ms": _DELAY.value, "workers": workers,
+         "slots": _SLOTS.value,
          "step_rows": step_rows, "rl_steps": _RL_STEPS.value,
          "sft_steps": _SFT_STEPS.value, "warmup_steps": _WARMUP.value,
          "eval_examples": _EVAL.value}))

@@ -131,20 +131,23 @@ class _Stop(Exception):
   pass
 
 
-def test_async_episodes_dispatch_the_update_first_and_decode_a_copy(params):
-  """Under an asynchronous schedule on one mesh, the collector calls
-  ``on_dispatch`` (which dispatches the update, donating the params) before
-  the episodes start, and the episodes decode with a copy: equal values,
-  other buffers."""
+def test_async_episodes_decode_a_copy_and_hand_the_run_the_dispatch(params):
+  """Under an asynchronous schedule on one mesh, the episodes decode with a
+  copy of the params (the update donates them: equal values, other
+  buffers), and the collector hands ``on_dispatch`` (which dispatches the
+  update) to the episodes' run, which calls it once their first decode is
+  dispatched (the next test)."""
   from rljax import rollout, rewards  # pylint: disable=import-outside-toplevel
   events = []
 
   class Episodes:
-    def run(self, p, examples, key, **_):
+    def run(self, p, examples, key, *, on_dispatch=None, **_):
       same = jax.tree.leaves(jax.tree.map(lambda a, b: a is b, p, params))
       events.append("episodes on " + (
           "the params" if all(same) else "a copy" if not any(same) else "?"))
       jax.tree.map(np.testing.assert_array_equal, p, params)
+      if on_dispatch is not None:
+        on_dispatch()
       raise _Stop
 
   class Postprocess:
@@ -159,11 +162,42 @@ def test_async_episodes_dispatch_the_update_first_and_decode_a_copy(params):
   with pytest.raises(_Stop):
     collector.collect(params, EXAMPLES, jax.random.key(0), None,
                       on_dispatch=lambda: events.append("update"))
-  assert events == ["update", "episodes on a copy"]
+  assert events == ["episodes on a copy", "update"]
   events.clear()
   with pytest.raises(_Stop):  # synchronous: no update to overlap
     collector.collect(params, EXAMPLES, jax.random.key(0), None)
   assert events == ["episodes on the params"]
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+def test_the_update_is_dispatched_after_the_first_decode(params, static,
+                                                         slots):
+  """``run(on_dispatch=...)``: called once, right after the first decode is
+  dispatched (on one device the update then runs while the host waits for
+  the first environment steps), on the static batch and on slots; the
+  episodes are those of a run without it."""
+  events = []
+  runner = envs.EnvRunner(env_fixtures.Graded((1.0, -0.25, 2.0)),
+                          num_workers=0)
+  try:
+    sampler = mt.MultiTurnSampler(MC, SC, TURNS, runner, TOK, (8, 16),
+                                  slots=slots)
+    decode = sampler._decode  # pylint: disable=protected-access
+
+    def traced(*args, **kw):
+      events.append("decode")
+      return decode(*args, **kw)
+
+    sampler._decode = traced  # pylint: disable=protected-access
+    got = jax.device_get(sampler.run(
+        params, EXAMPLES, jax.random.key(3),
+        on_dispatch=lambda: events.append("update")))
+  finally:
+    runner.close()
+  assert events[:2] == ["decode", "update"] and events.count("update") == 1
+  assert events.count("decode") > 1
+  np.testing.assert_array_equal(got.rollout.completion_tokens,
+                                static.rollout.completion_tokens)
 
 
 @pytest.mark.parametrize("slots,step_rows", [(4, None), (None, 2)])

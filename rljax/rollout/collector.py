@@ -385,18 +385,18 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
     env_reward = None
     scored_examples = examples
     if self.episodes is not None:
-      if on_dispatch is not None:
+      if on_dispatch is not None and self.sample_mesh is None:
         # The update runs while the episodes play out: on a split mesh the
         # sampler's params are a copy on its own devices; on one mesh the
         # update donates the params, so the episodes decode with a copy
-        # (one more set of params while they play). Their environments'
-        # latency overlaps the update, not only the other rows' decoding.
-        if self.sample_mesh is None:
-          params = jax.tree.map(jnp.copy, params)
-        on_dispatch()
-        on_dispatch = None
+        # (one more set of params while they play). The update is
+        # dispatched once the first turns' decode is: on the same devices
+        # it runs while the host waits for the first environment steps.
+        params = jax.tree.map(jnp.copy, params)
       episodes = (sampler or self.episodes).run(
-          params, examples, key, version=version, more=more_examples)
+          params, examples, key, version=version, more=more_examples,
+          on_dispatch=on_dispatch)
+      on_dispatch = None
       rollout, spec_metrics = episodes.rollout, episodes.metrics
       if episodes.examples is not None:  # partial: the trained groups'
         examples = self.block({k: [x[k] for x in episodes.examples]

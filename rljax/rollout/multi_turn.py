@@ -230,8 +230,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
             else contextlib.nullcontext())
 
   def run(self, params: Any, examples: Mapping[str, Sequence[Any]],
-          key: jax.Array, *, version: int = 0, more: Any = None
-          ) -> Episodes:
+          key: jax.Array, *, version: int = 0, more: Any = None,
+          on_dispatch: Any = None) -> Episodes:
     """Runs ``G`` episodes of each of the ``B`` examples.
 
     Rounds: a decode (until every live row has ended its turn, or until
@@ -258,6 +258,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
         token's version, ``Episodes.token_versions``).
       more: ``fn() -> examples``, another batch of this process's examples
         (partial rollouts over-provision: ``B + max_carried`` groups).
+      on_dispatch: called once the first turns' decode is dispatched
+        (asynchronous sampling dispatches the update there: on the same
+        devices it runs after that decode, while the host waits for the
+        first environment steps, not before every turn).
     """
     g, carry = self.config.num_samples, self.carry
     old = carry.groups if carry is not None else []
@@ -371,6 +375,9 @@ class MultiTurnSampler(env_steps.EnvSteps):
           state, size = self._decode_shrinking(
               params, state, _mask(m, taken), min_waiting, decoding, levels,
               p)
+        if on_dispatch is not None:
+          on_dispatch()
+          on_dispatch = None
         resumed = np.zeros(m, bool)
         if len(taken):  # overlaps the decode just dispatched
           self._submit(taken, slot_row, taken_turns, states, calls, ep)
@@ -408,6 +415,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
         if target is not None and held.complete(g) >= target:
           stopped_early = True
           break
+      if on_dispatch is not None:  # nothing decoded (every reset failed)
+        on_dispatch()
       if out is None:
         if self.group.single:
           tokens_NxP, mask_NxP = jnp.asarray(tokens_NxP), jnp.asarray(mask_NxP)
