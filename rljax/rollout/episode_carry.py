@@ -100,9 +100,9 @@ class Held:
     self.trained_versions: np.ndarray | None = None
     self.generated = 0  # model tokens drawn in this run (finish)
 
-  def complete(self, g: int) -> int:
-    """Groups every episode of which is over."""
-    return int(self.over.reshape(-1, g).all(1).sum())
+  def ended(self, g: int) -> np.ndarray:
+    """The groups every episode of which is over, in row order."""
+    return np.flatnonzero(self.over.reshape(-1, g).all(1))
 
   def fill(self, out: Any) -> None:
     """The carried rows' buffers into ``out`` (``episodes.SlotOutputs``):
@@ -129,33 +129,31 @@ class Held:
             pick("policy_logp") if "policy_logp" in r else zeros,
             pick("turn_start"))
 
-  def finish(self, carry: "EpisodeCarry", sampler: Any, out: Any, ep: Any,
+  def finish(self, carry: "EpisodeCarry", out: Any, ep: Any,
              states: list[Any], prompts: list[str],
-             rows_local: list[dict[str, Any]], order: list[tuple[int, int]],
-             version: int, target: int) -> np.ndarray:
+             new: list[tuple[int, dict[str, Any]]], own: set[int],
+             group: Any, version: int, target: int) -> np.ndarray:
     """After a partial run: the first ``target`` groups that ended (the
     carried ones first, oldest first) are trained, the others are carried
-    (``carry.keep``). ``rows_local``: this process's new examples;
-    ``order``: the run's new groups as ``(process block, example index)``.
-    Sets ``trained_examples`` and ``trained_versions``; returns the trained
+    (``carry.keep``). ``new``: the run's new groups as ``(process block
+    that plays it, example)``; ``own``: the rows this process stepped;
+    ``group``: the processes (``distributed.ProcessGroup``). Sets
+    ``trained_examples`` and ``trained_versions``; returns the trained
     groups' indices."""
-    g = sampler.config.num_samples
+    g = len(states) // len(prompts)
     k_old = len(self.old)
-    parts = sampler.group.gather_blocks(rows_local, sampler.mesh)
-    new = [parts[q][i] for q, i in order]
-    examples = [gr.example for gr in self.old] + new
+    examples = [gr.example for gr in self.old] + [x for _, x in new]
     cols = np.arange(self.t)[None]
     fresh = out.mask & (cols >= self.start_col[:, None])
     self.generated = int((fresh & ~out.observed).sum())
     versions = np.where(out.mask, np.where(fresh, version, self.versions), -1)
-    complete = np.flatnonzero(self.over.reshape(-1, g).all(1))
-    trained = complete[:target]
+    trained = self.ended(g)[:target]
     rest = np.setdiff1d(np.arange(len(examples)), trained)
     # Every process's unfinished episodes' states, from the process that
     # stepped them (so any process can go on with them).
     mine = {str(r): states[r] for i in rest for r in range(i * g, (i + 1) * g)
-            if r in sampler._own}  # pylint: disable=protected-access
-    for part in sampler.group.gather_json(mine):
+            if r in own}
+    for part in group.gather_json(mine):
       for r, state in part.items():
         states[int(r)] = state
     fields = {"tokens": out.tokens, "mask": out.mask, "observed": out.observed,
@@ -177,7 +175,7 @@ class Held:
       rows["keys"] = keys[at].copy()
       groups.append(CarriedGroup(
           example=examples[i], prompt=prompts[i],
-          owner=before.owner if before is not None else order[i - k_old][0],
+          owner=before.owner if before is not None else new[i - k_old][0],
           born=born, rows=rows, states=list(states[at]),
           spans=[list(x) for x in ep.spans[at]],
           rewards_at=[list(x) for x in ep.rewards_at[at]]))

@@ -299,13 +299,15 @@ class MultiTurnSampler(env_steps.EnvSteps):
               outcome.value["state"])
     # Every example's prompt (a failed reset's: the example's own stands in,
     # and its rows end at once), gathered from the processes' blocks.
+    # Partial rollouts carry examples: every process's, gathered with them.
     shared = [(o.status, o.value["prompt"] if o.status == "ok"
-               else str(row.get("prompt", "")) or " ", o.message)
+               else str(row.get("prompt", "")) or " ", o.message,
+               row if carry is not None else None)
               for o, row in zip(resets, rows)]
     parts = self.group.gather_blocks(shared, self.mesh)
     shared = [parts[q][i] for q, i in placed]
-    prompts = [gr.prompt for gr in old] + [x for _, x, _ in shared]
-    for i, (status, _, message) in enumerate(shared):
+    prompts = [gr.prompt for gr in old] + [x for _, x, _, _ in shared]
+    for i, (status, _, message, _) in enumerate(shared):
       if status != "ok":
         for r in range(n0 + i * g, n0 + (i + 1) * g):
           ep.fail(r, EnvOutcome(status, None, message))
@@ -412,7 +414,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
           state, decoding = self._turnover(
               params, state, out, slot_row, queue, done & ~decoding,
               decoding, tokens_NxP, mask_NxP, keys_N, ep, spec, p, held)
-        if target is not None and held.complete(g) >= target:
+        if target is not None and len(held.ended(g)) >= target:
           stopped_early = True
           break
       if on_dispatch is not None:  # nothing decoded (every reset failed)
@@ -440,8 +442,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
             state.turn_start))[slot_row >= 0]
         out.retire(state, slot_row >= 0, slot_row, self._host)
         trained = (np.arange(n // g) if carry is None
-                   else held.finish(carry, self, out, ep, states, prompts,
-                                    rows, placed, version, target))
+                   else held.finish(
+                       carry, out, ep, states, prompts,
+                       [(q, x[3]) for (q, _), x in zip(placed, shared)],
+                       self._own, self.group, version, target))
         if spec is not None:
           spec.store((out.tokens, out.mask, out.sampler_logp, out.observed),
                      trained)
