@@ -255,19 +255,25 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
           env_column=self._env_column, episodes=self.episodes is not None)
     return self._jitted[has_old_logprobs]
 
+  @property
+  def _episode_carry(self):
+    """Partial rollouts' carried episodes (``episode_carry.EpisodeCarry``),
+    or None."""
+    return None if self.episodes is None else self.episodes.carry
+
   def carried_arrays(self) -> dict[str, Any] | None:
     """What the slots carry to the next step (partial rollouts' groups, or
     with an environment their episodes), as host arrays: a checkpoint's
     ``partial`` item; None without slots."""
     if self.slots is not None:
       return self.slots.arrays()
-    carry = None if self.episodes is None else self.episodes.carry
+    carry = self._episode_carry
     return None if carry is None else carry.arrays()
 
   def load_carried(self, arrays: Mapping[str, Any]) -> str | None:
     """Restores ``carried_arrays``' record; returns what was dropped (the
     run no longer carries that kind), or None."""
-    carry = None if self.episodes is None else self.episodes.carry
+    carry = self._episode_carry
     if carry is not None and "episodes_dropped" in arrays:
       sc = self.episodes.config
       carry.load_arrays(arrays, group_size=sc.num_samples,

@@ -124,7 +124,7 @@ class Held:
     restore = (slot_row >= 0) & self.history[np.maximum(slot_row, 0)]
     pick = lambda name: r[name][at]  # noqa: E731
     zeros = np.zeros((m, t), np.float32)
-    return (restore, pick("tokens"), pick("mask") & restore[:, None],
+    return (restore, pick("tokens"), pick("mask"),  # restore masks it
             pick("observed"), pick("sampler_logp"),
             pick("policy_logp") if "policy_logp" in r else zeros,
             pick("turn_start"))
