@@ -19,7 +19,13 @@ It prints, in one run:
 * the rows that pool cut (none, when the peak held) and the seconds per
   rollout of each (median after a compile) and their ratio.
 
-  python -m launch.bench_paged --record_dir=benchmarks/results
+With ``--slots=M`` it also runs the same batches on ``M`` continuous-batching
+slots (``rl.rollout="continuous"``), on a dense cache of ``P + T`` slots per
+slot and on a paged one (``rljax/sampling/slot_pages.py``): the same tokens,
+the paged slots' peak against the dense slots' cache and the static dense
+batch's, compiled temporaries and seconds.
+
+  python -m launch.bench_paged --slots=16 --record_dir=benchmarks/results
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ _BLOCK = flags.DEFINE_integer("block_size", 16, "slots per block")
 _STEPS = flags.DEFINE_integer("steps", 6, "batches")
 _MARGIN = flags.DEFINE_float("margin", 1.25, "the sized pool: the largest "
                              "peak seen times this")
+_SLOTS = flags.DEFINE_integer("slots", 0, "also compare continuous slots, "
+                              "dense and paged, on this many slots (0: no)")
 _RECORD_DIR = flags.DEFINE_string("record_dir", "", "where the JSON record "
                                   "goes (benchmarks/results to keep it)")
 
@@ -74,6 +82,55 @@ def _temporaries(fn, params) -> int:
   tokens, mask = _prompts(0)
   low = fn.lower(params, tokens, mask, jax.random.key(0))
   return int(low.compile().memory_analysis().temp_size_in_bytes)
+
+
+def _slot_figures(params, config, dense_static_slots: int) -> dict:
+  """The batches on ``--slots`` continuous slots, dense and paged."""
+  from rljax.sampling import continuous as cb  # pylint: disable=import-outside-toplevel
+  m, bs = _SLOTS.value, _BLOCK.value
+  p, t, b = _P.value, _T.value, _B.value
+  dense = cb.make_continuous_sampler(MODEL, config, cb.SlotConfig(m, 1))
+  paged = cb.make_continuous_sampler(MODEL, config, cb.SlotConfig(
+      m, 1, paged=paged_lib.PagedConfig(bs)))
+  peaks, seconds = [], {"dense": [], "paged": []}
+  for i in range(_STEPS.value):
+    tokens, mask = _prompts(i)
+    queue = cb.fresh_queue(tokens, mask, jax.random.key(i), config)
+    outs = {}
+    for name, fn in (("dense", dense), ("paged", paged)):
+      start = time.perf_counter()
+      outs[name] = jax.device_get(jax.block_until_ready(fn(params, queue, b)))
+      if i:
+        seconds[name].append(time.perf_counter() - start)
+    np.testing.assert_array_equal(outs["paged"].completion_tokens,
+                                  outs["dense"].completion_tokens)
+    peaks.append(float(outs["paged"].kv_stats["rollout/kv_blocks_peak"]))
+  queue = cb.fresh_queue(*_prompts(0), jax.random.key(0), config)
+  temps = {name: int(fn.lower(params, queue, b).compile().memory_analysis()
+                     .temp_size_in_bytes)
+           for name, fn in (("dense", dense), ("paged", paged))}
+  dense_slots = m * (p + t)
+  peak_slots = int(max(peaks)) * bs
+  out = {"slots": m, "peaks": peaks, "dense_slot_cache_slots": dense_slots,
+         "paged_peak_slots": peak_slots,
+         "peak_vs_dense_slots": peak_slots / dense_slots,
+         "peak_vs_dense_static": peak_slots / dense_static_slots,
+         "temporaries": temps,
+         "temporaries_paged_vs_dense": temps["paged"] / temps["dense"],
+         "seconds_dense": float(np.median(seconds["dense"])),
+         "seconds_paged": float(np.median(seconds["paged"]))}
+  out["speed_vs_dense"] = out["seconds_dense"] / out["seconds_paged"]
+  print(f"  {m} continuous slots: the same tokens dense and paged in all "
+        f"{_STEPS.value} batches; peak blocks {[int(x) for x in peaks]}")
+  print(f"    KV slots: dense slots {dense_slots}; paged peak {peak_slots} "
+        f"({out['peak_vs_dense_slots']:.2f}x the dense slots', "
+        f"{out['peak_vs_dense_static']:.2f}x the static dense batch's)")
+  print(f"    peak temporaries dense {temps['dense'] / 2**20:.2f} MiB, paged "
+        f"{temps['paged'] / 2**20:.2f} MiB "
+        f"({out['temporaries_paged_vs_dense']:.2f}x); seconds per rollout "
+        f"dense {out['seconds_dense']:.3f}, paged {out['seconds_paged']:.3f} "
+        f"({out['speed_vs_dense']:.2f}x the dense slots' speed)")
+  return out
 
 
 def main(argv):
@@ -145,12 +202,15 @@ def main(argv):
              "cut_rows": cut, "seconds_dense": s_dense,
              "seconds_paged": s_paged, "speed_vs_dense": s_dense / s_paged,
              "mean_length": float(lens.mean())}
+  if _SLOTS.value:
+    figures["slots"] = _slot_figures(params, config, dense_slots)
   if _RECORD_DIR.value:
     print("record:", benchlib.write_record(
         "bench_paged", figures, _RECORD_DIR.value,
         {"args": {"prompts": b, "group_size": g, "prompt_len": p,
                   "max_new_tokens": t, "eos_every": _EOS.value,
                   "block_size": bs, "steps": _STEPS.value,
+                  "slots": _SLOTS.value,
                   "margin": _MARGIN.value}}))
 
 

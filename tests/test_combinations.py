@@ -30,8 +30,6 @@ TRIGGERS = {
     "tree-shrink": ({"rl.rollout": "tree", "sampler.shrink_batch_to": 2}, 1),
     "tree-allocation": ({"rl.rollout": "tree",
                          "rl.allocation.name": "vigor"}, 1),
-    "paged-on-slots": ({"sampler.kv_cache": "paged",
-                        "rl.rollout": "continuous"}, 1),
     "paged-episodes": ({"sampler.kv_cache": "paged",
                         "env.name": "calculator"}, 1),
     "paged-speculative": ({"sampler.kv_cache": "paged",

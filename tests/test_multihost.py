@@ -254,6 +254,8 @@ def _check_teachers(rl):
 
 def _check_slots_async_greso(rl):
   assert all(0 < r["rollout/slot_utilization"] <= 1 for r in rl)
+  assert all(r["rollout/kv_blocks_peak"] > 0 and r["rollout/kv_blocks_left"]
+             == 0 for r in rl)
   assert [r["rollout/sampler_lag"] for r in rl] == [0, 1]
   assert [r["rollout/sampler_devices"] for r in rl] == [2, 2]
   assert all(r["select/rounds"] >= 2 for r in rl), [r["select/rounds"]
@@ -278,12 +280,13 @@ def _check_online_dpo(rl):
 # feature on several processes, paired with others where they combine.
 CASES = {
     "teachers": (_teachers, None, _check_teachers),
-    # Continuous slots on 2 sampler devices (one per process; a 2 x 3
-    # trainer mesh), sampled ahead of the update, GRESO skipping prompts
-    # and refilling zero-variance groups (DAPO's dynamic sampling). Rows
-    # that split over 6 trainer and 2 sampler devices.
+    # Continuous slots on a paged KV cache on 2 sampler devices (one per
+    # process; a 2 x 3 trainer mesh), sampled ahead of the update, GRESO
+    # skipping prompts and refilling zero-variance groups (DAPO's dynamic
+    # sampling). Rows that split over 6 trainer and 2 sampler devices.
     "slots-devices-async-greso": (
         {"rl.rollout": "continuous", "rl.rollout_slots": 8,
+         "sampler.kv_cache": "paged", "sampler.kv_block_size": 4,
          "rl.sampler_devices": 2, "mesh.fsdp": 3, "rl.max_staleness": 1,
          "rl.selection.name": "greso", "rl.prompts_per_step": 12,
          "eval.num_examples": 12}, None, _check_slots_async_greso),

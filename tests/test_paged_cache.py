@@ -266,7 +266,6 @@ def test_a_bad_pool_is_refused_naming_the_field(field, value):
 
 
 @pytest.mark.parametrize("overrides,rule", [
-    ({"rl.rollout": "continuous"}, "paged-on-slots"),
     ({"sampler.speculative": True}, "paged-speculative"),
     ({"sampler.shrink_batch_to": 2}, "paged-shrink"),
 ])

@@ -106,8 +106,6 @@ SAME_FIELD = {frozenset(p) for p in (("continuous", "partial"),
 REFUSED = {
     frozenset(("tree", "env")): "tree-episodes",
     frozenset(("tree", "spec_rl")): "tree-speculative",
-    frozenset(("paged", "continuous")): "paged-on-slots",
-    frozenset(("paged", "partial")): "paged-on-slots",
     frozenset(("paged", "env")): "paged-episodes",
     frozenset(("paged", "spec_rl")): "paged-speculative",
 }

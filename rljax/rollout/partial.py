@@ -110,13 +110,17 @@ class SlotRollouts:
     partial: the slots and the carrying rules.
     num_prompts: ``B``, groups trained per step.
     mesh, param_shardings: where the params live.
+    drafts, log_lenience: SPEC-RL's store and acceptance rule: drafts are
+      verified in the slots' prefills.
+    paged: a ``sampling.PagedConfig``: the slots' KV cache in blocks
+      (``SlotConfig.paged``; the pool's figures join the metrics).
   """
 
   def __init__(self, model_config, config: sampling.SamplerConfig,
                partial: PartialConfig, num_prompts: int, mesh=None,
                param_shardings=None, *,
                drafts: sampling.DraftStore | None = None,
-               log_lenience: float = 0.0):
+               log_lenience: float = 0.0, paged: Any = None):
     self.config, self.partial, self.num_prompts = config, partial, num_prompts
     g = config.num_samples
     self.carried: list[_Group] = []
@@ -129,12 +133,13 @@ class SlotRollouts:
         model_config, config, slots, mesh, param_shardings)
     if drafts is not None:  # one program: every prefill verifies drafts
       one = make(cb.SlotConfig(partial.slots, partial.refill_rows, True,
-                               log_lenience=float(log_lenience)))
+                               log_lenience=float(log_lenience),
+                               paged=paged))
       self._samplers = {False: one, True: one}
     else:
       self._samplers = {
           carried: make(cb.SlotConfig(partial.slots, partial.refill_rows,
-                                      carried))
+                                      carried, paged=paged))
           for carried in (False, True)}
 
   # --- one step -------------------------------------------------------------
@@ -231,6 +236,8 @@ class SlotRollouts:
         "rollout/dropped_groups": float(self.dropped),
         "rollout/generated_tokens": float(kept),
     }
+    if out.kv_stats is not None:  # the paged pool's figures
+      metrics.update({k: float(v) for k, v in out.kv_stats.items()})
     if drafted is not None:
       lengths_in, rows_in = drafted
       index = [where[i][j] for i, j in rows_in]

@@ -48,7 +48,9 @@ import numpy as np
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
+from rljax.models import paged_cache as pc
 from rljax.models.kv_cache import KVCache
+from rljax.sampling import slot_pages
 from rljax.sampling.sampler import (SamplerConfig, _ended, fused_logprobs,
                                     pick_logprob, decode_setup, token_keys)
 from rljax.sampling.slot_fill import (  # noqa: F401  (re-exported)
@@ -120,6 +122,9 @@ class SlotRollout(NamedTuple):
     accepted: ``[Q]`` int32, draft tokens kept (rows with ``verify``).
     started: ``[Q]`` bool, the row was prefilled into a slot (a row not
       started is returned as queued, its draft unverified).
+    kv_stats: on a paged cache (``SlotConfig.paged``), the pool's figures
+      (``paged.pool_stats``: the most blocks in use at once, the pool, the
+      rows cut for want of a block, the blocks still held); else None.
   """
 
   completion_tokens: jax.Array
@@ -135,6 +140,7 @@ class SlotRollout(NamedTuple):
   prefilled_rows: jax.Array
   accepted: jax.Array
   started: jax.Array
+  kv_stats: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +168,10 @@ class SlotConfig:
       of ``G`` rows costs one prompt forward instead of ``G``. False: every
       row prefills its own prompt (the baseline ``launch/bench_rollout.py``
       times it against).
+    paged: a ``paged.PagedConfig``: the slots' KV cache in blocks
+      (``rljax/sampling/slot_pages.py``), a group's prompt stored once and
+      a slot's blocks freed when its row ends; None: a dense cache of
+      ``P + T`` slots per slot.
   """
 
   slots: int
@@ -169,6 +179,7 @@ class SlotConfig:
   carried: bool = False
   log_lenience: float | None = None
   share_prompts: bool = True
+  paged: Any = None
 
   def __post_init__(self):
     for name in ("slots", "refill_rows"):
@@ -209,13 +220,26 @@ class _State(NamedTuple):
                            # first P cache slots hold (-1 where masked),
                            # NO_PROMPT where none can be shared
   prompt_logits: jax.Array  # [M, V] fp32, the logits after that prompt
+  kv_peak: jax.Array       # [] int32, most blocks in use (paged cache)
+  kv_cut: jax.Array        # [] int32, rows cut for want of a block
 
 
 def _step(params, state: _State, queue: Queue, *, model, w_DxV,
           mc: ModelConfig, sc: SamplerConfig) -> _State:
-  """One decode step of every live slot; ended rows free their slot."""
+  """One decode step of every live slot; ended rows free their slot (and,
+  on a paged cache, their blocks: a live slot first reserves its next
+  cache slot, and one that finds no free block ends, cut)."""
   q, t = state.tokens.shape
-  live = state.live
+  paged = isinstance(state.cache, pc.PagedKVCache)
+  cut = jnp.zeros_like(state.live)
+  if paged:
+    cache, failed = pc.reserve(state.cache, state.live, 1)
+    cut = state.live & failed
+    state = state._replace(
+        cache=cache, kv_peak=jnp.maximum(state.kv_peak,
+                                         pc.blocks_in_use(cache)),
+        kv_cut=state.kv_cut + jnp.sum(cut).astype(jnp.int32))
+  live = state.live & ~cut
   row = jnp.where(live, state.slot_row, q)  # q: dropped by the scatters
   safe_row = jnp.minimum(state.slot_row, q - 1)
   token, sampler_logp = sc.method.get_next_tokens(
@@ -235,11 +259,16 @@ def _step(params, state: _State, queue: Queue, *, model, w_DxV,
   hidden, cache = model.apply(
       {"params": params}, token[:, None], state.position[:, None],
       state.cache, input_mask_BxT=live[:, None])
-  cache = cache._replace(index=state.cache.index + live.astype(jnp.int32))
+  if paged:
+    cache = cache._replace(lengths=state.cache.lengths + live.astype(jnp.int32))
+  else:
+    cache = cache._replace(index=state.cache.index + live.astype(jnp.int32))
   logits = compute_logits(hidden, w_DxV, mc.final_logit_softcap)[:, 0]
   new_column = state.column + live.astype(jnp.int32)
   ending = live & (ended | (new_column >= t))
-  end_row = jnp.where(ending, state.slot_row, q)
+  end_row = jnp.where(ending | cut, state.slot_row, q)
+  if paged:
+    cache = pc.release(cache, ending | cut)
   return state._replace(
       live=live & ~ending,
       logits=sharding.constrain(logits, ("batch", "act_vocab")),
@@ -272,8 +301,11 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
   t, m = sc.max_new_tokens, slots.slots
   queue = queue._replace(prompt_mask=queue.prompt_mask.astype(jnp.bool_))
   model, w_DxV, cache_dtype, _ = decode_setup(params, queue.prompt_mask[:1], mc, sc)
-  cache = init_cache(mc, m, p + t, cache_dtype)
-  cache = cache._replace(index=jnp.zeros((m,), jnp.int32))
+  if slots.paged is not None:
+    cache = slot_pages.slot_cache(mc, m, p + t, slots.paged, cache_dtype)
+  else:
+    cache = init_cache(mc, m, p + t, cache_dtype)
+    cache = cache._replace(index=jnp.zeros((m,), jnp.int32))
   state = _State(
       slot_row=jnp.full((m,), q, jnp.int32), live=jnp.zeros((m,), jnp.bool_),
       logits=jnp.zeros((m, mc.vocab_size), jnp.float32), cache=cache,
@@ -289,7 +321,8 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
       prefilled_rows=jnp.zeros((), jnp.int32),
       accepted=jnp.zeros((q,), jnp.int32),
       slot_prompt=jnp.full((m, p), NO_PROMPT, jnp.int32),
-      prompt_logits=jnp.zeros((m, mc.vocab_size), jnp.float32))
+      prompt_logits=jnp.zeros((m, mc.vocab_size), jnp.float32),
+      kv_peak=jnp.zeros((), jnp.int32), kv_cut=jnp.zeros((), jnp.int32))
   if state.policy_logp is None and sc.record_policy_logprobs:
     raise ValueError("the queue has no policy_logprobs but the sampler "
                      "records them.")
@@ -338,7 +371,10 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
       done=state.done, policy_logprobs=state.policy_logp,
       sampler_logprobs=state.sampler_logp, decode_steps=state.steps,
       kept_tokens=state.kept, prefills=state.prefills,
-      prefilled_rows=state.prefilled_rows, accepted=state.accepted, started=jnp.arange(q) < state.next_row)
+      prefilled_rows=state.prefilled_rows, accepted=state.accepted,
+      started=jnp.arange(q) < state.next_row,
+      kv_stats=(None if slots.paged is None else slot_pages.pool_figures(
+          state.cache, state.kv_peak, state.kv_cut)))
 
 
 def make_continuous_sampler(model_config: ModelConfig, config: SamplerConfig,

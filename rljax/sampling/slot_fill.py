@@ -17,7 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from rljax.models import ModelConfig, compute_logits, init_cache
+from rljax.models import paged_cache as pc
 from rljax.models.kv_cache import KVCache, LayerKV
+from rljax.sampling import slot_pages
 from rljax.sampling.sampler import SamplerConfig, _ended, sampled_logprobs
 
 
@@ -92,8 +94,21 @@ def prefill_rows(params, state: Any, queue: Any, num_rows: int, width: int,
   the first rejected token; a row whose whole draft is kept and ended
   (EOS, stop sequence, or ``T`` tokens) is done at once and takes no slot.
   """
-  p, s = queue.prompt_tokens.shape[1], state.cache.mask.shape[1]
+  p = queue.prompt_tokens.shape[1]
   count, valid, row, slot = _starting_rows(state, queue, num_rows, limit)
+  paged = isinstance(state.cache, pc.PagedKVCache)
+  if paged:  # the slots' blocks: room for the whole prefill
+    m = state.live.shape[0]
+    claimed, failed_m = slot_pages.claim(
+        state.cache, slot_pages.slot_mask(slot, valid, m), width)
+    cut = valid & failed_m[jnp.minimum(slot, m - 1)]
+    valid = valid & ~cut
+    state = state._replace(cache=claimed, kv_peak=jnp.maximum(
+        state.kv_peak, pc.blocks_in_use(claimed)))
+    fresh_cache = slot_pages.rows(claimed, slot, valid)
+  else:
+    s = state.cache.mask.shape[1]
+    fresh_cache = init_cache(mc, num_rows, s, cache_dtype)
   extra = width - p
   length = jnp.where(valid, queue.length[row], 0) if extra else jnp.zeros(
       (num_rows,), jnp.int32)
@@ -105,8 +120,8 @@ def prefill_rows(params, state: Any, queue: Any, num_rows: int, width: int,
         [mask, jnp.arange(extra)[None] < length[:, None]], 1)
   positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
   hidden, fresh = model.apply(
-      {"params": params}, tokens, positions,
-      init_cache(mc, num_rows, s, cache_dtype), input_mask_BxT=mask)
+      {"params": params}, tokens, positions, fresh_cache,
+      input_mask_BxT=mask)
   key_rows = jax.random.wrap_key_data(queue.keys[row])
   live = valid
   q, t = state.tokens.shape
@@ -141,18 +156,28 @@ def prefill_rows(params, state: Any, queue: Any, num_rows: int, width: int,
         finished=state.finished.at[jnp.where(ended, row, q)].set(
             True, mode="drop"))
     live = valid & ~over
-    # Rejected draft slots stay in the cache but are never attended to.
-    fresh = fresh._replace(mask=fresh.mask & (
-        jnp.arange(s)[None] < (p + length)[:, None]))
+    if not paged:  # (paged: a row reads only slots below its length)
+      # Rejected draft slots stay in the cache but are never attended to.
+      fresh = fresh._replace(mask=fresh.mask & (
+          jnp.arange(s)[None] < (p + length)[:, None]))
   last = jnp.take_along_axis(
       hidden, jnp.minimum(p - 1 + length, width - 1)[:, None, None], 1)
   logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
   cache = state.cache
-  layers = tuple(LayerKV(old.k.at[slot].set(new.k, mode="drop"),
-                         old.v.at[slot].set(new.v, mode="drop"))
-                 for old, new in zip(cache.layers, fresh.layers))
-  cache = KVCache(layers, cache.mask.at[slot].set(fresh.mask, mode="drop"),
-                  cache.index.at[slot].set(p + length, mode="drop"))
+  if paged:
+    # A row that ended at once (a whole draft kept) or was cut holds no
+    # blocks; the others hold those of their prompt and kept tokens.
+    cache = slot_pages.set_lengths(slot_pages.merge(cache, fresh),
+                                   jnp.where(valid, slot, m), p + length)
+    cache = pc.release(cache, slot_pages.slot_mask(slot, valid & ~live, m)
+                       | slot_pages.slot_mask(slot, cut, m))
+    state = _cut_rows(state, row, cut)
+  else:
+    layers = tuple(LayerKV(old.k.at[slot].set(new.k, mode="drop"),
+                           old.v.at[slot].set(new.v, mode="drop"))
+                   for old, new in zip(cache.layers, fresh.layers))
+    cache = KVCache(layers, cache.mask.at[slot].set(fresh.mask, mode="drop"),
+                    cache.index.at[slot].set(p + length, mode="drop"))
   prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
   # A slot filled with its prompt alone can lend it to later rows
   # (``prefill_shared``); one that holds carried or drafted tokens cannot
@@ -173,6 +198,15 @@ def prefill_rows(params, state: Any, queue: Any, num_rows: int, width: int,
       slot_prompt=state.slot_prompt.at[slot].set(held, mode="drop"),
       prompt_logits=(state.prompt_logits if extra else
                      state.prompt_logits.at[slot].set(logits, mode="drop")))
+
+
+def _cut_rows(state: Any, row: jax.Array, cut: jax.Array) -> Any:
+  """Queue rows ``row`` where ``cut``: ended before their first token (no
+  free block for their prompt), and counted."""
+  q = state.done.shape[0]
+  return state._replace(
+      done=state.done.at[jnp.where(cut, row, q)].set(True, mode="drop"),
+      kv_cut=state.kv_cut + jnp.sum(cut).astype(jnp.int32))
 
 
 NO_PROMPT = -2  # a slot_prompt row no prompt equals (masked tokens are -1)
@@ -200,16 +234,14 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
   prompt's keys and values depend on the prompt alone.
   """
   del unused
+  if isinstance(state.cache, pc.PagedKVCache):
+    return _prefill_shared_paged(params, state, queue, num_rows,
+                                 leaders=leaders, model=model, w_DxV=w_DxV,
+                                 mc=mc, limit=limit)
   p, s = queue.prompt_tokens.shape[1], state.cache.mask.shape[1]
   count, valid, row, slot = _starting_rows(state, queue, num_rows, limit)
-  r = jnp.arange(num_rows)
-  prompt = masked_prompt(queue, row)
-  same_slot = jnp.all(prompt[:, None] == state.slot_prompt[None], -1)
-  same_slot &= state.live[None]
-  from_slot = valid & jnp.any(same_slot, 1)
-  donor = jnp.argmax(same_slot, 1)
-  first = jnp.argmax(jnp.all(prompt[:, None] == prompt[None], -1), 1)
-  leader = valid & ~from_slot & (first == r)
+  prompt, from_slot, donor, first, leader = _shared_plan(state, queue, row,
+                                                         valid)
   num_leaders = jnp.sum(leader)
 
   # The leaders, in chunks of ``leaders`` rows: one traced forward, run
@@ -280,6 +312,98 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
       prefills=state.prefills + 1,
       prefilled_rows=state.prefilled_rows + num_leaders,
       slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
+      prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
+
+
+def _shared_plan(state: Any, queue: Any, row, valid):
+  """Which starting rows copy a live slot's prompt (``from_slot``, from
+  slot ``donor``), which lead their prompt in the fill (``leader``), and
+  each row's first row of its prompt (``first``)."""
+  r = jnp.arange(row.shape[0])
+  prompt = masked_prompt(queue, row)
+  same_slot = jnp.all(prompt[:, None] == state.slot_prompt[None], -1)
+  same_slot &= state.live[None]
+  from_slot = valid & jnp.any(same_slot, 1)
+  donor = jnp.argmax(same_slot, 1)
+  first = jnp.argmax(jnp.all(prompt[:, None] == prompt[None], -1), 1)
+  leader = valid & ~from_slot & (first == r)
+  return prompt, from_slot, donor, first, leader
+
+
+def _prefill_shared_paged(params, state: Any, queue: Any, num_rows: int, *,
+                          leaders: int, model, w_DxV, mc: ModelConfig,
+                          limit) -> Any:
+  """``prefill_shared`` on a paged cache (``slot_pages``): the leaders'
+  prompts are prefilled into their slots' blocks, in chunks of ``leaders``
+  rows; every other row points to its leader's, or a live slot's, prompt
+  blocks (no key or value is copied until it writes). A leader that finds
+  no free block is cut, with the rows that would share its prompt."""
+  p = queue.prompt_tokens.shape[1]
+  m = state.live.shape[0]
+  count, valid, row, slot = _starting_rows(state, queue, num_rows, limit)
+  prompt, from_slot, donor, first, leader = _shared_plan(state, queue, row,
+                                                         valid)
+  num_leaders = jnp.sum(leader)
+  cache, failed_m = slot_pages.claim(
+      state.cache, slot_pages.slot_mask(slot, leader, m), p)
+  peak = jnp.maximum(state.kv_peak, pc.blocks_in_use(cache))
+  lead_failed = leader & failed_m[jnp.minimum(slot, m - 1)]
+  # A row that does not copy a live slot shares its prompt's first row's.
+  cut = valid & ~from_slot & lead_failed[first]
+  chunks = -(-num_rows // leaders)
+  lead = jnp.nonzero(leader, size=chunks * leaders, fill_value=0)[0]
+  rank = jnp.cumsum(leader) - 1
+  source = rank[first]
+
+  def forward(c, out):
+    cache, logits = out
+    start = c * leaders
+    idx = jax.lax.dynamic_slice_in_dim(lead, start, leaders)
+    ok = (start + jnp.arange(leaders)) < num_leaders
+    lead_row = row[idx]
+    mask = queue.prompt_mask[lead_row]
+    positions = jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), -1) - 1, 0)
+    hidden, fresh = model.apply(
+        {"params": params}, queue.prompt_tokens[lead_row], positions,
+        slot_pages.rows(cache, slot[idx], ok & ~lead_failed[idx]),
+        input_mask_BxT=mask)
+    lead_logits = compute_logits(hidden[:, p - 1:p], w_DxV,
+                                 mc.final_logit_softcap)[:, 0]
+    local = source - start
+    mine = valid & ~from_slot & (local >= 0) & (local < leaders)
+    local = jnp.clip(local, 0, leaders - 1)
+    return (slot_pages.merge(cache, fresh),
+            jnp.where(mine[:, None], lead_logits[local], logits))
+
+  cache, logits = jax.lax.fori_loop(
+      0, -(-num_leaders // leaders), forward,
+      (cache, jnp.zeros((num_rows, mc.vocab_size), jnp.float32)))
+  cache = slot_pages.set_lengths(cache, jnp.where(leader, slot, m),
+                                 jnp.full((num_rows,), p, jnp.int32))
+  # Followers point to their leader's blocks, rows whose prompt a live
+  # slot holds to that slot's (a live slot is never a fill's target).
+  follower = valid & ~from_slot & ~leader
+  cache = slot_pages.share(cache, slot, slot[first], follower, p)
+  cache = slot_pages.share(cache, slot, donor, from_slot, p)
+  cache = pc.release(cache, slot_pages.slot_mask(slot, cut, m))
+  state = _cut_rows(state._replace(kv_peak=peak), row, cut)
+  logits = jnp.where(from_slot[:, None], state.prompt_logits[donor], logits)
+  prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
+  live = valid & ~cut
+  return state._replace(
+      slot_row=state.slot_row.at[slot].set(row, mode="drop"),
+      live=state.live.at[slot].set(live, mode="drop"),
+      logits=state.logits.at[slot].set(logits, mode="drop"),
+      cache=cache,
+      column=state.column.at[slot].set(0, mode="drop"),
+      position=state.position.at[slot].set(prompt_len, mode="drop"),
+      keys=state.keys.at[slot].set(
+          jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
+      next_row=state.next_row + count,
+      prefills=state.prefills + 1,
+      prefilled_rows=state.prefilled_rows + num_leaders,
+      slot_prompt=state.slot_prompt.at[slot].set(
+          jnp.where(live[:, None], prompt, NO_PROMPT), mode="drop"),
       prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
 
 

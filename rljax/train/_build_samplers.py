@@ -131,7 +131,8 @@ class Samplers:
     count. ``training``: on the sampler's devices (``rl.sampler_devices``),
     and with ``rl.rollout="tree"`` the training rows are sampled as trees
     (``sampling.tree``). ``sampler.kv_cache="paged"``: the static batch
-    decodes on a paged KV cache (``sampling.paged``).
+    decodes on a paged KV cache (``sampling.paged``), as the slots do
+    (``slot_rollouts``).
     """
     alg = self.algorithm
     if record_policy_logprobs is None:
@@ -144,9 +145,7 @@ class Samplers:
                             greedy=greedy,
                             record_policy_logprobs=record_policy_logprobs,
                             greedy_every=greedy_every)
-    s = self.config.sampler
-    paged = (paged_lib.PagedConfig(s.kv_block_size, s.kv_blocks)
-             if s.kv_cache == "paged" else None)
+    paged = self._paged()
     tree = tree_config(self.config) if training and not greedy else None
     if tree is not None:
       return tree_lib.make_tree_sampler(self.model_config, config, tree,
@@ -156,6 +155,12 @@ class Samplers:
                                           *self._where(training))
     return sampling.make_sampler(self.model_config, config,
                                  *self._where(training))
+
+  def _paged(self) -> paged_lib.PagedConfig | None:
+    """``sampler.kv_cache="paged"``'s pool, or None (a dense cache)."""
+    s = self.config.sampler
+    return (paged_lib.PagedConfig(s.kv_block_size, s.kv_blocks)
+            if s.kv_cache == "paged" else None)
 
   def _where(self, training: bool) -> tuple[jax.sharding.Mesh, Any]:
     if training and self.split:
@@ -200,7 +205,8 @@ class Samplers:
         self.model_config, config, partial,
         num_prompts or self.settings.prompts_per_step,
         *self._where(True), drafts=drafts,
-        log_lenience=float(self.config.sampler.spec_log_lenience))
+        log_lenience=float(self.config.sampler.spec_log_lenience),
+        paged=self._paged())
 
   def allocation_rollouts(self, schedule: Any, *,
                           record_policy_logprobs: bool | None = None,

@@ -120,20 +120,18 @@ RULES: tuple[Rule, ...] = (
          "allocation's rounds sample groups of their own sizes; a tree has "
          "rl.tree.roots x rl.tree.branch^D rows per prompt",
          "rl.allocation.name='none'", "missing"),
-    Rule("paged-on-slots", ("sampler.kv_cache", "rl.rollout"),
-         lambda c, p: _paged(c) and _slots(c),
-         "continuous and partial slots keep a dense cache per slot; the "
-         "static batch and trees decode on blocks", "sampler.kv_cache='dense',"
-         " or rl.rollout='static' or 'tree'", "missing"),
     Rule("paged-episodes", ("sampler.kv_cache", "env.name"),
          lambda c, p: _paged(c) and bool(c.env.name),
          "multi-turn episodes insert observations into a dense cache per "
          "row; they have no paged path", "sampler.kv_cache='dense'",
          "missing"),
     Rule("paged-speculative", ("sampler.kv_cache", "sampler.speculative"),
-         lambda c, p: _paged(c) and bool(c.sampler.speculative),
-         "SPEC-RL's verification pass writes a dense cache; it has no paged "
-         "path", "sampler.kv_cache='dense'", "missing"),
+         lambda c, p: (_paged(c) and bool(c.sampler.speculative)
+                       and not _slots(c)),
+         "SPEC-RL's verification pass on the static batch writes a dense "
+         "cache; it has no paged path (on continuous or partial slots the "
+         "drafts are verified on blocks)", "sampler.kv_cache='dense', or "
+         "rl.rollout='continuous' or 'partial'", "missing"),
     Rule("paged-shrink", ("sampler.kv_cache", "sampler.shrink_batch_to"),
          lambda c, p: _paged(c) and c.sampler.shrink_batch_to is not None,
          "a paged batch frees the blocks of ended rows but does not gather "
