@@ -34,8 +34,6 @@ TRIGGERS = {
                         "env.name": "calculator"}, 1),
     "paged-speculative": ({"sampler.kv_cache": "paged",
                            "sampler.speculative": True}, 1),
-    "paged-shrink": ({"sampler.kv_cache": "paged",
-                      "sampler.shrink_batch_to": 2}, 1),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 

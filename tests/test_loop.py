@@ -105,9 +105,11 @@ SETTING_FIXUPS = {
                                     "rl.selection.dots_reference": 8},
     ("rl.replay.fraction", 0.25): {"rl.rollout": "static"},
     ("sampler.shrink_batch_to", 2): {"rl.rollout": "static"},
+    # The static batch on blocks, halving down to 2 rows (slots on blocks:
+    # tests/test_pairs.py, tests/test_paged_slots.py).
     ("sampler.kv_cache", "paged"): {"rl.rollout": "static",
                                     "sampler.speculative": False,
-                                    "sampler.shrink_batch_to": None,
+                                    "sampler.shrink_batch_to": 2,
                                     "sampler.kv_block_size": 4},
     # A tree (2 roots, one fork after 4 of the 6 tokens) samples on its own.
     ("rl.rollout", "tree"): {"sampler.speculative": False,

@@ -254,6 +254,31 @@ def test_a_pool_below_the_peak_cuts_rows_and_counts_them(params, prompts,
                                   dense.completion_tokens[r, :n])
 
 
+@pytest.mark.parametrize("smallest", [2, 8])
+def test_a_shrinking_paged_batch_draws_the_same_rows_in_smaller_loops(
+    params, prompts, dense, smallest):
+  """``sampler.shrink_batch_to`` on blocks: the live rows' tables move to
+  the smaller batches (one decode loop per level, as the dense sampler's:
+  ``tests/test_sampler_shrink.py``) and the rows are the dense sampler's,
+  every block back at the end."""
+  from tests.test_sampler_shrink import T, _decode_loops  # pylint: disable=import-outside-toplevel
+  fn = paged_lib.make_paged_sampler(TINY, BASE.replace(
+      shrink_batch_to=smallest), paged_lib.PagedConfig(block_size=4))
+  got, stats = fn.with_metrics(params, *prompts, jax.random.key(3))
+  got = jax.device_get(got)
+  np.testing.assert_array_equal(got.completion_tokens, dense.completion_tokens)
+  np.testing.assert_array_equal(got.finished, dense.finished)
+  for name in ("sampler_logprobs", "policy_logprobs"):
+    np.testing.assert_allclose(getattr(got, name), getattr(dense, name),
+                               atol=1e-5, err_msg=name)
+  assert stats["rollout/kv_blocks_left"] == 0
+  assert stats["rollout/kv_cut_rows"] == 0
+  assert T == BASE.max_new_tokens
+  loops = _decode_loops(fn.jitted, params, *prompts, jax.random.key(3))
+  assert loops == ({16: 1, 8: 1, 4: 1, 2: 1} if smallest == 2
+                   else {16: 1, 8: 1}), loops
+
+
 # --- the config --------------------------------------------------------------
 
 
@@ -267,7 +292,6 @@ def test_a_bad_pool_is_refused_naming_the_field(field, value):
 
 @pytest.mark.parametrize("overrides,rule", [
     ({"sampler.speculative": True}, "paged-speculative"),
-    ({"sampler.shrink_batch_to": 2}, "paged-shrink"),
 ])
 def test_what_paged_does_not_combine_with_is_refused(overrides, rule):
   config = loop_config(**{"sampler.kv_cache": "paged", **overrides})

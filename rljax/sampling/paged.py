@@ -15,7 +15,11 @@ cache per row:
   long-tailed batch: a row that finds no free block ends there, truncated,
   and is counted (``rollout/kv_cut_rows``);
 * attention reads each row's blocks gathered in table order (the
-  gather-based path of every backend).
+  gather-based path of every backend);
+* with ``SamplerConfig.shrink_batch_to`` the decode batch halves as rows
+  end (``shrink_levels``), as the dense sampler's does, but no key or value
+  moves: the live rows' block tables and lengths are gathered into the
+  smaller batch, and the pool stays where it is.
 
 Tokens equal the dense sampler's; logprobs agree to float rounding (the
 attention sums run over the slots in another order):
@@ -34,9 +38,10 @@ import jax.numpy as jnp
 from rljax.models import ModelConfig, compute_logits, positions_from_mask
 from rljax.models import paged_cache as pc
 from rljax.sampling.jitting import MeteredSampler, jit_rows
-from rljax.sampling.sampler import (Rollout, SamplerConfig, _empty_state,
-                                    _to_rollout, decode_setup, decode_step,
-                                    row_keys)
+from rljax.sampling.decode_cache import shrink_levels
+from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
+                                    _empty_state, _to_rollout, _write_rows,
+                                    decode_setup, decode_step, row_keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,12 +100,13 @@ def prefill_groups(params, prompt_tokens_BxP, prompt_mask_BxP, cache, g: int,
   return hidden[:, -1], cache, failed
 
 
-def paged_decode(params, state, keys_N, end, *, model, w_DxV, mc, sc):
-  """Decode steps of every live row until ``step == end`` or every row is
-  done, on a paged ``state.cache``: before each step a live row gets a
-  block it alone writes (``reserve``; a row that finds none ends, cut);
-  after it, rows that ended release their blocks. Returns ``(state, peak
-  blocks in use, rows cut)``."""
+def paged_decode(params, state, keys_N, end, *, model, w_DxV, mc, sc,
+                 fits: int = 0):
+  """Decode steps of every live row until ``step == end`` or at most
+  ``fits`` rows are live, on a paged ``state.cache``: before each step a
+  live row gets a block it alone writes (``reserve``; a row that finds
+  none ends, cut); after it, rows that ended release their blocks. Returns
+  ``(state, peak blocks in use, rows cut)``."""
   step = functools.partial(decode_step, params, model=model, w_DxV=w_DxV,
                            mc=mc, sc=sc)
 
@@ -117,7 +123,7 @@ def paged_decode(params, state, keys_N, end, *, model, w_DxV, mc, sc):
 
   def cond(carry):
     s = carry[0]
-    return (s.step < end) & jnp.any(~s.done)
+    return (s.step < end) & (jnp.sum(~s.done) > fits)
 
   zero = jnp.zeros((), jnp.int32)
   return jax.lax.while_loop(cond, body, (state, pc.blocks_in_use(state.cache),
@@ -128,7 +134,6 @@ def _sample_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                        model_config: ModelConfig, config: SamplerConfig,
                        paged: PagedConfig, row_multiple: int = 1
                        ) -> tuple[Rollout, dict[str, jax.Array]]:
-  del row_multiple  # rows stay where they are: nothing to regroup
   mc, sc = model_config, config
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
   model, w_DxV, cache_dtype, prompt_len_N = decode_setup(
@@ -145,12 +150,50 @@ def _sample_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   state = _empty_state(jnp.repeat(logits, g, axis=0), cache, prompt_len_N, sc)
   # A prompt that found no blocks is cut before its first token.
   state = state._replace(done=jnp.repeat(failed_B, g))
-  state, peak, cut = paged_decode(
-      params, state, row_keys(key, b * g), sc.max_new_tokens, model=model,
-      w_DxV=w_DxV, mc=mc, sc=sc)
+  state, peak, cut = _shrinking_decode(
+      params, state, row_keys(key, b * g), model=model, w_DxV=w_DxV, mc=mc,
+      sc=sc, row_multiple=row_multiple)
   return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, state, sc),
           pool_stats(state.cache, num_blocks, peak,
                      cut + g * jnp.sum(failed_B).astype(jnp.int32)))
+
+
+def _shrinking_decode(params, state, keys_N, *, model, w_DxV, mc, sc,
+                      row_multiple: int):
+  """``paged_decode`` to the end, in batches that halve as rows end
+  (``SamplerConfig.shrink_batch_to``; the module docstring): once the live
+  rows fit the next level, they (live first) are gathered into it, their
+  tables and lengths with them, and each batch's rows are written back to
+  their own rows when it shrinks again and at the end."""
+  t = sc.max_new_tokens
+  levels = shrink_levels(keys_N.shape[0], sc.shrink_batch_to, row_multiple)
+  run = functools.partial(paged_decode, params, model=model, w_DxV=w_DxV,
+                          mc=mc, sc=sc)
+  state, peak, cut = run(state, keys_N, t,
+                         fits=levels[1] if len(levels) > 1 else 0)
+  full, rows_n = state, None
+  for k, n in enumerate(levels[1:], start=1):
+    pick_n = jnp.argsort(state.done, stable=True)[:n]  # the live rows first
+    if rows_n is not None:
+      full = _write_rows(full, rows_n, state)
+    rows_n = pick_n if rows_n is None else rows_n[pick_n]
+    cache = state.cache
+    state = state._replace(
+        logits=jnp.take(state.logits, pick_n, axis=0),
+        cache=cache._replace(table=cache.table[pick_n],
+                             lengths=cache.lengths[pick_n]),
+        **{f: (None if getattr(state, f) is None
+               else jnp.take(getattr(state, f), pick_n, axis=0))
+           for f in _ROW_FIELDS})
+    state, more_peak, more_cut = run(
+        state, jnp.take(keys_N, rows_n, axis=0), t,
+        fits=levels[k + 1] if k + 1 < len(levels) else 0)
+    peak, cut = jnp.maximum(peak, more_peak), cut + more_cut
+  if rows_n is None:
+    return state, peak, cut
+  full = _write_rows(full, rows_n, state)
+  return full._replace(step=state.step, logits=state.logits,
+                       cache=state.cache), peak, cut
 
 
 def pool_stats(cache: pc.PagedKVCache, num_blocks: int, peak, cut

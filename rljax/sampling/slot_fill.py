@@ -298,10 +298,20 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
   cache = KVCache(layers, cache_mask,
                   cache.index.at[slot].set(p, mode="drop"))
   logits = jnp.where(from_slot[:, None], state.prompt_logits[donor], logits)
+  return _started(state, queue, row, slot, valid, logits, cache, count,
+                  num_leaders, prompt)
+
+
+def _started(state: Any, queue: Any, row, slot, live, logits, cache, count,
+             prefilled, prompt) -> Any:
+  """The state after a fill of prompts alone: queue rows ``row`` in slots
+  ``slot`` (``live`` where they decode), their first-token ``logits``, the
+  filled ``cache``, ``count`` rows taken from the queue, ``prefilled`` of
+  them run through the decoder; each live slot lends its ``prompt``."""
   prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
   return state._replace(
       slot_row=state.slot_row.at[slot].set(row, mode="drop"),
-      live=state.live.at[slot].set(valid, mode="drop"),
+      live=state.live.at[slot].set(live, mode="drop"),
       logits=state.logits.at[slot].set(logits, mode="drop"),
       cache=cache,
       column=state.column.at[slot].set(0, mode="drop"),
@@ -310,8 +320,9 @@ def prefill_shared(params, state: Any, queue: Any, num_rows: int, *,
           jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
       next_row=state.next_row + count,
       prefills=state.prefills + 1,
-      prefilled_rows=state.prefilled_rows + num_leaders,
-      slot_prompt=state.slot_prompt.at[slot].set(prompt, mode="drop"),
+      prefilled_rows=state.prefilled_rows + prefilled,
+      slot_prompt=state.slot_prompt.at[slot].set(
+          jnp.where(live[:, None], prompt, NO_PROMPT), mode="drop"),
       prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
 
 
@@ -388,23 +399,8 @@ def _prefill_shared_paged(params, state: Any, queue: Any, num_rows: int, *,
   cache = pc.release(cache, slot_pages.slot_mask(slot, cut, m))
   state = _cut_rows(state._replace(kv_peak=peak), row, cut)
   logits = jnp.where(from_slot[:, None], state.prompt_logits[donor], logits)
-  prompt_len = jnp.sum(queue.prompt_mask[row].astype(jnp.int32), -1)
-  live = valid & ~cut
-  return state._replace(
-      slot_row=state.slot_row.at[slot].set(row, mode="drop"),
-      live=state.live.at[slot].set(live, mode="drop"),
-      logits=state.logits.at[slot].set(logits, mode="drop"),
-      cache=cache,
-      column=state.column.at[slot].set(0, mode="drop"),
-      position=state.position.at[slot].set(prompt_len, mode="drop"),
-      keys=state.keys.at[slot].set(
-          jax.random.wrap_key_data(queue.keys[row]), mode="drop"),
-      next_row=state.next_row + count,
-      prefills=state.prefills + 1,
-      prefilled_rows=state.prefilled_rows + num_leaders,
-      slot_prompt=state.slot_prompt.at[slot].set(
-          jnp.where(live[:, None], prompt, NO_PROMPT), mode="drop"),
-      prompt_logits=state.prompt_logits.at[slot].set(logits, mode="drop"))
+  return _started(state, queue, row, slot, valid & ~cut, logits, cache, count,
+                  num_leaders, prompt)
 
 
 __all__ = ["ACCEPT_FOLD", "NO_PROMPT", "accept_draft", "masked_prompt",

@@ -132,11 +132,6 @@ RULES: tuple[Rule, ...] = (
          "cache; it has no paged path (on continuous or partial slots the "
          "drafts are verified on blocks)", "sampler.kv_cache='dense', or "
          "rl.rollout='continuous' or 'partial'", "missing"),
-    Rule("paged-shrink", ("sampler.kv_cache", "sampler.shrink_batch_to"),
-         lambda c, p: _paged(c) and c.sampler.shrink_batch_to is not None,
-         "a paged batch frees the blocks of ended rows but does not gather "
-         "its live rows into smaller batches", "sampler.shrink_batch_to=None",
-         "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),
