@@ -527,6 +527,14 @@ def padding_free():
           f"{100 * row['exact_buckets_fill']:.1f}% full, "
           f"{row['exact_buckets_vs_8']:.2f}x the 8 buckets' step")
     out[kind] = row
+  # Issue 48's bar: the packed update's time per real token on long-tailed
+  # rows within 1.2x of its time on full rows.
+  if {"fixed", "long_tailed"} <= set(out):
+    out["long_tailed_time_per_real_token_vs_fixed"] = (
+        out["fixed"]["packed_real_tokens_per_s"]
+        / out["long_tailed"]["packed_real_tokens_per_s"])
+    print(f"  packed, time per real token: long-tailed "
+          f"{out['long_tailed_time_per_real_token_vs_fixed']:.2f}x full rows'")
   return out
 
 
