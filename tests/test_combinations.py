@@ -32,8 +32,6 @@ TRIGGERS = {
                          "rl.allocation.name": "vigor"}, 1),
     "paged-episodes": ({"sampler.kv_cache": "paged",
                         "env.name": "calculator"}, 1),
-    "paged-speculative": ({"sampler.kv_cache": "paged",
-                           "sampler.speculative": True}, 1),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 

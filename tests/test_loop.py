@@ -108,7 +108,6 @@ SETTING_FIXUPS = {
     # The static batch on blocks, halving down to 2 rows (slots on blocks:
     # tests/test_pairs.py, tests/test_paged_slots.py).
     ("sampler.kv_cache", "paged"): {"rl.rollout": "static",
-                                    "sampler.speculative": False,
                                     "sampler.shrink_batch_to": 2,
                                     "sampler.kv_block_size": 4},
     # A tree (2 roots, one fork after 4 of the 6 tokens) samples on its own.

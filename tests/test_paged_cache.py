@@ -279,6 +279,76 @@ def test_a_shrinking_paged_batch_draws_the_same_rows_in_smaller_loops(
                    else {16: 1, 8: 1}), loops
 
 
+@pytest.fixture(scope="module")
+def spec_dense(params, prompts, dense):
+  """SPEC-RL on the dense cache: the dense rows as drafts, verified by
+  moved params (some kept, some rejected), the batch halving to 2 rows."""
+  draft = sampling.Draft(
+      np.where(dense.completion_mask, dense.completion_tokens, 0),
+      dense.completion_mask, dense.sampler_logprobs)
+  moved = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(
+      jax.random.key(8), x.shape, x.dtype), params)
+  config = BASE.replace(shrink_batch_to=2)
+  fn = sampling.make_speculative_sampler(TINY, config)
+  return draft, moved, config, jax.device_get(
+      fn(moved, *prompts, draft, jax.random.key(5)))
+
+
+@pytest.mark.slow  # two speculative programs: CI, not the fast tier
+@pytest.mark.parametrize("pool", [176, 175])
+def test_spec_rl_on_blocks_accepts_and_decodes_as_the_dense_cache(
+    prompts, spec_dense, pool):
+  """The verification pass writes every row's whole draft: 16 rows x 11
+  blocks (prompt blocks shared, the one a prompt ends in copied) = 176 at
+  the peak, the worst-case pool. A pool of 176 cuts no row; of 175 the
+  last row runs out of blocks for its draft and is cut (no token, counted);
+  every other row is the dense cache's, and every block comes back."""
+  draft, moved, config, (want, want_accepted) = spec_dense
+  assert 0 < want_accepted.sum() < draft.mask.sum()  # some rejected
+  fn = sampling.make_speculative_sampler(
+      TINY, config, paged=paged_lib.PagedConfig(4, pool))
+  got, accepted, stats = jax.device_get(
+      fn(moved, *prompts, draft, jax.random.key(5)))
+  cut = 1 if pool == 175 else 0
+  assert stats["rollout/kv_cut_rows"] == cut
+  # (the cut row held blocks until it failed: the pool is full at the peak)
+  assert stats["rollout/kv_blocks_peak"] == (pool or 176)
+  assert stats["rollout/kv_blocks_left"] == 0
+  keep = np.arange(len(accepted)) < len(accepted) - cut
+  np.testing.assert_array_equal(accepted[keep], want_accepted[keep])
+  np.testing.assert_array_equal(got.completion_tokens[keep],
+                                want.completion_tokens[keep])
+  np.testing.assert_array_equal(got.finished[keep], want.finished[keep])
+  for name in ("sampler_logprobs", "policy_logprobs"):
+    np.testing.assert_allclose(getattr(got, name)[keep],
+                               getattr(want, name)[keep], atol=1e-5,
+                               err_msg=name)
+  if cut:
+    assert got.lengths[-1] == 0 and not got.finished[-1]
+    assert accepted[-1] == 0
+
+
+@pytest.mark.slow  # a loop run: CI, not the fast tier
+def test_spec_rl_on_the_static_batch_on_blocks_trains_from_the_config(
+    tmp_path):
+  """One epoch per step: step 2 drafts from step 1's rows and verifies
+  them on blocks; both steps report the pool (step 1 samples plainly)."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  from tests.test_loop import rl_rows  # pylint: disable=import-outside-toplevel
+  config = loop_config(**{"sampler.kv_cache": "paged",
+                          "sampler.kv_block_size": 4,
+                          "sampler.speculative": True})
+  config.task.num_train = config.rl.prompts_per_step
+  config.rl.num_steps = 2
+  train.run(config, str(tmp_path))
+  rows = rl_rows(tmp_path)
+  assert [r["spec/drafted_rows"] > 0 for r in rows] == [False, True]
+  for r in rows:
+    assert r["rollout/kv_blocks_left"] == 0 and r["rollout/kv_cut_rows"] == 0
+    assert 0 < r["rollout/kv_blocks_peak"] <= r["rollout/kv_blocks_pool"]
+    assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
+
+
 # --- the config --------------------------------------------------------------
 
 
@@ -291,7 +361,7 @@ def test_a_bad_pool_is_refused_naming_the_field(field, value):
 
 
 @pytest.mark.parametrize("overrides,rule", [
-    ({"sampler.speculative": True}, "paged-speculative"),
+    ({"env.name": "calculator"}, "paged-episodes"),
 ])
 def test_what_paged_does_not_combine_with_is_refused(overrides, rule):
   config = loop_config(**{"sampler.kv_cache": "paged", **overrides})

@@ -107,7 +107,6 @@ REFUSED = {
     frozenset(("tree", "env")): "tree-episodes",
     frozenset(("tree", "spec_rl")): "tree-speculative",
     frozenset(("paged", "env")): "paged-episodes",
-    frozenset(("paged", "spec_rl")): "paged-speculative",
 }
 
 MAX_FEATURES = 10  # per run

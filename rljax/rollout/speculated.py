@@ -7,6 +7,7 @@ themselves (``rollout/partial.py``).
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from rljax import distributed
@@ -29,10 +30,7 @@ class Speculated:
             if sampler is self.allocation_sampler else None)
     where = where or self.mesh
     if spec is None:
-      with_metrics = getattr(sampler, "with_metrics", None)  # a paged pool's
-      if with_metrics is not None:
-        return with_metrics(params, tokens, mask, key)
-      return sampler(params, tokens, mask, key), {}
+      return _plain(sampler, params, tokens, mask, key)
     g, group = samples or self.samples_per_prompt, self.group
     # The store is replicated: every process looks up and stores every
     # prompt of the batch, in the order of the rows (the same drafts, the
@@ -44,16 +42,18 @@ class Speculated:
                                    where)
       all_prompts = [p for block in blocks for p in block]
     draft = spec.store.lookup(all_prompts, g, spec.max_new_tokens)
-    metrics = {"spec/drafted_rows": 0.0}
     if draft is None:
-      rollout = sampler(params, tokens, mask, key)
+      rollout, metrics = _plain(sampler, params, tokens, mask, key)
+      metrics["spec/drafted_rows"] = 0.0
     else:
       drafted_N = draft.mask.sum(1)
       mine = (slice(None) if group.single
               else group.rows(where, len(all_prompts) * g))
       draft = sampling.Draft(*(group.global_array(np.asarray(x)[mine], where)
                                for x in draft))
-      rollout, accepted_N = spec.sampler(params, tokens, mask, draft, key)
+      # A paged cache's sampler also returns its pool's figures.
+      rollout, accepted_N, *pool = spec.sampler(params, tokens, mask, draft,
+                                                key)
       accepted_N = group.gather_rows(group.local_rows(accepted_N), where)
       has = drafted_N > 0
       metrics = {
@@ -63,12 +63,24 @@ class Speculated:
           "spec/full_accept_fraction": float(
               (accepted_N[has] == drafted_N[has]).mean()),
       }
+      for figures in pool:
+        metrics.update({k: float(v) for k, v in
+                        jax.device_get(figures).items()})
     rows = distributed.local_rows_many(
         group, rollout.completion_tokens, rollout.completion_mask,
         rollout.sampler_logprobs)
     spec.store.update(all_prompts, *distributed.gather_rows_many(
         group, where, *rows))
     return rollout, metrics
+
+
+def _plain(sampler, params, tokens, mask, key):
+  """``(rollout, metrics)`` of the plain sampler: a paged pool's figures
+  (``with_metrics``), or none."""
+  with_metrics = getattr(sampler, "with_metrics", None)
+  if with_metrics is not None:
+    return with_metrics(params, tokens, mask, key)
+  return sampler(params, tokens, mask, key), {}
 
 
 __all__ = ["Speculated"]

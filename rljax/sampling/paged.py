@@ -150,7 +150,7 @@ def _sample_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   state = _empty_state(jnp.repeat(logits, g, axis=0), cache, prompt_len_N, sc)
   # A prompt that found no blocks is cut before its first token.
   state = state._replace(done=jnp.repeat(failed_B, g))
-  state, peak, cut = _shrinking_decode(
+  state, peak, cut = shrinking_decode(
       params, state, row_keys(key, b * g), model=model, w_DxV=w_DxV, mc=mc,
       sc=sc, row_multiple=row_multiple)
   return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, state, sc),
@@ -158,7 +158,7 @@ def _sample_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                      cut + g * jnp.sum(failed_B).astype(jnp.int32)))
 
 
-def _shrinking_decode(params, state, keys_N, *, model, w_DxV, mc, sc,
+def shrinking_decode(params, state, keys_N, *, model, w_DxV, mc, sc,
                       row_multiple: int):
   """``paged_decode`` to the end, in batches that halve as rows end
   (``SamplerConfig.shrink_batch_to``; the module docstring): once the live
@@ -223,4 +223,4 @@ def make_paged_sampler(model_config: ModelConfig, config: SamplerConfig,
 
 
 __all__ = ["PagedConfig", "make_paged_sampler",
-           "paged_decode", "pool_stats", "prefill_groups"]
+           "paged_decode", "pool_stats", "prefill_groups", "shrinking_decode"]

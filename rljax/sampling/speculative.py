@@ -57,11 +57,14 @@ import jax.numpy as jnp
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits
+from rljax.models import paged_cache as pc
+from rljax.sampling import paged as paged_lib
+from rljax.sampling import slot_pages
 from rljax.sampling.jitting import mesh_shardings, pad_rows
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _decode, _ended,
                                     _LoopState, _grow, _prefill,
                                     _round_up, decode_setup, _to_rollout,
-                                    sampled_logprobs)
+                                    row_keys, sampled_logprobs)
 
 _VERIFY_CHUNK = 128  # draft positions whose [N, chunk, V] logits exist at once
 
@@ -99,6 +102,88 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
   hidden_NxTxD, cache = model.apply(
       {"params": params}, draft.tokens, prompt_len_N[:, None] + cols_T[None],
       cache, input_mask_BxT=draft_mask_NxT)
+  key_accept, key_decode = jax.random.split(key)
+  state = _verified_state(last_NxD, hidden_NxTxD, draft, key_accept, cache,
+                          prompt_len_N, w_DxV=w_DxV, mc=mc, sc=sc,
+                          log_lenience=log_lenience)
+  # Rejected draft slots stay in the cache but are never attended to again.
+  state = state._replace(cache=cache._replace(mask=jax.lax.dynamic_update_slice(
+      cache.mask, state.mask, (0, start))))
+  final = _decode(params, state, key_decode, model=model, w_DxV=w_DxV, mc=mc,
+                  sc=sc, base_slots=cache.mask.shape[1],
+                  row_multiple=row_multiple)
+  return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final, sc),
+          state.column)  # the draft tokens each row kept
+
+
+def _speculative_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP,
+                            draft: Draft, key, *, model_config: ModelConfig,
+                            config: SamplerConfig, log_lenience: float,
+                            paged: Any, row_multiple: int = 1
+                            ) -> tuple[Rollout, jax.Array, dict]:
+  """``_speculative_impl`` on a paged KV cache (``sampling.paged``): each
+  group's prompt is prefilled once into blocks its rows share; each row
+  reserves blocks for its whole draft (copying the block its prompt ends
+  in), the verification pass writes them, and a row keeps only the blocks
+  of the tokens it accepted before decoding on (``paged.paged_decode``).
+  The same rows as the dense cache's; also the pool's figures."""
+  mc, sc = model_config, config
+  t = sc.max_new_tokens
+  prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
+  model, w_DxV, cache_dtype, prompt_len_N = decode_setup(
+      params, prompt_mask_BxP, mc, sc)
+  b, p = prompt_tokens_BxP.shape
+  g = sc.num_samples
+  n = b * g
+  num_blocks, max_blocks = paged.sizes(b, p, n, t)
+  cache = pc.init_paged_cache(mc, n, num_blocks, paged.block_size,
+                              max_blocks, cache_dtype)
+  hidden_BxD, cache, failed_B = paged_lib.prefill_groups(
+      params, prompt_tokens_BxP, prompt_mask_BxP, cache, g, model)
+  no_prompt_N = jnp.repeat(failed_B, g)
+  cache, failed_N = pc.reserve(cache, ~no_prompt_N, t)
+  cut_N = no_prompt_N | failed_N  # rows with no room for their draft
+  peak = pc.blocks_in_use(cache)
+  cols_T = jnp.arange(t, dtype=jnp.int32)
+  hidden_NxTxD, cache = model.apply(
+      {"params": params}, draft.tokens, prompt_len_N[:, None] + cols_T[None],
+      cache, input_mask_BxT=draft.mask.astype(jnp.bool_))
+  key_accept, key_decode = jax.random.split(key)
+  state = _verified_state(jnp.repeat(hidden_BxD, g, axis=0), hidden_NxTxD,
+                          draft, key_accept, cache, prompt_len_N, w_DxV=w_DxV,
+                          mc=mc, sc=sc, log_lenience=log_lenience)
+  kept = state.mask & ~cut_N[:, None]
+  accepted_N = jnp.where(cut_N, 0, state.column)
+  cache = slot_pages.set_lengths(cache, jnp.arange(n), p + accepted_N)
+  done = state.done | cut_N
+  state = state._replace(
+      cache=pc.release(cache, done), mask=kept, column=accepted_N, done=done,
+      finished=state.finished & ~cut_N,
+      tokens=jnp.where(kept, state.tokens, sc.pad_id),
+      sampler_logp=jnp.where(kept, state.sampler_logp, 0.0),
+      policy_logp=(None if state.policy_logp is None
+                   else jnp.where(kept, state.policy_logp, 0.0)),
+      next_position=prompt_len_N + accepted_N)
+  final, more_peak, cut = paged_lib.shrinking_decode(
+      params, state, row_keys(key_decode, n), model=model, w_DxV=w_DxV,
+      mc=mc, sc=sc, row_multiple=row_multiple)
+  return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final, sc),
+          accepted_N, paged_lib.pool_stats(
+              final.cache, num_blocks, jnp.maximum(peak, more_peak),
+              cut + jnp.sum(cut_N).astype(jnp.int32)))
+
+
+def _verified_state(last_NxD, hidden_NxTxD, draft: Draft, key_accept, cache,
+                    prompt_len_N, *, w_DxV, mc: ModelConfig,
+                    sc: SamplerConfig, log_lenience: float) -> _LoopState:
+  """The decode state after the verification pass: each row's accepted
+  draft prefix (the acceptance rule of the module docstring) as its first
+  tokens, and the logits that predict its next one. ``last_NxD``: the
+  hidden state after each row's prompt; ``hidden_NxTxD``: after each draft
+  token. Shared by the dense and the paged cache (``cache``, unchanged)."""
+  t = sc.max_new_tokens
+  cols_T = jnp.arange(t, dtype=jnp.int32)
+  draft_mask_NxT = draft.mask.astype(jnp.bool_)
   # Row j of `before` is the hidden state that predicts draft token j.
   before_NxTxD = jnp.concatenate([last_NxD[:, None], hidden_NxTxD[:, :-1]], 1)
   sampler_lp, policy_lp, argmax = [], [], []
@@ -112,7 +197,6 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
     argmax.append(jnp.argmax(logits, -1).astype(jnp.int32))
   sampler_lp = jnp.concatenate(sampler_lp, 1)
   policy_lp = jnp.concatenate(policy_lp, 1)
-  key_accept, key_decode = jax.random.split(key)
   n = draft.tokens.shape[0]
   is_argmax = draft.tokens == jnp.concatenate(argmax, 1)
   if sc.method.greedy:
@@ -129,9 +213,6 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
   accepted_N = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
   kept_NxT = cols_T[None] < accepted_N[:, None]
   tokens = jnp.where(kept_NxT, draft.tokens, sc.pad_id)
-  # Rejected draft slots stay in the cache but are never attended to again.
-  cache = cache._replace(mask=jax.lax.dynamic_update_slice(
-      cache.mask, kept_NxT, (0, start)))
   next_NxD = jnp.take_along_axis(
       before_NxTxD, jnp.minimum(accepted_N, t - 1)[:, None, None], 1)
   logits = compute_logits(next_NxD, w_DxV, mc.final_logit_softcap)[:, 0]
@@ -141,7 +222,7 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
       jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32),
       sc.stop_sequences)
   zero = jnp.zeros_like(sampler_lp)
-  state = _LoopState(
+  return _LoopState(
       step=jnp.zeros((), jnp.int32),
       logits=sharding.constrain(logits, ("batch", "act_vocab")),
       cache=cache, tokens=tokens, mask=kept_NxT,
@@ -150,18 +231,13 @@ def _speculative_impl(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
       sampler_logp=jnp.where(kept_NxT, sampler_lp, zero),
       column=accepted_N, done=ended | (accepted_N >= t), finished=ended,
       next_position=prompt_len_N + accepted_N)
-  final = _decode(params, state, key_decode, model=model, w_DxV=w_DxV, mc=mc,
-                  sc=sc, base_slots=cache.mask.shape[1],
-                  row_multiple=row_multiple)
-  return (_to_rollout(prompt_tokens_BxP, prompt_mask_BxP, final, sc),
-          accepted_N)
 
 
 def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
                              mesh: jax.sharding.Mesh | None = None,
                              param_shardings: Any = None,
                              rules: sharding.Rules = sharding.DEFAULT_RULES,
-                             *, log_lenience: float = 0.0):
+                             *, log_lenience: float = 0.0, paged: Any = None):
   """A jitted ``fn(params, tokens_BxP, mask_BxP, draft, key) -> (Rollout, accepted_N)``.
 
   ``accepted_N`` (int32) is the number of draft tokens each row kept.
@@ -176,12 +252,18 @@ def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
     mesh, param_shardings, rules: as ``make_sampler``.
     log_lenience: ``log l >= 0`` of the acceptance rule (module docstring):
       0 is SPEC-RL's strict rule, 0.5 its "lenience 0.5" runs.
+    paged: a ``sampling.PagedConfig``: decode on a paged KV cache; the
+      function then returns ``(Rollout, accepted_N, pool figures)``
+      (``paged.pool_stats``).
   """
   if not log_lenience >= 0:
     raise ValueError(f"sampler.spec_log_lenience={log_lenience!r}: a number "
                      ">= 0 is required.")
-  fn = functools.partial(_speculative_impl, model_config=model_config,
-                         config=config, log_lenience=float(log_lenience))
+  fn = functools.partial(
+      _speculative_impl if paged is None else functools.partial(
+          _speculative_paged_impl, paged=paged),
+      model_config=model_config, config=config,
+      log_lenience=float(log_lenience))
   if mesh is None:
     return jax.jit(fn)
   s = mesh_shardings(mesh, rules, config)
@@ -189,7 +271,8 @@ def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
   jitted = jax.jit(functools.partial(fn, row_multiple=s.ways),
                    in_shardings=(param_shardings, b2, b2, Draft(b2, b2, b2),
                                  s.replicated),
-                   out_shardings=(s.rollout, s.batch1))
+                   out_shardings=(s.rollout, s.batch1) + (
+                       () if paged is None else (s.replicated,)))
   g = config.num_samples
 
   def call(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft, key):
@@ -199,12 +282,12 @@ def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
         extra, prompt_tokens_BxP, prompt_mask_BxP)
     draft = Draft(*pad_rows(extra, *draft, block=g))
     with jax.set_mesh(mesh):
-      rollout, accepted_N = jitted(params, prompt_tokens_BxP, prompt_mask_BxP,
-                                   draft, key)
+      rollout, accepted_N, *pool = jitted(params, prompt_tokens_BxP,
+                                          prompt_mask_BxP, draft, key)
     if extra:
       n = b * g
       rollout = jax.tree.map(lambda x: x[:n], rollout)
       accepted_N = accepted_N[:n]
-    return rollout, accepted_N
+    return (rollout, accepted_N, *pool)
   call.jitted = jitted
   return call

@@ -256,7 +256,7 @@ class Samplers:
     return sampling.Speculation(
         sampler=sampling.make_speculative_sampler(
             self.model_config, config, *self._where(True),
-            log_lenience=float(s.spec_log_lenience)),
+            log_lenience=float(s.spec_log_lenience), paged=self._paged()),
         store=(store if store is not None
                else sampling.DraftStore(int(s.spec_store_prompts))),
         max_new_tokens=config.max_new_tokens)

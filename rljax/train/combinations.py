@@ -125,13 +125,6 @@ RULES: tuple[Rule, ...] = (
          "multi-turn episodes insert observations into a dense cache per "
          "row; they have no paged path", "sampler.kv_cache='dense'",
          "missing"),
-    Rule("paged-speculative", ("sampler.kv_cache", "sampler.speculative"),
-         lambda c, p: (_paged(c) and bool(c.sampler.speculative)
-                       and not _slots(c)),
-         "SPEC-RL's verification pass on the static batch writes a dense "
-         "cache; it has no paged path (on continuous or partial slots the "
-         "drafts are verified on blocks)", "sampler.kv_cache='dense', or "
-         "rl.rollout='continuous' or 'partial'", "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),
