@@ -328,27 +328,6 @@ def test_spec_rl_on_blocks_accepts_and_decodes_as_the_dense_cache(
     assert accepted[-1] == 0
 
 
-@pytest.mark.slow  # a loop run: CI, not the fast tier
-def test_spec_rl_on_the_static_batch_on_blocks_trains_from_the_config(
-    tmp_path):
-  """One epoch per step: step 2 drafts from step 1's rows and verifies
-  them on blocks; both steps report the pool (step 1 samples plainly)."""
-  from rljax import train  # pylint: disable=import-outside-toplevel
-  from tests.test_loop import rl_rows  # pylint: disable=import-outside-toplevel
-  config = loop_config(**{"sampler.kv_cache": "paged",
-                          "sampler.kv_block_size": 4,
-                          "sampler.speculative": True})
-  config.task.num_train = config.rl.prompts_per_step
-  config.rl.num_steps = 2
-  train.run(config, str(tmp_path))
-  rows = rl_rows(tmp_path)
-  assert [r["spec/drafted_rows"] > 0 for r in rows] == [False, True]
-  for r in rows:
-    assert r["rollout/kv_blocks_left"] == 0 and r["rollout/kv_cut_rows"] == 0
-    assert 0 < r["rollout/kv_blocks_peak"] <= r["rollout/kv_blocks_pool"]
-    assert np.isfinite(r["pg_loss"]) and r["grad_norm"] > 0
-
-
 # --- the config --------------------------------------------------------------
 
 

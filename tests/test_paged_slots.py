@@ -1,5 +1,6 @@
 """Continuous and partial slots on a paged KV cache (``SlotConfig.paged``,
-``rljax/sampling/slot_pages.py``).
+``rljax/sampling/slot_pages.py``), and SPEC-RL's drafts verified on blocks
+from the config.
 
 The reference is the dense slots' sampler (``tests/test_continuous.py``
 checks it against the static sampler): the same queue gives the same
@@ -203,14 +204,17 @@ def test_no_block_leaks_after_a_thousand_refills(params):
 
 
 @pytest.mark.slow  # a loop run: CI, not the fast tier
-def test_continuous_slots_on_blocks_verify_spec_rl_drafts_in_the_loop(
-    tmp_path):
-  """From the config: continuous slots on a paged cache, SPEC-RL drafting
-  step 2's rows from step 1's (one epoch per step), verified on blocks;
-  every block back after each step."""
+@pytest.mark.parametrize("rollout", ["static", "continuous"])
+def test_spec_rl_drafts_verified_on_blocks_train_from_the_config(tmp_path,
+                                                                 rollout):
+  """From the config, on a paged cache: SPEC-RL drafting step 2's rows from
+  step 1's (one epoch per step), verified on blocks by the static batch's
+  verification pass or in the slots' prefills; both steps report the pool
+  (step 1 samples plainly), every block back after each."""
   from rljax import train  # pylint: disable=import-outside-toplevel
   from tests.test_loop import loop_config, rl_rows  # pylint: disable=import-outside-toplevel
-  config = loop_config(**{"rl.rollout": "continuous", "rl.rollout_slots": 8,
+  slots = {"rl.rollout_slots": 8} if rollout == "continuous" else {}
+  config = loop_config(**{"rl.rollout": rollout, **slots,
                           "sampler.kv_cache": "paged",
                           "sampler.kv_block_size": 4,
                           "sampler.speculative": True})
