@@ -102,6 +102,10 @@ def test_carried_rows_resume_on_blocks_as_on_the_dense_cache(params, queue,
   dense_first = jax.device_get(slots4[0](params, queue, 1))
   done = np.asarray(dense_first.done)
   assert 0 < done.sum() < B * G
+  # Stopped on blocks: the same rows, and the stopped rows' blocks back.
+  paged_first = jax.device_get(slots4[1](params, queue, 1))
+  _assert_same_rows(paged_first, dense_first)
+  assert paged_first.kv_stats["rollout/kv_blocks_left"] == 0
   order = np.argsort(done, stable=True)
   carried = cb.Queue(
       prompt_tokens=queue.prompt_tokens[order],

@@ -124,7 +124,8 @@ class SlotRollout(NamedTuple):
       started is returned as queued, its draft unverified).
     kv_stats: on a paged cache (``SlotConfig.paged``), the pool's figures
       (``paged.pool_stats``: the most blocks in use at once, the pool, the
-      rows cut for want of a block, the blocks still held); else None.
+      rows cut for want of a block, the blocks still held once every row
+      ended or stopped: 0 unless a block leaked); else None.
   """
 
   completion_tokens: jax.Array
@@ -373,8 +374,10 @@ def _continuous_impl(params, queue: Queue, target_groups, *,
       kept_tokens=state.kept, prefills=state.prefills,
       prefilled_rows=state.prefilled_rows, accepted=state.accepted,
       started=jnp.arange(q) < state.next_row,
+      # Rows still decoding when a partial call stops are carried and
+      # prefilled again next time: their blocks go back with the call's.
       kv_stats=(None if slots.paged is None else slot_pages.pool_figures(
-          state.cache, state.kv_peak, state.kv_cut)))
+          pc.release(state.cache, state.live), state.kv_peak, state.kv_cut)))
 
 
 def make_continuous_sampler(model_config: ModelConfig, config: SamplerConfig,
