@@ -39,9 +39,9 @@ from rljax.models import ModelConfig, compute_logits, positions_from_mask
 from rljax.models import paged_cache as pc
 from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.decode_cache import shrink_levels
-from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
-                                    _empty_state, _to_rollout, _write_rows,
-                                    decode_setup, decode_step, row_keys)
+from rljax.sampling.sampler import (Rollout, SamplerConfig, _empty_state,
+                                    _to_rollout, _write_rows, decode_setup,
+                                    decode_step, row_keys, take_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,13 +178,8 @@ def shrinking_decode(params, state, keys_N, *, model, w_DxV, mc, sc,
       full = _write_rows(full, rows_n, state)
     rows_n = pick_n if rows_n is None else rows_n[pick_n]
     cache = state.cache
-    state = state._replace(
-        logits=jnp.take(state.logits, pick_n, axis=0),
-        cache=cache._replace(table=cache.table[pick_n],
-                             lengths=cache.lengths[pick_n]),
-        **{f: (None if getattr(state, f) is None
-               else jnp.take(getattr(state, f), pick_n, axis=0))
-           for f in _ROW_FIELDS})
+    state = take_rows(state, pick_n, cache._replace(
+        table=cache.table[pick_n], lengths=cache.lengths[pick_n]))
     state, more_peak, more_cut = run(
         state, jnp.take(keys_N, rows_n, axis=0), t,
         fits=levels[k + 1] if k + 1 < len(levels) else 0)

@@ -402,17 +402,24 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
     if rows_n is not None:  # this batch's rows back to their own rows
       full = _write_rows(full, rows_n, state)
     rows_n = pick_n if rows_n is None else rows_n[pick_n]
-    state = state._replace(
-        logits=jnp.take(state.logits, pick_n, axis=0),
-        cache=_gather_cache(state.cache, pick_n, sc.num_samples),
-        **{f: (None if getattr(state, f) is None
-               else jnp.take(getattr(state, f), pick_n, axis=0))
-           for f in _ROW_FIELDS})
+    state = take_rows(state, pick_n,
+                      _gather_cache(state.cache, pick_n, sc.num_samples))
     fits = levels[k + 1] if k + 1 < len(levels) else 0
     state = run(state, jnp.take(keys_N, rows_n, axis=0), t, fits)
   full = _write_rows(full, rows_n, state)
   return full._replace(step=state.step, logits=state.logits,
                        cache=state.cache)
+
+
+def take_rows(state: _LoopState, pick_n, cache) -> _LoopState:
+  """The smaller decode batch of rows ``pick_n``: their logits and per-row
+  fields, on ``cache`` (their rows of the cache, gathered by the caller:
+  dense here, block tables in ``sampling.paged``)."""
+  return state._replace(
+      logits=jnp.take(state.logits, pick_n, axis=0), cache=cache,
+      **{f: (None if getattr(state, f) is None
+             else jnp.take(getattr(state, f), pick_n, axis=0))
+         for f in _ROW_FIELDS})
 
 
 def _write_rows(full: _LoopState, rows_n, state: _LoopState) -> _LoopState:
