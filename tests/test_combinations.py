@@ -27,7 +27,6 @@ TRIGGERS = {
     "tree-episodes": ({"rl.rollout": "tree", "env.name": "calculator"}, 1),
     "tree-speculative": ({"rl.rollout": "tree",
                           "sampler.speculative": True}, 1),
-    "tree-shrink": ({"rl.rollout": "tree", "sampler.shrink_batch_to": 2}, 1),
     "tree-allocation": ({"rl.rollout": "tree",
                          "rl.allocation.name": "vigor"}, 1),
     "paged-episodes": ({"sampler.kv_cache": "paged",

@@ -111,8 +111,7 @@ SETTING_FIXUPS = {
                                     "sampler.shrink_batch_to": 2,
                                     "sampler.kv_block_size": 4},
     # A tree (2 roots, one fork after 4 of the 6 tokens) samples on its own.
-    ("rl.rollout", "tree"): {"sampler.speculative": False,
-                             "sampler.shrink_batch_to": None},
+    ("rl.rollout", "tree"): {"sampler.speculative": False},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)

@@ -10,6 +10,7 @@ hand-derived forks and counts, and a NumPy float64 port of TreePO's
 import collections
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import pytest
 
 from rljax import advantages as adv
 from rljax import models, sampling
+from rljax.sampling import jitting
 from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
 from rljax.train import build, combinations
@@ -290,7 +292,6 @@ def test_a_tree_that_does_not_fit_is_refused_before_any_compile():
     ({"rl.advantage": "treepo"}, "treepo-without-tree"),
     ({"rl.rollout": "tree", "rl.advantage": "remax"}, "tree-with-greedy-row"),
     ({"rl.rollout": "tree", "sampler.speculative": True}, "tree-speculative"),
-    ({"rl.rollout": "tree", "sampler.shrink_batch_to": 2}, "tree-shrink"),
     ({"rl.rollout": "tree", "rl.allocation.name": "vigor"},
      "tree-allocation"),
 ])
@@ -317,6 +318,87 @@ def test_on_a_paged_cache_forks_share_blocks_and_draw_the_same_tree(
   assert stats["rollout/kv_blocks_left"] == 0
   assert stats["rollout/kv_cut_rows"] == 0
   assert 0 < stats["rollout/kv_blocks_peak"] < stats["rollout/kv_blocks_pool"]
+
+
+# --- a last width that shrinks ----------------------------------------------
+
+# Leaves that end all along the last width: 24 new tokens, forks after 2, 4
+# and 6, many end ids.
+LONG_TAIL = BASE.replace(max_new_tokens=24, eos_ids=tuple(range(20, 34)))
+SHORT_SEGMENTS = tree_lib.TreeConfig(segment_tokens=2, branch=2, roots=1)
+
+
+@pytest.fixture(scope="module")
+def long_tailed_tree(params, prompts):
+  fn = tree_lib.make_tree_sampler(TINY, LONG_TAIL, SHORT_SEGMENTS)
+  return jax.device_get(fn(params, *prompts, jax.random.key(3)))
+
+
+def _assert_same_tree(ref, got):
+  for name, a, b in zip(ref._fields, ref, got):
+    if a is None:
+      assert b is None, name
+    elif "logprobs" in name:  # a smaller batch may round its matmuls apart
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def _decode_loops(fn, *args) -> dict[int, int]:
+  """``{rows: decode while-loops}`` of a sampler's program that carry a
+  ``[rows, T]`` token buffer."""
+  loops = collections.Counter()
+  for line in fn.lower(*args).as_text().splitlines():
+    if "stablehlo.while" in line:
+      loops.update(set(int(r) for r in re.findall(
+          rf"tensor<(\d+)x{LONG_TAIL.max_new_tokens}xi32>", line)))
+  return dict(loops)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_the_last_width_shrinks_as_its_leaves_end(params, prompts,
+                                                  long_tailed_tree, paged):
+  """``sampler.shrink_batch_to=4``: the 24 leaves decode in a batch of 24,
+  then 12 (the live rows gathered, a dense cache copying the prompt prefix
+  in, a paged one moving block tables), then 6: the same tree, every block
+  back at the end."""
+  ref = long_tailed_tree
+  lengths = ref.lengths
+  # More than half the leaves end in the last width (after the third fork,
+  # 6 tokens) and some run to the budget: the batch shrinks to 12 rows.
+  assert np.sum((lengths > 6) & (lengths < 24)) >= 12, lengths
+  assert np.sum(lengths == 24) >= 1 and np.sum(lengths < 24) > 12, lengths
+  fn = tree_lib.make_tree_sampler(
+      TINY, LONG_TAIL.replace(shrink_batch_to=4), SHORT_SEGMENTS,
+      paged=paged_lib.PagedConfig(block_size=2) if paged else None)
+  if not paged:  # a loop per width (3, 6, 12, 24 rows), then the last
+    # width's smaller batches one loop each
+    loops = _decode_loops(fn.jitted, params, *prompts, jax.random.key(3))
+    assert loops == {3: 1, 6: 2, 12: 2, 24: 1}, loops
+  got, stats = fn.with_metrics(params, *prompts, jax.random.key(3))
+  _assert_same_tree(ref, jax.device_get(got))
+  if paged:
+    assert stats["rollout/kv_blocks_left"] == 0
+    assert stats["rollout/kv_cut_rows"] == 0
+
+
+@pytest.mark.slow
+def test_on_a_mesh_the_shrinking_tree_keeps_whole_rows_per_device(
+    params, prompts, long_tailed_tree):
+  """3 prompts over 8 devices (padded to 8 prompts, 64 leaves): the last
+  width halves to 32, 16 and 8 rows (one per device), never below, and the
+  tree is the unsharded one's."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(8, 1, 1),
+                           ("data", "fsdp", "tensor"))
+  fn = tree_lib.make_tree_sampler(
+      TINY, LONG_TAIL.replace(shrink_batch_to=1), SHORT_SEGMENTS, mesh)
+  padded = jitting.pad_rows(5, *prompts)  # as the sampler pads them
+  with jax.set_mesh(mesh):
+    loops = _decode_loops(fn.jitted, params, *padded, jax.random.key(3))
+  # The widths (8, 16, 32, 64 rows), then 32, 16 and 8 once more.
+  assert loops == {8: 2, 16: 2, 32: 2, 64: 1}, loops
+  got = jax.device_get(fn(params, *prompts, jax.random.key(3)))
+  _assert_same_tree(long_tailed_tree, got)
 
 
 # --- the benchmarks ----------------------------------------------------------

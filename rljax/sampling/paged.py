@@ -40,8 +40,8 @@ from rljax.models import paged_cache as pc
 from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.decode_cache import shrink_levels
 from rljax.sampling.sampler import (Rollout, SamplerConfig, _empty_state,
-                                    _to_rollout, _write_rows, decode_setup,
-                                    decode_step, row_keys, take_rows)
+                                    _to_rollout, decode_setup, decode_step,
+                                    row_keys, shrink_rest)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,24 +171,20 @@ def shrinking_decode(params, state, keys_N, *, model, w_DxV, mc, sc,
                           mc=mc, sc=sc)
   state, peak, cut = run(state, keys_N, t,
                          fits=levels[1] if len(levels) > 1 else 0)
-  full, rows_n = state, None
-  for k, n in enumerate(levels[1:], start=1):
-    pick_n = jnp.argsort(state.done, stable=True)[:n]  # the live rows first
-    if rows_n is not None:
-      full = _write_rows(full, rows_n, state)
-    rows_n = pick_n if rows_n is None else rows_n[pick_n]
-    cache = state.cache
-    state = take_rows(state, pick_n, cache._replace(
-        table=cache.table[pick_n], lengths=cache.lengths[pick_n]))
-    state, more_peak, more_cut = run(
-        state, jnp.take(keys_N, rows_n, axis=0), t,
-        fits=levels[k + 1] if k + 1 < len(levels) else 0)
-    peak, cut = jnp.maximum(peak, more_peak), cut + more_cut
-  if rows_n is None:
+  if len(levels) == 1:
     return state, peak, cut
-  full = _write_rows(full, rows_n, state)
-  return full._replace(step=state.step, logits=state.logits,
-                       cache=state.cache), peak, cut
+  figures = [peak, cut]  # each smaller batch's, traced in order
+
+  def run_level(state, keys, fits):
+    state, more_peak, more_cut = run(state, keys, t, fits=fits)
+    figures[:] = jnp.maximum(figures[0], more_peak), figures[1] + more_cut
+    return state
+
+  state = shrink_rest(state, keys_N, levels, run_level,
+                      lambda cache, pick_n: cache._replace(
+                          table=cache.table[pick_n],
+                          lengths=cache.lengths[pick_n]))
+  return state, figures[0], figures[1]
 
 
 def pool_stats(cache: pc.PagedKVCache, num_blocks: int, peak, cut

@@ -395,17 +395,32 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
     state = run(state, keys_N, end, fits)
   if len(levels) == 1:
     return state
+  return shrink_rest(state, keys_N, levels,
+                     lambda s, keys, fits: run(s, keys, t, fits),
+                     lambda cache, pick_n: _gather_cache(cache, pick_n,
+                                                         sc.num_samples))
 
+
+def shrink_rest(state: _LoopState, keys_N, levels: tuple[int, ...], run,
+                gather_cache) -> _LoopState:
+  """Decoding to the end in the smaller batches ``levels[1:]``
+  (``shrink_levels``), once the full batch ``state`` has run until its live
+  rows fit ``levels[1]``: each time, the live rows first are gathered into
+  the next batch (``take_rows``; ``gather_cache(cache, pick_n)`` gives their
+  cache) and ``run(state, keys, fits)`` decodes it until its live rows fit
+  the level after. Each batch's rows go back to their own rows when it
+  shrinks again and at the end; the returned state holds every row's
+  per-row fields, and the last batch's ``logits`` and ``cache``. The static
+  sampler's and the tree's last width (``sampling.tree``) shrink so."""
   full, rows_n = state, None
   for k, n in enumerate(levels[1:], start=1):
     pick_n = jnp.argsort(state.done, stable=True)[:n]  # the live rows first
     if rows_n is not None:  # this batch's rows back to their own rows
       full = _write_rows(full, rows_n, state)
     rows_n = pick_n if rows_n is None else rows_n[pick_n]
-    state = take_rows(state, pick_n,
-                      _gather_cache(state.cache, pick_n, sc.num_samples))
+    state = take_rows(state, pick_n, gather_cache(state.cache, pick_n))
     fits = levels[k + 1] if k + 1 < len(levels) else 0
-    state = run(state, jnp.take(keys_N, rows_n, axis=0), t, fits)
+    state = run(state, jnp.take(keys_N, rows_n, axis=0), fits)
   full = _write_rows(full, rows_n, state)
   return full._replace(step=state.step, logits=state.logits,
                        cache=state.cache)

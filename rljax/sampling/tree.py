@@ -23,7 +23,8 @@ The plan here, in one jitted program of fixed shapes:
   its next token and its KV cache rows (the prompt prefix stays shared); the
   widths grow ``roots, roots * branch, ...`` up to ``G``, after
   ``D = log_branch(G / roots)`` forks, and the last width decodes to the
-  end. Children draw their next tokens with keys of their own (row ``r`` of
+  end (with ``SamplerConfig.shrink_batch_to``, in batches that halve as its
+  leaves end: ``sampler.shrink_rest``, the static sampler's). Children draw their next tokens with keys of their own (row ``r`` of
   width ``d``: ``fold_in(fold_in(key, d), r)``), so siblings diverge.
 
 ``Rollout.tree_nodes`` (``[N, D]``) records each leaf's ancestors, for
@@ -47,11 +48,12 @@ from rljax.models import paged_cache as pc
 from rljax.models import positions_from_mask
 from rljax.models.kv_cache import LayerKV
 from rljax.sampling import paged as paged_lib
-from rljax.sampling.decode_cache import _cache_slots, _grow
+from rljax.sampling.decode_cache import (_cache_slots, _gather_cache, _grow,
+                                         shrink_levels)
 from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
-                                    row_keys)
+                                    row_keys, shrink_rest)
 
 BRANCH_BY = ("uncertainty", "uniform")
 
@@ -176,7 +178,6 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                       model_config: ModelConfig, config: SamplerConfig,
                       tree: TreeConfig, paged: paged_lib.PagedConfig | None = None,
                       row_multiple: int = 1):
-  del row_multiple  # every width is a multiple of the prompts
   mc, sc = model_config, config
   t, seg = sc.max_new_tokens, tree.segment_tokens
   widths = tree.widths(sc.num_samples, t)
@@ -211,18 +212,36 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   nodes = jnp.zeros((b * w0, forks), jnp.int32)
   body = functools.partial(decode_step, params, model=model, w_DxV=w_DxV,
                            mc=mc, sc=sc)
+
+  def run(state, keys, end, fits=0):
+    """Steps while ``step < end`` and more than ``fits`` rows are live."""
+    return jax.lax.while_loop(
+        lambda s: (s.step < end) & (jnp.sum(~s.done) > fits),
+        lambda s: body(s, keys), state)
+
+  # The last width decodes to the end, in batches that halve as its rows
+  # end (``sampler.shrink_batch_to``, as the static sampler's).
+  levels = shrink_levels(b * widths[-1], sc.shrink_batch_to, row_multiple)
   cols_T = jnp.arange(t, dtype=jnp.int32)
   for d, w in enumerate(widths):
     end = t if d == forks else (d + 1) * seg
     keys = row_keys(jax.random.fold_in(key, d), b * w)
-    if paged is None:
-      state = state._replace(cache=_grow(state.cache, _cache_slots(end, t)))
-      state = jax.lax.while_loop(
-          lambda s, end=end: (s.step < end) & jnp.any(~s.done),
-          lambda s, keys=keys: body(s, keys), state)
-    else:
+    if paged is not None and d == forks:
+      state, phase_peak, phase_cut = paged_lib.shrinking_decode(
+          params, state, keys, model=model, w_DxV=w_DxV, mc=mc, sc=sc,
+          row_multiple=row_multiple)
+    elif paged is not None:
       state, phase_peak, phase_cut = paged_lib.paged_decode(
           params, state, keys, end, model=model, w_DxV=w_DxV, mc=mc, sc=sc)
+    else:
+      state = state._replace(cache=_grow(state.cache, _cache_slots(end, t)))
+      last = d == forks and len(levels) > 1
+      state = run(state, keys, end, levels[1] if last else 0)
+      if last:
+        state = shrink_rest(
+            state, keys, levels, lambda s, k, fits: run(s, k, t, fits),
+            lambda cache, pick_n: _gather_cache(cache, pick_n, widths[-1]))
+    if paged is not None:
       peak, cut = jnp.maximum(peak, phase_peak), cut + phase_cut
     if d == forks:
       break

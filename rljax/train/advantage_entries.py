@@ -201,8 +201,7 @@ ADVANTAGES: dict[str, Entry] = {
                         "its leaf count or 1 (\"average\")",
                         choices=("group_size", "average"))},
                     loop_fixups={"rl.rollout": "tree",
-                                 "sampler.speculative": False,
-                                 "sampler.shrink_batch_to": None}, **_GROUPS),
+                                 "sampler.speculative": False}, **_GROUPS),
     "remax": Entry("ReMax: a greedy completion per prompt is the baseline "
                    "(sampled in the same call, not trained on)",
                    _head(lambda rl, c: adv.center_by_greedy_baseline(

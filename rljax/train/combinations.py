@@ -110,11 +110,6 @@ RULES: tuple[Rule, ...] = (
          "tree's rows are made at forks, and the tree sampler has no "
          "verification pass", "sampler.speculative=False",
          "missing"),
-    Rule("tree-shrink", ("rl.rollout", "sampler.shrink_batch_to"),
-         lambda c, p: _tree(c) and c.sampler.shrink_batch_to is not None,
-         "a tree's decode batch is set by its widths; its last width does "
-         "not shrink as rows end", "sampler.shrink_batch_to=None",
-         "missing"),
     Rule("tree-allocation", ("rl.rollout", _ALLOCATION),
          lambda c, p: _tree(c) and c.rl.allocation.name != "none",
          "allocation's rounds sample groups of their own sizes; a tree has "
