@@ -27,8 +27,7 @@ TRIGGERS = {
     "tree-episodes": ({"rl.rollout": "tree", "env.name": "calculator"}, 1),
     "tree-speculative": ({"rl.rollout": "tree",
                           "sampler.speculative": True}, 1),
-    "tree-allocation": ({"rl.rollout": "tree",
-                         "rl.allocation.name": "vigor"}, 1),
+    "tree-sgpo": ({"rl.rollout": "tree", "rl.allocation.name": "sgpo"}, 1),
     "paged-episodes": ({"sampler.kv_cache": "paged",
                         "env.name": "calculator"}, 1),
 }

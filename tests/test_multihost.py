@@ -325,18 +325,21 @@ CASES = {
                                           and r["rollout/slots"] == 8
                                           for r in rl)
                            and rl[0]["rollout/carried_groups"] > 0),
-    # The static batch on a paged KV cache, LoRA adapters on a frozen
-    # base, PPO's critic (GAE), VIGOR's rounds
+    # Trees on a paged KV cache, LoRA adapters on a frozen base, PPO's
+    # critic (GAE), VIGOR's rounds (each prompt entry a tree of 2 leaves,
+    # merged into groups of unequal size across the processes' rows)
     # refilled by DAPO's dynamic sampling (passes of new prompts while
     # groups without variance leave rows), with replay (step 2 samples 6
     # fresh prompts in rounds and replays 2 groups of step 1's).
-    "lora-critic-vigor-dapo-replay": (
+    "lora-critic-vigor-tree-dapo-replay": (
         {"model.lora.rank": 4, "rl.advantage": "gae",
          "rl.allocation.name": "vigor", "rl.allocation.rounds": 2,
+         "rl.rollout": "tree", "rl.tree.roots": 1,
          "rl.selection.name": "dapo", "rl.replay.fraction": 0.25,
          "sampler.kv_cache": "paged", **_PARITY}, None,
         lambda rl: all(r["alloc/rounds"] == 2 and r["select/rounds"] >= 1
                        and np.isfinite(r["critic/value_loss"])
+                       and r["rollout/tree_token_saving"] > 0
                        and r["rollout/kv_blocks_peak"] > 0 for r in rl)
         and rl[-1]["replay/fraction"] > 0),
     # sGPO's profiling pass over the pool at the first step, then its
@@ -430,10 +433,10 @@ COLUMN = {
     "async": "calculator-async-mc-spec",
     "sampler_devices": "slots-devices-async-greso",
     "env": "calculator-async-mc-spec", "spec_rl": "calculator-async-mc-spec",
-    "lora": "lora-critic-vigor-dapo-replay", "padded": "default",
-    "dapo": "teachers", "critic": "lora-critic-vigor-dapo-replay",
+    "lora": "lora-critic-vigor-tree-dapo-replay", "padded": "default",
+    "dapo": "teachers", "critic": "lora-critic-vigor-tree-dapo-replay",
     "reward_model": "teachers", "distillation": "teachers",
-    "tree": "teachers", "paged": "lora-critic-vigor-dapo-replay",
+    "tree": "teachers", "paged": "lora-critic-vigor-tree-dapo-replay",
 }
 
 

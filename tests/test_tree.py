@@ -19,6 +19,7 @@ import pytest
 
 from rljax import advantages as adv
 from rljax import models, sampling
+from rljax.rollout import rounds as rounds_lib
 from rljax.sampling import jitting
 from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
@@ -292,8 +293,7 @@ def test_a_tree_that_does_not_fit_is_refused_before_any_compile():
     ({"rl.advantage": "treepo"}, "treepo-without-tree"),
     ({"rl.rollout": "tree", "rl.advantage": "remax"}, "tree-with-greedy-row"),
     ({"rl.rollout": "tree", "sampler.speculative": True}, "tree-speculative"),
-    ({"rl.rollout": "tree", "rl.allocation.name": "vigor"},
-     "tree-allocation"),
+    ({"rl.rollout": "tree", "rl.allocation.name": "sgpo"}, "tree-sgpo"),
 ])
 def test_what_a_tree_does_not_combine_with_is_refused(overrides, rule):
   config = loop_config(**overrides)
@@ -318,6 +318,71 @@ def test_on_a_paged_cache_forks_share_blocks_and_draw_the_same_tree(
   assert stats["rollout/kv_blocks_left"] == 0
   assert stats["rollout/kv_cut_rows"] == 0
   assert 0 < stats["rollout/kv_blocks_peak"] < stats["rollout/kv_blocks_pool"]
+
+
+# --- trees in rollout allocation's rounds -----------------------------------
+
+
+def test_trees_merged_into_one_group_keep_their_nodes_apart():
+  """Two trees of two leaves (one fork: both leaves' depth-0 node is their
+  root, 0) become one prompt's group under VIGOR; a third is another
+  prompt's. Numbered apart, TreePO's advantage on the unequal groups is the
+  NumPy port's with each tree's root a subtree of its own; numbered as
+  sampled, the two roots would read as one."""
+  local = np.zeros((6, 1), np.int32)  # every tree's leaves: root 0
+  apart = rounds_lib.tree_nodes_apart(local, 2)
+  np.testing.assert_array_equal(apart[:, 0], [0, 0, 2, 2, 4, 4])
+  np.testing.assert_array_equal(rounds_lib.tree_nodes_apart(apart, 2), apart)
+  rewards = np.array([1.0, 0.0, 1.0, 1.0, 0.0, 1.0], np.float32)
+  lengths = np.array([3, 5, 2, 4, 6, 1])
+  uids = ["p0#e0#0", "p0#e0#1", "p0#e1#2", "p0#e1#3", "p1#e2#4", "p1#e2#5"]
+  want = _treepo_reference(rewards, uids, lengths)
+  tx = adv.by_group_ids(adv.treepo(), num_groups=2, max_group_size=4)
+  mask = np.arange(6)[None] < lengths[:, None]
+
+  def advantages(nodes):
+    got, _ = tx.update(jnp.asarray(rewards), tx.init(rewards),
+                       group_ids_N=jnp.array([0, 0, 0, 0, 1, 1]),
+                       tree_nodes_NxD=jnp.asarray(nodes),
+                       lengths_N=jnp.asarray(lengths),
+                       completion_mask_NxT=jnp.asarray(mask))
+    return np.asarray(got)
+  np.testing.assert_allclose(advantages(apart), want, rtol=1e-5, atol=1e-5)
+  assert not np.allclose(advantages(local), want, atol=1e-3)
+
+
+def test_allocation_entries_that_are_not_trees_are_refused():
+  """VIGOR's 2 rounds of the tiny config give a prompt 2 or 2 + 4 rows, in
+  entries of 2: a tree of 2 leaves (1 root, a branch of 2) fits, the
+  default 2 roots do not."""
+  fits = loop_config(**{"rl.rollout": "tree", "rl.allocation.name": "vigor",
+                        "rl.allocation.rounds": 2, "rl.tree.roots": 1})
+  build.validate(fits)
+  fits.rl.tree.roots = 2
+  with pytest.raises(ValueError, match=r"rl\.allocation\.name='vigor' "
+                     r"samples 2 rows per prompt entry.*rl\.tree\.roots=2"):
+    build.validate(fits)
+
+
+@pytest.mark.slow
+def test_vigor_rounds_of_trees_train_from_the_config(tmp_path):
+  """VIGOR's rounds sample each prompt entry as a tree, on a paged cache;
+  TreePO trains on the unequal groups."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  config = loop_config(**{"rl.rollout": "tree", "rl.advantage": "treepo",
+                          "rl.allocation.name": "vigor",
+                          "rl.allocation.rounds": 2, "rl.tree.roots": 1,
+                          "sampler.kv_cache": "paged",
+                          "sampler.kv_block_size": 4})
+  train.run(config, str(tmp_path))
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    rows = [r for r in map(json.loads, f) if r["step"] > 0]
+  assert [r["step"] for r in rows] == [1, 2]
+  for r in rows:
+    assert r["alloc/rounds"] == 2 and r["alloc/max_group"] == 6
+    assert 0 < r["rollout/tree_token_saving"] < 1
+    assert r["rollout/kv_blocks_left"] == 0
+    assert r["grad_norm"] > 0 and np.isfinite(r["pg_loss"])
 
 
 # --- a last width that shrinks ----------------------------------------------

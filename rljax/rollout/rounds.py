@@ -67,17 +67,35 @@ def left_pad(x: Any, name: str, width: int, pad_id: int, xp: Any = np) -> Any:
   return xp.pad(x, ((0, 0), (width - x.shape[1], 0)), constant_values=value)
 
 
-@functools.partial(jax.jit, static_argnames=("width", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("width", "pad_id",
+                                             "group_rows"))
 def _take_rows(parts: Mapping[str, tuple[Any, ...]], index: Any, *,
-               width: int, pad_id: int) -> dict[str, Any]:
+               width: int, pad_id: int, group_rows: int) -> dict[str, Any]:
   """The rows ``index`` of every field's rounds stacked one after another
   (prompts left-padded to ``width``): one program for all the fields, whose
   shapes depend on the rounds' row counts only, where a ``jnp.take`` per
   field and round compiled a program for every field and every count of
-  rows a round kept."""
-  return {name: jnp.take(jnp.concatenate(
-      [left_pad(x, name, width, pad_id, jnp) for x in xs], 0), index, axis=0)
-          for name, xs in parts.items()}
+  rows a round kept. Tree nodes are numbered apart per tree
+  (``tree_nodes_apart``)."""
+  out = {}
+  for name, xs in parts.items():
+    x = jnp.concatenate([left_pad(x, name, width, pad_id, jnp) for x in xs],
+                        0)
+    if name == "tree_nodes":
+      x = tree_nodes_apart(x, group_rows, jnp)
+    out[name] = jnp.take(x, index, axis=0)
+  return out
+
+
+def tree_nodes_apart(nodes_NxD: Any, tree_rows: int, xp: Any = np) -> Any:
+  """``Rollout.tree_nodes`` of a batch of trees of ``tree_rows`` consecutive
+  rows each, numbered apart: a node of the tree in rows ``[k R, (k + 1) R)``
+  becomes ``node mod R + k R``. A tree's own nodes are below ``R`` (its
+  leaves), so trees that merging puts into one group (rollout allocation's
+  entries of a prompt, ``rollout/allocated.py``) share no node, and a batch
+  numbered apart is numbered the same again."""
+  rows = xp.arange(nodes_NxD.shape[0], dtype=nodes_NxD.dtype)[:, None]
+  return nodes_NxD % tree_rows + rows // tree_rows * tree_rows
 
 
 def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
@@ -96,7 +114,8 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
                             for r in rounds[:-1]])
   index = np.concatenate([start + idx for start, idx in zip(starts, rows)])
   fields = dict.fromkeys(sampling.Rollout._fields)
-  fields.update(_take_rows(parts, index, width=width, pad_id=pad_id))
+  fields.update(_take_rows(parts, index, width=width, pad_id=pad_id,
+                           group_rows=g))
 
   def cat(get):  # the host arrays' rows, by the same index
     return np.concatenate([np.asarray(get(r)) for r in rounds], 0)[index]
@@ -240,4 +259,4 @@ def from_groups(groups: Sequence[Mapping[str, np.ndarray]], like: Sampled, *,
 
 __all__ = ["Sampled", "distinct_completions", "from_groups", "host_groups",
            "left_pad", "merge",
-           "merge_metrics", "scored_rows"]
+           "merge_metrics", "scored_rows", "tree_nodes_apart"]

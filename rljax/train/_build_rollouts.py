@@ -108,9 +108,19 @@ def _validate_rollout(config: Any) -> None:
                          "slots; accepted: rl.rollout='continuous' or "
                          f"'partial', or rl.{name}=None.")
     if rl.rollout == "tree":  # its widths fit the rows and the budget
-      tree_config(config).widths(
-          rl.group_size + alg_lib.sampling_needs(rl.advantage)[
-              "extra_samples"], config.sampler.max_new_tokens)
+      tree = tree_config(config)
+      if rl.allocation.name == "none":
+        tree.widths(rl.group_size + alg_lib.sampling_needs(rl.advantage)[
+            "extra_samples"], config.sampler.max_new_tokens)
+      else:  # each prompt entry of the rounds is a tree
+        rows = allocation(config).sampler_samples
+        try:
+          tree.widths(rows, config.sampler.max_new_tokens)
+        except ValueError as e:
+          raise ValueError(
+              f"rl.allocation.name={rl.allocation.name!r} samples "
+              f"{rows} rows per prompt entry (each round gives a prompt a "
+              f"multiple), each entry a tree: {e}") from None
     return
   partial_config(config)  # checks slots against refill rows
 

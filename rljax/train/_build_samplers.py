@@ -21,8 +21,9 @@ from rljax.rollout import partial as partial_lib
 from rljax.train._build_inputs import eos_ids
 from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
-from rljax.train._build_rollouts import (partial_config, replay_buffer,
-                                         selection, tree_config)
+from rljax.train._build_rollouts import (allocation, partial_config,
+                                         replay_buffer, selection,
+                                         tree_config)
 
 
 def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
@@ -130,7 +131,10 @@ class Samplers:
     each prompt greedily; ``validate`` keeps ``eval.num_samples`` off that
     count. ``training``: on the sampler's devices (``rl.sampler_devices``),
     and with ``rl.rollout="tree"`` the training rows are sampled as trees
-    (``sampling.tree``). ``sampler.kv_cache="paged"``: the static batch
+    (``sampling.tree``; with rollout allocation its prompt entries are the
+    trees, ``allocation_rollouts``, and the collector's sampler of whole
+    groups, which its rounds never call, is not one).
+    ``sampler.kv_cache="paged"``: the static batch
     decodes on a paged KV cache (``sampling.paged``), as the slots do
     (``slot_rollouts``).
     """
@@ -147,6 +151,9 @@ class Samplers:
                             greedy_every=greedy_every)
     paged = self._paged()
     tree = tree_config(self.config) if training and not greedy else None
+    if tree is not None and self.config.rl.allocation.name != "none" and (
+        num_samples != allocation(self.config).sampler_samples):
+      tree = None
     if tree is not None:
       return tree_lib.make_tree_sampler(self.model_config, config, tree,
                                         *self._where(training), paged=paged)

@@ -110,11 +110,13 @@ RULES: tuple[Rule, ...] = (
          "tree's rows are made at forks, and the tree sampler has no "
          "verification pass", "sampler.speculative=False",
          "missing"),
-    Rule("tree-allocation", ("rl.rollout", _ALLOCATION),
-         lambda c, p: _tree(c) and c.rl.allocation.name != "none",
-         "allocation's rounds sample groups of their own sizes; a tree has "
-         "rl.tree.roots x rl.tree.branch^D rows per prompt",
-         "rl.allocation.name='none'", "missing"),
+    Rule("tree-sgpo", ("rl.rollout", _ALLOCATION),
+         lambda c, p: _tree(c) and c.rl.allocation.name == "sgpo",
+         "sGPO samples a prompt's group as single completions, one per "
+         "entry (any size from 2 to rl.allocation.max_group), and a tree "
+         "of one leaf has no fork; VIGOR's and Pilot-Commit's entries are "
+         "trees", "rl.allocation.name='vigor' or 'pilot_commit', or "
+         "rl.rollout='static'", "meaningless"),
     Rule("paged-episodes", ("sampler.kv_cache", "env.name"),
          lambda c, p: _paged(c) and bool(c.env.name),
          "multi-turn episodes insert observations into a dense cache per "
