@@ -15,6 +15,11 @@ token in ``--eos_every`` ends a row, so completion lengths are geometric
   * partial: ``rl.rollout="partial"`` (APRIL): stop once ``B`` groups have
     ended, carry the rest (params unchanged between steps, so only the
     schedule differs);
+  * tree and tree shrinking (``--tree_segment_tokens``, 8 by default; 0
+    skips them): ``rl.rollout="tree"`` (2 roots, forks after each segment
+    doubling the rows up to ``G``), its last width decoding every leaf to
+    the longest's end, and with ``sampler.shrink_batch_to`` halving as the
+    leaves end; their leaves' tokens per second, and the ratio of the two;
 
 Part 1b: SPEC-RL at lenience 0 with the previous epoch's rollouts as drafts
 (params moved by ``--spec_noise`` stds): plain static sampling, the static
@@ -72,6 +77,9 @@ _REFILL = flags.DEFINE_integer("refill_rows", 8, "rows per refill (R)")
 _SHRINK = flags.DEFINE_integer(
     "shrink_batch_to", 8, "part 1: also the static sampler with "
     "sampler.shrink_batch_to (0: not)")
+_TREE_SEGMENT = flags.DEFINE_integer(
+    "tree_segment_tokens", 8, "part 1: also tree rollouts with segments of "
+    "this many tokens, plain and shrinking (0: not)")
 _STEPS = flags.DEFINE_integer("steps", 8, "batches per variant (timed: all "
                               "but the first two, which compile)")
 _SPEC_NOISE = flags.DEFINE_float("spec_noise", 0.02, "part 1b: the policy "
@@ -176,6 +184,39 @@ def _sampler_part(params, config) -> dict:
           f"{f['trained_tokens_per_s']:8.0f} tok/s "
           f"({f['trained_tokens_per_s_vs_static']:.2f}x)  staleness "
           f"{f.get('mean_staleness', 0.0):.2f}")
+  return figures
+
+
+def _tree_part(params, config) -> dict:
+  """Tree rollouts (``sampling.tree``) of part 1's batches, the last width
+  decoding to the end and shrinking as its leaves end: the same leaves
+  (draws are keyed by row and column), timed after a compile each."""
+  from rljax.sampling import tree as tree_lib  # pylint: disable=import-outside-toplevel
+  tree = tree_lib.TreeConfig(segment_tokens=_TREE_SEGMENT.value, branch=2,
+                             roots=2)
+  shrink = _SHRINK.value or 8
+  figures = {}
+  for name, c in (("tree", config),
+                  ("tree_shrinking", config.replace(shrink_batch_to=shrink))):
+    sampler = tree_lib.make_tree_sampler(MODEL, c, tree)
+    leaf = 0
+    seconds = 0.0
+    source = _batches(_B.value)
+    for i in range(_STEPS.value):
+      lists, _ = next(source)
+      tokens, mask = sampling.pad_prompts(lists, config.prompt_buckets)
+      t = time.perf_counter()
+      out = jax.device_get(sampler(params, tokens, mask, jax.random.key(i)))
+      if i >= 2:
+        seconds += time.perf_counter() - t
+        leaf += int(out.lengths.sum())
+    figures[f"{name}_leaf_tokens_per_s"] = leaf / seconds
+  figures["shrinking_vs_plain"] = (figures["tree_shrinking_leaf_tokens_per_s"]
+                                   / figures["tree_leaf_tokens_per_s"])
+  print(f"tree (segments of {tree.segment_tokens}) {figures['tree_leaf_tokens_per_s']:8.0f} "
+        f"leaf tok/s; its last width shrinking to {shrink} rows "
+        f"{figures['tree_shrinking_leaf_tokens_per_s']:8.0f} leaf tok/s: "
+        f"{figures['shrinking_vs_plain']:.2f}x")
   return figures
 
 
@@ -361,6 +402,8 @@ def main(argv):
         f"in {_EOS.value} ends a row; {_SLOTS.value} slots, refill "
         f"{_REFILL.value}; {jax.devices()[0].platform}")
   figures = {"sampler": _sampler_part(params, config)}
+  if _TREE_SEGMENT.value:
+    figures["tree"] = _tree_part(params, config)
   print("part 1, memory: one rollout compiled, its peak temporaries")
   figures["memory"] = _memory_part(params, config)
   if _PREFIX_LEN.value:
@@ -381,6 +424,7 @@ def main(argv):
                   "max_new_tokens": _T.value, "eos_every": _EOS.value,
                   "slots": _SLOTS.value, "refill_rows": _REFILL.value,
                   "shrink_batch_to": _SHRINK.value,
+                  "tree_segment_tokens": _TREE_SEGMENT.value,
                   "prefix_prompt_len": _PREFIX_LEN.value,
                   "prefix_new_tokens": _PREFIX_T.value,
                   "steps": _STEPS.value, "loop_steps": _LOOP_STEPS.value}}))
