@@ -108,8 +108,9 @@ class _ScriptedCollector:
             rewards_NxR=np.asarray(totals, np.float32)[:, None],
             valid_NxR=np.isfinite(np.asarray(totals, np.float32))[:, None]))
 
-  def merge_rounds(self, rounds, plan, group_rows):
-    assert group_rows == self.allocation.sampler_samples
+  def merge_rounds(self, rounds, plan, group_rows, trees_apart):
+    # Entries of sampler_samples rows, each a tree numbered apart.
+    assert group_rows == self.allocation.sampler_samples and trees_apart
     self.plan = plan
     return "merged"
 

@@ -107,7 +107,8 @@ def _sample(collector, params, examples, key, version, on_dispatch,
   plan, group_ids, trained = _plan(passes, kept, schedule)
   rounds = [r for p in passes for r in p.rounds]
   merged = collector.merge_rounds(rounds, plan,
-                                  group_rows=schedule.sampler_samples)
+                                  group_rows=schedule.sampler_samples,
+                                  trees_apart=True)
   sizes = np.asarray([passes[p].sizes[i] for p, i in kept], np.int64)
   zero = np.asarray([passes[p].kinds[i] != selection_lib.INFORMATIVE
                      for p, i in kept], bool)

@@ -585,12 +585,14 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
     return scored_rows(sampled.result.valid_NxR, self.failed_rewards)
 
   def merge_rounds(self, rounds: Sequence[Sampled], plan: selection_lib.Plan,
-             group_rows: int | None = None) -> Sampled:
+             group_rows: int | None = None,
+             trees_apart: bool = False) -> Sampled:
     """``rounds.merge`` with this collector's group rows and pad id."""
     return rounds_lib.merge(rounds, plan,
                             group_rows=group_rows or self.samples_per_prompt,
                             pad_id=self.tokenizer.pad_id,
-                            failed_rewards=self.failed_rewards)
+                            failed_rewards=self.failed_rewards,
+                            trees_apart=trees_apart)
 
 
 

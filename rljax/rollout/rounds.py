@@ -68,21 +68,22 @@ def left_pad(x: Any, name: str, width: int, pad_id: int, xp: Any = np) -> Any:
 
 
 @functools.partial(jax.jit, static_argnames=("width", "pad_id",
-                                             "group_rows"))
+                                             "tree_rows"))
 def _take_rows(parts: Mapping[str, tuple[Any, ...]], index: Any, *,
-               width: int, pad_id: int, group_rows: int) -> dict[str, Any]:
+               width: int, pad_id: int, tree_rows: int | None
+               ) -> dict[str, Any]:
   """The rows ``index`` of every field's rounds stacked one after another
   (prompts left-padded to ``width``): one program for all the fields, whose
   shapes depend on the rounds' row counts only, where a ``jnp.take`` per
   field and round compiled a program for every field and every count of
-  rows a round kept. Tree nodes are numbered apart per tree
-  (``tree_nodes_apart``)."""
+  rows a round kept. With ``tree_rows``, tree nodes are numbered apart per
+  tree of that many rows (``tree_nodes_apart``)."""
   out = {}
   for name, xs in parts.items():
     x = jnp.concatenate([left_pad(x, name, width, pad_id, jnp) for x in xs],
                         0)
-    if name == "tree_nodes":
-      x = tree_nodes_apart(x, group_rows, jnp)
+    if name == "tree_nodes" and tree_rows:
+      x = tree_nodes_apart(x, tree_rows, jnp)
     out[name] = jnp.take(x, index, axis=0)
   return out
 
@@ -93,16 +94,21 @@ def tree_nodes_apart(nodes_NxD: Any, tree_rows: int, xp: Any = np) -> Any:
   becomes ``node mod R + k R``. A tree's own nodes are below ``R`` (its
   leaves), so trees that merging puts into one group (rollout allocation's
   entries of a prompt, ``rollout/allocated.py``) share no node, and a batch
-  numbered apart is numbered the same again."""
+  numbered apart is numbered the same again by the same ``R``. (Other
+  merges keep the nodes: a group's rows that come from one tree, or that
+  were numbered apart when allocation merged them, stay distinct.)"""
   rows = xp.arange(nodes_NxD.shape[0], dtype=nodes_NxD.dtype)[:, None]
   return nodes_NxD % tree_rows + rows // tree_rows * tree_rows
 
 
 def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
-          pad_id: int, failed_rewards: str) -> Sampled:
+          pad_id: int, failed_rewards: str,
+          trees_apart: bool = False) -> Sampled:
   """The planned groups of every round (``selection.Plan``) as one batch,
   round by round, prompts left-padded to the widest round's bucket.
-  ``group_rows``: rows per group."""
+  ``group_rows``: rows per group (per prompt entry: ``trees_apart``, rollout
+  allocation's entries, which it merges into groups of several, each a
+  tree numbered apart from the others: ``tree_nodes_apart``)."""
   g = group_rows
   rows = [(np.asarray(groups)[:, None] * g + np.arange(g)).reshape(-1)
           for groups in plan.rounds]
@@ -115,7 +121,7 @@ def merge(rounds: Sequence[Sampled], plan: Any, *, group_rows: int,
   index = np.concatenate([start + idx for start, idx in zip(starts, rows)])
   fields = dict.fromkeys(sampling.Rollout._fields)
   fields.update(_take_rows(parts, index, width=width, pad_id=pad_id,
-                           group_rows=g))
+                           tree_rows=g if trees_apart else None))
 
   def cat(get):  # the host arrays' rows, by the same index
     return np.concatenate([np.asarray(get(r)) for r in rounds], 0)[index]

@@ -24,8 +24,9 @@ The plan here, in one jitted program of fixed shapes:
   widths grow ``roots, roots * branch, ...`` up to ``G``, after
   ``D = log_branch(G / roots)`` forks, and the last width decodes to the
   end (with ``SamplerConfig.shrink_batch_to``, in batches that halve as its
-  leaves end: ``sampler.shrink_rest``, the static sampler's). Children draw their next tokens with keys of their own (row ``r`` of
-  width ``d``: ``fold_in(fold_in(key, d), r)``), so siblings diverge.
+  leaves end: ``sampler.shrink_rest``, the static sampler's). Children draw
+  their next tokens with keys of their own (row ``r`` of width ``d``:
+  ``fold_in(fold_in(key, d), r)``), so siblings diverge.
 
 ``Rollout.tree_nodes`` (``[N, D]``) records each leaf's ancestors, for
 TreePO's segment-level advantage (``advantages.treepo``). Each leaf is an
