@@ -45,7 +45,7 @@ def prompts():
   return sampling.pad_prompts(lists, (8, 16))
 
 
-def _assert_same_rows(ref, got):
+def assert_same_rows(ref, got):
   for name, a, b in zip(ref._fields, ref, got):
     if a is None:
       assert b is None, name
@@ -103,7 +103,7 @@ def test_shrinking_keeps_every_token(params, prompts, share_prefix):
   assert np.sum(lengths < T // 2) >= 8, lengths
   assert np.sum(lengths == T) >= 1, lengths
   assert ref.finished.any() and not ref.finished.all()
-  _assert_same_rows(ref, got)
+  assert_same_rows(ref, got)
 
 
 @pytest.mark.slow
@@ -114,16 +114,16 @@ def test_shrinking_keeps_the_sliding_window(prompts):
       p, tokens, mask, jax.random.key(5), model_config=GEMMA_LIKE,
       config=BASE.replace(shrink_batch_to=s))) for s in (None, 1))
   assert len(set(ref.lengths.tolist())) >= 6, ref.lengths
-  _assert_same_rows(ref, got)
+  assert_same_rows(ref, got)
 
 
-def _decode_loops(fn, *args) -> dict[int, int]:
+def decode_loops(fn, *args, t: int = T) -> dict[int, int]:
   """``{rows: decode while-loops}`` of a sampler's program: the loops that
-  carry a ``[rows, T]`` int32 token buffer."""
+  carry a ``[rows, t]`` int32 token buffer (``t`` new tokens)."""
   loops = {}
   for line in fn.lower(*args).as_text().splitlines():
     if "stablehlo.while" in line:
-      for rows in set(re.findall(rf"tensor<(\d+)x{T}xi32>", line)):
+      for rows in set(re.findall(rf"tensor<(\d+)x{t}xi32>", line)):
         loops[int(rows)] = loops.get(int(rows), 0) + 1
   return loops
 
@@ -133,7 +133,7 @@ def test_each_level_is_one_more_decode_loop(params, prompts):
   batch of ``shrink_levels`` in one loop of its own."""
   tokens, mask = prompts
   segments = len(sampling.segment_ends(T, BASE.segment_slots))
-  loops = {s: _decode_loops(sampling.make_sampler(
+  loops = {s: decode_loops(sampling.make_sampler(
       TINY, BASE.replace(shrink_batch_to=s)), params, tokens, mask,
                             jax.random.key(0)) for s in (None, 2, 8)}
   assert loops == {None: {16: segments}, 2: {16: segments, 8: 1, 4: 1, 2: 1},
@@ -154,7 +154,7 @@ def test_speculative_decoding_shrinks_the_same_way(params, prompts):
       for s in (None, 2))
   assert 0 < ref_accepted.mean() < T  # part of each draft kept, then decoded
   np.testing.assert_array_equal(ref_accepted, got_accepted)
-  _assert_same_rows(ref, got)
+  assert_same_rows(ref, got)
 
 
 @pytest.mark.slow
@@ -166,7 +166,7 @@ def test_on_a_mesh_the_levels_keep_whole_rows_per_device(params, prompts):
                            ("data", "fsdp", "tensor"))
   sharded = sampling.make_sampler(TINY, BASE.replace(shrink_batch_to=1), mesh)
   with jax.set_mesh(mesh):
-    loops = _decode_loops(sharded.jitted, params, tokens, mask,
+    loops = decode_loops(sharded.jitted, params, tokens, mask,
                           jax.random.key(3))
   segments = len(sampling.segment_ends(T, BASE.segment_slots))
   assert loops == {32: segments, 16: 1, 8: 1}
@@ -175,4 +175,4 @@ def test_on_a_mesh_the_levels_keep_whole_rows_per_device(params, prompts):
       params, tokens, mask, jax.random.key(3), model_config=TINY,
       config=BASE))
   assert np.sum(ref.lengths < T // 2) >= 16, ref.lengths  # 16 rows end early
-  _assert_same_rows(ref, got)
+  assert_same_rows(ref, got)

@@ -10,7 +10,6 @@ hand-derived forks and counts, and a NumPy float64 port of TreePO's
 import collections
 import json
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
 from rljax.train import build, combinations
 from tests.test_loop import loop_config
+from tests.test_sampler_shrink import assert_same_rows, decode_loops
 
 TINY = models.get_preset("tiny")
 T = 14
@@ -399,27 +399,6 @@ def long_tailed_tree(params, prompts):
   return jax.device_get(fn(params, *prompts, jax.random.key(3)))
 
 
-def _assert_same_tree(ref, got):
-  for name, a, b in zip(ref._fields, ref, got):
-    if a is None:
-      assert b is None, name
-    elif "logprobs" in name:  # a smaller batch may round its matmuls apart
-      np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=name)
-    else:
-      np.testing.assert_array_equal(a, b, err_msg=name)
-
-
-def _decode_loops(fn, *args) -> dict[int, int]:
-  """``{rows: decode while-loops}`` of a sampler's program that carry a
-  ``[rows, T]`` token buffer."""
-  loops = collections.Counter()
-  for line in fn.lower(*args).as_text().splitlines():
-    if "stablehlo.while" in line:
-      loops.update(set(int(r) for r in re.findall(
-          rf"tensor<(\d+)x{LONG_TAIL.max_new_tokens}xi32>", line)))
-  return dict(loops)
-
-
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 def test_the_last_width_shrinks_as_its_leaves_end(params, prompts,
                                                   long_tailed_tree, paged):
@@ -438,10 +417,11 @@ def test_the_last_width_shrinks_as_its_leaves_end(params, prompts,
       paged=paged_lib.PagedConfig(block_size=2) if paged else None)
   if not paged:  # a loop per width (3, 6, 12, 24 rows), then the last
     # width's smaller batches one loop each
-    loops = _decode_loops(fn.jitted, params, *prompts, jax.random.key(3))
+    loops = decode_loops(fn.jitted, params, *prompts, jax.random.key(3),
+                         t=LONG_TAIL.max_new_tokens)
     assert loops == {3: 1, 6: 2, 12: 2, 24: 1}, loops
   got, stats = fn.with_metrics(params, *prompts, jax.random.key(3))
-  _assert_same_tree(ref, jax.device_get(got))
+  assert_same_rows(ref, jax.device_get(got))
   if paged:
     assert stats["rollout/kv_blocks_left"] == 0
     assert stats["rollout/kv_cut_rows"] == 0
@@ -459,11 +439,12 @@ def test_on_a_mesh_the_shrinking_tree_keeps_whole_rows_per_device(
       TINY, LONG_TAIL.replace(shrink_batch_to=1), SHORT_SEGMENTS, mesh)
   padded = jitting.pad_rows(5, *prompts)  # as the sampler pads them
   with jax.set_mesh(mesh):
-    loops = _decode_loops(fn.jitted, params, *padded, jax.random.key(3))
+    loops = decode_loops(fn.jitted, params, *padded, jax.random.key(3),
+                         t=LONG_TAIL.max_new_tokens)
   # The widths (8, 16, 32, 64 rows), then 32, 16 and 8 once more.
   assert loops == {8: 2, 16: 2, 32: 2, 64: 1}, loops
   got = jax.device_get(fn(params, *prompts, jax.random.key(3)))
-  _assert_same_tree(long_tailed_tree, got)
+  assert_same_rows(long_tailed_tree, got)
 
 
 # --- the benchmarks ----------------------------------------------------------
