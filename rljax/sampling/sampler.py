@@ -381,12 +381,7 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
   body = functools.partial(decode_step, params, model=model, w_DxV=w_DxV,
                            mc=mc, sc=sc)
 
-  def run(state, keys_N, end, fits):
-    """Steps while ``step < end`` and more than ``fits`` rows are live."""
-    return jax.lax.while_loop(
-        lambda s: (s.step < end) & (jnp.sum(~s.done) > fits),
-        lambda s: body(s, keys_N), state)
-
+  run = functools.partial(decode_while, body)
   keys_N = row_keys(key, n_rows)
   fits = levels[1] if len(levels) > 1 else 0
   for end in segment_ends(t, sc.segment_slots):
@@ -399,6 +394,15 @@ def _decode(params, state: _LoopState, key, *, model, w_DxV, mc: ModelConfig,
                      lambda s, keys, fits: run(s, keys, t, fits),
                      lambda cache, pick_n: _gather_cache(cache, pick_n,
                                                          sc.num_samples))
+
+
+def decode_while(body, state: _LoopState, keys_N, end, fits=0
+                 ) -> _LoopState:
+  """``body(state, keys_N)`` (a decode step) while ``step < end`` and more
+  than ``fits`` rows are live, in one ``lax.while_loop``."""
+  return jax.lax.while_loop(
+      lambda s: (s.step < end) & (jnp.sum(~s.done) > fits),
+      lambda s: body(s, keys_N), state)
 
 
 def shrink_rest(state: _LoopState, keys_N, levels: tuple[int, ...], run,

@@ -54,7 +54,7 @@ from rljax.sampling.decode_cache import (_cache_slots, _gather_cache, _grow,
 from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
-                                    row_keys, shrink_rest)
+                                    decode_while, row_keys, shrink_rest)
 
 BRANCH_BY = ("uncertainty", "uniform")
 
@@ -211,14 +211,8 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
     state = state._replace(done=jnp.repeat(failed_B, w0))
     cut = w0 * jnp.sum(failed_B).astype(jnp.int32)
   nodes = jnp.zeros((b * w0, forks), jnp.int32)
-  body = functools.partial(decode_step, params, model=model, w_DxV=w_DxV,
-                           mc=mc, sc=sc)
-
-  def run(state, keys, end, fits=0):
-    """Steps while ``step < end`` and more than ``fits`` rows are live."""
-    return jax.lax.while_loop(
-        lambda s: (s.step < end) & (jnp.sum(~s.done) > fits),
-        lambda s: body(s, keys), state)
+  run = functools.partial(decode_while, functools.partial(
+      decode_step, params, model=model, w_DxV=w_DxV, mc=mc, sc=sc))
 
   # The last width decodes to the end, in batches that halve as its rows
   # end (``sampler.shrink_batch_to``, as the static sampler's).
