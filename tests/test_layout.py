@@ -187,3 +187,48 @@ def test_code_cites_only_files_inside_the_repository(path):
     assert exists or not cited.startswith(("docs/", "rljax/", "tests/",
                                            "launch/", "configs/", "colabs/",
                                            "research/")), (path, cited)
+
+
+def _missing_test_imports(paths, root=ROOT) -> list[str]:
+  """``from tests.x import name`` statements (at any depth, so a
+  function-level import counts) whose name ``tests/x.py`` does not define
+  at its top level: a renamed helper breaks only the tests that import it,
+  which a subset run does not catch."""
+  defined = {}
+  missing = []
+  for path in paths:
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not (isinstance(node, ast.ImportFrom) and node.module
+              and node.module.startswith("tests.")):
+        continue
+      source = root / (node.module.replace(".", "/") + ".py")
+      if source not in defined:
+        names = set()
+        for top in ast.parse(source.read_text()).body if source.exists() else ():
+          if isinstance(top, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+            names.add(top.name)
+          elif isinstance(top, (ast.Assign, ast.AnnAssign)):
+            targets = top.targets if isinstance(top, ast.Assign) else [top.target]
+            names |= {n.id for t in targets for n in ast.walk(t)
+                      if isinstance(n, ast.Name)}
+          elif isinstance(top, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in top.names}
+        defined[source] = names
+      missing += [f"{path.relative_to(root)}:{node.lineno} {node.module}."
+                  f"{a.name}" for a in node.names
+                  if a.name not in defined[source]]
+  return missing
+
+
+def test_every_helper_a_test_imports_from_another_exists():
+  assert _missing_test_imports(sorted((ROOT / "tests").rglob("*.py"))) == []
+
+
+def test_the_test_import_checker_finds_a_renamed_helper(tmp_path):
+  (tmp_path / "tests").mkdir()
+  (tmp_path / "tests" / "test_a.py").write_text(
+      "T = 3\ndef decode_loops():\n  pass\n")
+  user = tmp_path / "tests" / "test_b.py"
+  user.write_text("def test():\n  from tests.test_a import T, _decode_loops\n")
+  assert _missing_test_imports([user], tmp_path) == [
+      "tests/test_b.py:2 tests.test_a._decode_loops"]

@@ -261,7 +261,7 @@ def test_a_shrinking_paged_batch_draws_the_same_rows_in_smaller_loops(
   the smaller batches (one decode loop per level, as the dense sampler's:
   ``tests/test_sampler_shrink.py``) and the rows are the dense sampler's,
   every block back at the end."""
-  from tests.test_sampler_shrink import T, _decode_loops  # pylint: disable=import-outside-toplevel
+  from tests.test_sampler_shrink import T, decode_loops  # pylint: disable=import-outside-toplevel
   fn = paged_lib.make_paged_sampler(TINY, BASE.replace(
       shrink_batch_to=smallest), paged_lib.PagedConfig(block_size=4))
   got, stats = fn.with_metrics(params, *prompts, jax.random.key(3))
@@ -274,7 +274,7 @@ def test_a_shrinking_paged_batch_draws_the_same_rows_in_smaller_loops(
   assert stats["rollout/kv_blocks_left"] == 0
   assert stats["rollout/kv_cut_rows"] == 0
   assert T == BASE.max_new_tokens
-  loops = _decode_loops(fn.jitted, params, *prompts, jax.random.key(3))
+  loops = decode_loops(fn.jitted, params, *prompts, jax.random.key(3))
   assert loops == ({16: 1, 8: 1, 4: 1, 2: 1} if smallest == 2
                    else {16: 1, 8: 1}), loops
 
