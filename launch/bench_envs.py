@@ -42,6 +42,15 @@ after RL, and checks that the asynchronous runs' accuracy after RL lies in
 the synchronous runs' seed range.
 
   python -m launch.bench_envs --mode=schedules
+
+``--mode=paged`` plays the same episodes (``--delay_ms`` per step, turn by
+turn) on a dense KV cache, ``P + T + O`` slots per row for the whole
+rollout, and on a paged one of ``--block_size``-slot blocks
+(``rljax/rollout/turn_pages.py``): it checks the tokens are the same and
+prints the KV slots each holds (the paged pool's peak in use), a pool of
+that peak (which cuts no episode), and the seconds per rollout of each.
+
+  python -m launch.bench_envs --mode=paged
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ from launch import envs_fixtures
 from rljax import envs, metrics, models, sampling, train
 from rljax.rollout import multi_turn as mt
 
-_MODE = flags.DEFINE_enum("mode", "rounds", ["rounds", "schedules"],
+_MODE = flags.DEFINE_enum("mode", "rounds", ["rounds", "schedules", "paged"],
                           "rounds: one rollout, environments stepped in "
                           "rounds vs turn by turn; schedules: the calculator "
                           "demo trained sync-static vs async-continuous")
@@ -89,6 +98,7 @@ _STEP_ROWS = flags.DEFINE_integer("step_rows", None, "rows per round (None: "
 _SLOTS = flags.DEFINE_integer("slots", None, "schedules: async_continuous's "
                               "rl.rollout_slots (None: the config's, N / 2)")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed runs (best of)")
+_BLOCK = flags.DEFINE_integer("block_size", 16, "paged: slots per block")
 _RECORD = flags.DEFINE_string("record_dir", "benchmarks/results",
                               "where the JSON record goes ('' for none)")
 
@@ -196,10 +206,9 @@ def schedules_main():
          "eval_examples": _EVAL.value}))
 
 
-def main(_):
-  if _MODE.value == "schedules":
-    schedules_main()
-    return
+def _episodes_setup():
+  """``(model config, params, sampler config, env, examples)`` of the
+  rounds' and the paged modes' episodes."""
   mc = models.get_preset("tiny").replace(num_layers=2, d_model=128,
                                          mlp_dim=256, head_dim=32)
   params = models.init_params(mc, jax.random.key(0))
@@ -210,6 +219,80 @@ def main(_):
   env = envs_fixtures.SlowTool(delay_s=_DELAY.value / 1000,
                                turns=_TURNS.value)
   examples = {"prompt": [f"p{i}" for i in range(_B.value)]}
+  return mc, params, config, env, examples
+
+
+def paged_main():
+  """``--mode=paged`` (the module docstring)."""
+  mc, params, config, env, examples = _episodes_setup()
+  turns = mt.TurnConfig(max_turns=_TURNS.value + 1, max_observation_tokens=4)
+  runner = envs.EnvRunner(env, num_workers=_WORKERS.value or 4, timeout_s=60)
+  bs = _BLOCK.value
+  figures, outs = {}, {}
+  try:
+    def timed(paged):
+      sampler = mt.MultiTurnSampler(mc, config, turns, runner, _Tokens(),
+                                    (8,), paged=paged)
+      run = lambda: jax.device_get(sampler.run(params, examples,
+                                               jax.random.key(1)))
+      out = run()  # compiles
+      best = float("inf")
+      for _ in range(_REPEATS.value):
+        t = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - t)
+      return out, best
+    outs["dense"], dense_s = timed(None)
+    outs["paged"], paged_s = timed(sampling.PagedConfig(bs))
+    peak = int(outs["paged"].metrics["rollout/kv_blocks_peak"])
+    outs["pool"], pool_s = timed(sampling.PagedConfig(bs, peak))
+  finally:
+    runner.close()
+  n = _B.value * _G.value
+  dense_slots = n * (8 + _T.value + 4)
+  same = all(np.array_equal(outs[k].rollout.completion_tokens,
+                            outs["dense"].rollout.completion_tokens)
+             for k in ("paged", "pool"))
+  m = outs["pool"].metrics
+  figures = {
+      "same_episodes": same, "dense_slots": dense_slots,
+      "paged_peak_slots": peak * bs, "peak_vs_dense": peak * bs / dense_slots,
+      "worst_pool_slots": int(outs["paged"].metrics["rollout/kv_blocks_pool"])
+      * bs, "pool_cut_rows": int(m["rollout/kv_cut_rows"]),
+      "pool_blocks_left": int(m["rollout/kv_blocks_left"]),
+      "seconds_dense": dense_s, "seconds_paged": paged_s,
+      "seconds_pool": pool_s, "speed_vs_dense": dense_s / pool_s,
+      "tokens": int(np.asarray(outs["dense"].rollout.completion_mask).sum()),
+      "turns_mean": outs["dense"].metrics["env/turns/mean"]}
+  print(f"{n} episodes, T={_T.value}, turns/episode "
+        f"{figures['turns_mean']:.2f}, {figures['tokens']} tokens; blocks "
+        f"of {bs}; same episodes on every cache: {same}")
+  print(f"  KV slots: dense {dense_slots}; paged peak {peak * bs} "
+        f"({figures['peak_vs_dense']:.2f}x); a pool of {peak} blocks cut "
+        f"{figures['pool_cut_rows']} episodes, {figures['pool_blocks_left']} "
+        "blocks left")
+  print(f"  seconds per rollout: dense {dense_s:.3f}, paged {paged_s:.3f}, "
+        f"pool of the peak {pool_s:.3f} ({figures['speed_vs_dense']:.2f}x "
+        "the dense speed)")
+  if _RECORD.value:
+    print("record:", benchlib.write_record(
+        "bench_envs_paged", figures, _RECORD.value,
+        {**{k: v.value for k, v in flags.FLAGS.__flags.items()
+            if k in ("prompts", "group_size", "max_new_tokens", "turns",
+                     "eos_every", "delay_ms", "repeats", "block_size")},
+         "workers": _WORKERS.value or 4}))
+  if not same:
+    raise SystemExit("the paged cache changed the episodes")
+
+
+def main(_):
+  if _MODE.value == "schedules":
+    schedules_main()
+    return
+  if _MODE.value == "paged":
+    paged_main()
+    return
+  mc, params, config, env, examples = _episodes_setup()
   runner = envs.EnvRunner(env, num_workers=_WORKERS.value or 4, timeout_s=60)
   figures = {}
   outs = {}

@@ -28,8 +28,6 @@ TRIGGERS = {
     "tree-speculative": ({"rl.rollout": "tree",
                           "sampler.speculative": True}, 1),
     "tree-sgpo": ({"rl.rollout": "tree", "rl.allocation.name": "sgpo"}, 1),
-    "paged-episodes": ({"sampler.kv_cache": "paged",
-                        "env.name": "calculator"}, 1),
 }
 RULES = {rule.name: rule for rule in combinations.RULES}
 

@@ -312,10 +312,13 @@ CASES = {
     # rounds, and so the slot figures, follow when the steps end; the kill
     # test runs workers), as partial rollouts: an episode unfinished at a
     # step's end is carried with its environment state, which any process
-    # can step next; held-out episodes.
-    "calculator-partial": ({"eval.every": 2, "env.num_workers": 0,
+    # can step next; held-out episodes. The slots' KV cache is paged: a
+    # group's prompt blocks shared, an episode's blocks released as it ends.
+    "calculator-partial-paged": ({"eval.every": 2, "env.num_workers": 0,
                             "rl.rollout": "partial", "rl.rollout_slots": 8,
                             "rl.partial_max_carried": 1.0,
+                            "sampler.kv_cache": "paged",
+                            "sampler.kv_block_size": 4,
                             "rewards.names": ("env",
                                               "tests.reward_fixtures:parity"),
                             "rewards.weights": (1.0, 0.5)},
@@ -323,6 +326,8 @@ CASES = {
                            lambda rl: all(r["env/turns/mean"] > 1
                                           and r["env/failed_episodes"] == 0
                                           and r["rollout/slots"] == 8
+                                          and r["rollout/kv_blocks_peak"] > 0
+                                          and r["rollout/kv_blocks_left"] == 0
                                           for r in rl)
                            and rl[0]["rollout/carried_groups"] > 0),
     # Trees on a paged KV cache, LoRA adapters on a frozen base, PPO's

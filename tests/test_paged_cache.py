@@ -16,7 +16,7 @@ import pytest
 from rljax import models, sampling
 from rljax.models import paged_cache as pc
 from rljax.sampling import paged as paged_lib
-from rljax.train import build, combinations
+from rljax.train import build
 from tests.test_loop import loop_config
 
 # The shrinking sampler's tests' model and sampler: rows that end at
@@ -337,11 +337,3 @@ def test_a_bad_pool_is_refused_naming_the_field(field, value):
   with pytest.raises(ValueError, match=rf"sampler\.{field}={value}"):
     build.validate(loop_config(**{"sampler.kv_cache": "paged",
                                   f"sampler.{field}": value}))
-
-
-@pytest.mark.parametrize("overrides,rule", [
-    ({"env.name": "calculator"}, "paged-episodes"),
-])
-def test_what_paged_does_not_combine_with_is_refused(overrides, rule):
-  config = loop_config(**{"sampler.kv_cache": "paged", **overrides})
-  assert rule in [r.name for r in combinations.applying(config)]

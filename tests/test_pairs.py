@@ -106,7 +106,6 @@ SAME_FIELD = {frozenset(p) for p in (("continuous", "partial"),
 REFUSED = {
     frozenset(("tree", "env")): "tree-episodes",
     frozenset(("tree", "spec_rl")): "tree-speculative",
-    frozenset(("paged", "env")): "paged-episodes",
 }
 
 MAX_FEATURES = 10  # per run

@@ -63,12 +63,17 @@ class PagedKVCache(NamedTuple):
       it has none.
     lengths: ``[R]`` int32, the slots each row has written: its next write
       goes to logical slot ``lengths[r]``.
+    held: ``[num_blocks]`` int32 or None: table entries of rows outside
+      this cache's ``R``, which hold their blocks while a part of the rows
+      decodes alone (a multi-turn batch that shrinks:
+      ``rljax/rollout/turn_pages.py``); ``refcounts`` counts them.
   """
 
   layers: tuple[LayerKV, ...]
   slot_mask: jax.Array
   table: jax.Array
   lengths: jax.Array
+  held: jax.Array | None = None
 
   @property
   def block_size(self) -> int:
@@ -102,8 +107,9 @@ def init_paged_cache(config: ModelConfig, rows: int, num_blocks: int,
 def refcounts(cache: PagedKVCache) -> jax.Array:
   """``[num_blocks]`` int32, how many table entries point to each block."""
   flat = cache.table.reshape(-1)
-  return jnp.zeros((cache.num_blocks,), jnp.int32).at[
+  counts = jnp.zeros((cache.num_blocks,), jnp.int32).at[
       jnp.where(flat >= 0, flat, cache.num_blocks)].add(1, mode="drop")
+  return counts if cache.held is None else counts + cache.held
 
 
 def blocks_in_use(cache: PagedKVCache) -> jax.Array:

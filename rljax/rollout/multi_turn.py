@@ -73,8 +73,10 @@ from rljax.rollout.episode_drafts import Speculation
 from rljax.rollout.episodes import EpisodeLog, Episodes, SlotOutputs
 from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig
+from rljax.models import paged_cache as pc
 from rljax.sampling.decode_cache import shrink_levels
 from rljax.sampling.drafts import DraftStore
+from rljax.sampling.paged import PagedConfig, pool_stats
 from rljax.sampling.sampler import SamplerConfig, pad_prompts, row_keys
 
 
@@ -159,6 +161,11 @@ class MultiTurnSampler(env_steps.EnvSteps):
       ``episode_carry.EpisodeCarry``, needs ``slots``): ``run`` stops once
       its step's ``B`` groups have ended and carries the others; None:
       every episode is played to its end.
+    paged: the rows' KV cache is a pool of blocks
+      (``sampling.PagedConfig``; ``rljax/rollout/turn_pages.py``): a
+      prompt's blocks are shared by the rows that start with it, and an
+      episode's blocks are released when it ends; None: a dense cache of
+      ``P + T + O`` slots per row.
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
@@ -169,7 +176,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
                slots: int | None = None, refill_rows: int = 1,
                group: distributed.ProcessGroup | None = None,
                drafts: DraftStore | None = None, log_lenience: float = 0.0,
-               carry: episode_carry.EpisodeCarry | None = None):
+               carry: episode_carry.EpisodeCarry | None = None,
+               paged: PagedConfig | None = None):
     for name, value in (("rl.rollout_slots", slots),
                         ("rl.rollout_refill_rows", refill_rows)):
       if value is not None and (isinstance(value, bool)
@@ -203,10 +211,11 @@ class MultiTurnSampler(env_steps.EnvSteps):
     self._draft_width = min(turns.max_turn_tokens or t, t)
     extra = turns.max_observation_tokens if drafts is None else max(
         turns.max_observation_tokens, self._draft_width)
+    self.paged = paged
     self._start = jax.jit(functools.partial(
-        turns_lib.start, obs_width=extra, **kw))
+        turns_lib.start, obs_width=extra, paged=paged, **kw))
     self._refill = jax.jit(functools.partial(
-        turns_lib.refill, obs_width=extra, **kw))
+        turns_lib.refill, obs_width=extra, paged=paged, **kw))
     self._verify = jax.jit(functools.partial(
         turns_lib.verify, turns=turns, log_lenience=float(log_lenience), **kw),
                            static_argnames=("prompt_width",))
@@ -409,7 +418,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
           ep.turns[r] += 1
         taken = np.flatnonzero(stopped & ended & ~done)
         taken_turns = (self._host(state.tokens), column, start)
-        decoding = (decoding & ~stopped) | resumed
+        # (A resumed row whose observation found no block is over.)
+        decoding = (decoding & ~stopped) | (resumed & ~done)
         if out is not None:
           state, decoding = self._turnover(
               params, state, out, slot_row, queue, done & ~decoding,
@@ -462,6 +472,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
               "rollout/generated_tokens": float(held.generated)})
       if spec is not None:
         ep.slot_metrics.update(spec.metrics())
+      if self.paged is not None:
+        ep.slot_metrics.update(self._pool_metrics(state))
     episodes = ep.episodes(rollout, prompts,
                            sum(self.group.gather_json(self.runner.restarts)),
                            rows=None if carry is None else trained_rows)
@@ -504,6 +516,16 @@ class MultiTurnSampler(env_steps.EnvSteps):
         :levels[k] - len(live)]]).astype(np.int32)
     return self._decode_rows(params, state, clear, min_waiting, rows, fits,
                              prompt_width=prompt_width), levels[k]
+
+  def _pool_metrics(self, state) -> dict[str, float]:
+    """The paged pool's figures (``sampling.paged.pool_stats``): blocks
+    at the peak, the pool, episodes cut for want of a block, and blocks
+    still held once every episode is over (0). Episodes a partial step
+    carries are restored next step (``turns.restore``): their blocks go
+    back with the step's, as continuous slots' do."""
+    cache = pc.release(state.cache, ~state.done)
+    return {k: float(v) for k, v in self._host(pool_stats(
+        cache, cache.num_blocks, state.peak, state.cut)).items()}
 
   def _model_tokens(self, state) -> int:
     mask, observed = self._host((state.mask, state.observed))

@@ -6,7 +6,9 @@ decodes until rows end their turns (``decode_rows``: on a subset of rows,
 the shrinking static batch), ``insert`` prefills observations, and
 ``to_rollout`` hands the buffers over; ``verify`` keeps what SPEC-RL
 accepts of a turn's draft. The layout and the draws are described in
-``multi_turn``'s docstring.
+``multi_turn``'s docstring. The cache is dense or paged
+(``sampler.kv_cache``): every write goes through
+``rljax/rollout/turn_pages.py``, which takes either.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import jax.numpy as jnp
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
-from rljax.models.kv_cache import KVCache, LayerKV
+from rljax.rollout import turn_pages
 from rljax.sampling.continuous import ACCEPT_FOLD, accept_draft
 from rljax.sampling.sampler import (Rollout, SamplerConfig, decode_setup,
                                     fused_logprobs, pick_logprob, token_keys)
 
 
 class Turns(NamedTuple):
-  cache: KVCache           # [N, K, S, H] per layer, index [N] (= P + column)
+  cache: Any               # KVCache [N, K, S, H] per layer, index [N]
+                           # (= P + column), or a PagedKVCache (turn_pages)
   logits: jax.Array        # [N, V] fp32, predicting each row's next token
   tokens: jax.Array        # [N, T] int32
   mask: jax.Array          # [N, T] bool, real tokens
@@ -42,33 +45,60 @@ class Turns(NamedTuple):
   finished: jax.Array      # [N] bool, ended by the environment
   row: jax.Array           # [N] int32, the episode row each cache row plays
   steps: jax.Array         # [] int32, decode steps run so far
+  peak: jax.Array          # [] int32, most KV blocks in use (paged; else 0)
+  cut: jax.Array           # [] int32, rows cut for want of a block (paged)
 
 
-def start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, keys_Nx2,
-          row_N, *, mc, sc, obs_width):
-  """Each row's prompt in its own cache row; every row live.
-
-  The ``U`` prompts are distinct ones, each prefilled once; row ``n``'s is
-  prompt ``source_N[n]``, whose keys, values and first-token logits it
-  copies (a group's ``G`` rows cost one prompt forward). ``row_N``: the
-  episode row each cache row plays; ``keys_Nx2``: that row's key data (its
-  draws: ``row_keys``; a carried episode keeps the key it started with)."""
-  p = prompt_tokens_UxP.shape[1]
-  n = source_N.shape[0]
-  t = sc.max_new_tokens
+def _prefill(params, prompt_tokens_UxP, prompt_mask_UxP, *, mc, sc, slots):
+  """``(logits_UxV, cache, dtype)``: the ``U`` prompts prefilled into a
+  dense cache of ``slots`` slots per prompt."""
   mask_U = prompt_mask_UxP.astype(jnp.bool_)
   model, w_DxV, cache_dtype, _ = decode_setup(params, mask_U[:1], mc, sc)
   hidden, cache = model.apply(
       {"params": params}, prompt_tokens_UxP,
       jnp.maximum(jnp.cumsum(mask_U.astype(jnp.int32), -1) - 1, 0),
-      init_cache(mc, mask_U.shape[0], p + t + obs_width, cache_dtype),
+      init_cache(mc, mask_U.shape[0], slots, cache_dtype),
       input_mask_BxT=mask_U)
-  cache = KVCache(tuple(LayerKV(kv.k[source_N], kv.v[source_N])
-                        for kv in cache.layers), cache.mask[source_N],
-                  jnp.full((n,), p, jnp.int32), cache.prefix)
-  logits = compute_logits(hidden[:, -1:], w_DxV,
-                          mc.final_logit_softcap)[source_N, 0]
-  mask = mask_U[source_N]
+  return (compute_logits(hidden[:, -1:], w_DxV, mc.final_logit_softcap)[:, 0],
+          cache, cache_dtype)
+
+
+def start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, keys_Nx2,
+          row_N, *, mc, sc, obs_width, paged=None):
+  """Each row's prompt in its own cache row; every row live.
+
+  The ``U`` prompts are distinct ones, each prefilled once; row ``n``'s is
+  prompt ``source_N[n]``, whose keys, values and first-token logits it
+  copies (a group's ``G`` rows cost one prompt forward; on a paged cache,
+  ``paged``, it points to the blocks of the first row with that prompt
+  instead: ``turn_pages.prompts``). ``row_N``: the episode row each cache
+  row plays; ``keys_Nx2``: that row's key data (its draws: ``row_keys``; a
+  carried episode keeps the key it started with)."""
+  p = prompt_tokens_UxP.shape[1]
+  n = source_N.shape[0]
+  t = sc.max_new_tokens
+  logits, prefilled, dtype = _prefill(
+      params, prompt_tokens_UxP, prompt_mask_UxP, mc=mc, sc=sc,
+      slots=p if paged is not None else p + t + obs_width)
+  cut = jnp.zeros((), jnp.int32)
+  if paged is None:
+    cache, failed = turn_pages.dense_rows(prefilled, source_N), None
+  else:
+    cache, failed = turn_pages.prompts(
+        turn_pages.pool(mc, n, p + t + obs_width, paged, dtype),
+        jnp.ones((n,), jnp.bool_), prefilled, source_N)
+    cut = jnp.sum(failed).astype(jnp.int32)
+  state = _fresh(logits[source_N], cache, prompt_mask_UxP, source_N,
+                 keys_Nx2, row_N, sc)
+  state = state._replace(peak=turn_pages.in_use(cache), cut=cut)
+  return state if failed is None else state._replace(
+      live=~failed, done=failed)
+
+
+def _fresh(logits, cache, prompt_mask_UxP, source_N, keys_Nx2, row_N, sc):
+  n = source_N.shape[0]
+  t = sc.max_new_tokens
+  mask = prompt_mask_UxP.astype(jnp.bool_)[source_N]
   zeros = jnp.zeros((n, t), jnp.float32)
   false = jnp.zeros((n,), jnp.bool_)
   return Turns(
@@ -82,17 +112,28 @@ def start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N, keys_Nx2,
       turn_start=jnp.zeros((n,), jnp.int32),
       keys=jax.random.wrap_key_data(keys_Nx2),
       live=~false, ended_turn=false, done=false, finished=false,
-      row=row_N.astype(jnp.int32), steps=jnp.zeros((), jnp.int32))
+      row=row_N.astype(jnp.int32), steps=jnp.zeros((), jnp.int32),
+      peak=jnp.zeros((), jnp.int32), cut=jnp.zeros((), jnp.int32))
 
 
 def refill(params, state: Turns, refill_N, prompt_tokens_UxP,
-           prompt_mask_UxP, source_N, keys_Nx2, row_N, *, mc, sc, obs_width
-           ) -> Turns:
+           prompt_mask_UxP, source_N, keys_Nx2, row_N, *, mc, sc, obs_width,
+           paged=None) -> Turns:
   """The slots in ``refill_N`` start the episodes ``row_N``, slot ``n``
   with prompt ``source_N[n]`` of the ``U`` given (``start``; every buffer
   reset); the other slots are unchanged. One program per ``U``."""
-  fresh = start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N,
-                keys_Nx2, row_N, mc=mc, sc=sc, obs_width=obs_width)
+  if paged is None:
+    fresh = start(params, prompt_tokens_UxP, prompt_mask_UxP, source_N,
+                  keys_Nx2, row_N, mc=mc, sc=sc, obs_width=obs_width)
+    failed = None
+  else:  # the refilled rows' blocks only: the pool stays
+    logits, prefilled, _ = _prefill(
+        params, prompt_tokens_UxP, prompt_mask_UxP, mc=mc, sc=sc,
+        slots=prompt_tokens_UxP.shape[1])
+    cache, failed = turn_pages.prompts(state.cache, refill_N, prefilled,
+                                       source_N)
+    fresh = _fresh(logits[source_N], cache, prompt_mask_UxP, source_N,
+                   keys_Nx2, row_N, sc)
 
   def pick(new, old):
     if new is None or new.ndim == 0:
@@ -102,7 +143,15 @@ def refill(params, state: Turns, refill_N, prompt_tokens_UxP,
       return jax.random.wrap_key_data(jnp.where(
           where[:, None], jax.random.key_data(new), jax.random.key_data(old)))
     return jnp.where(where, new, old)
-  return jax.tree.map(pick, fresh, state, is_leaf=lambda x: x is None)
+  out = jax.tree.map(pick, fresh._replace(cache=None),
+                     state._replace(cache=None), is_leaf=lambda x: x is None)
+  out = out._replace(cache=(jax.tree.map(pick, fresh.cache, state.cache)
+                            if failed is None else fresh.cache))
+  if failed is None:
+    return out
+  return out._replace(live=out.live & ~failed, done=out.done | failed,
+                      cut=out.cut + jnp.sum(failed).astype(jnp.int32),
+                      peak=jnp.maximum(out.peak, turn_pages.in_use(fresh.cache)))
 
 
 def restore(params, state: Turns, restore_N, tokens_NxT, mask_NxT,
@@ -119,10 +168,11 @@ def restore(params, state: Turns, restore_N, tokens_NxT, mask_NxT,
   n, t = state.tokens.shape
   mask_NxT = mask_NxT & restore_N[:, None]
   column = jnp.sum(mask_NxT.astype(jnp.int32), -1)
-  cache = state.cache._replace(index=jnp.full((n,), prompt_width, jnp.int32))
-  hidden, cache = model.apply(
-      {"params": params}, tokens_NxT,
-      state.position[:, None] + jnp.arange(t), cache, input_mask_BxT=mask_NxT)
+  hidden, cache, cut = turn_pages.forward(
+      model, params, tokens_NxT, state.position[:, None] + jnp.arange(t),
+      state.cache, jnp.full((n,), prompt_width, jnp.int32), restore_N,
+      mask_NxT)
+  restore_N = restore_N & ~cut
   last = jnp.take_along_axis(hidden, jnp.maximum(column - 1, 0)[:, None, None],
                              1)
   logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
@@ -132,16 +182,21 @@ def restore(params, state: Turns, restore_N, tokens_NxT, mask_NxT,
   def put(new, old):
     return jnp.where(rows, new.astype(old.dtype), old)
 
+  column = jnp.where(restore_N, column, state.column)
+  done = state.done | cut
   return state._replace(
-      cache=cache._replace(index=prompt_width + column),
+      cache=turn_pages.settle(cache, prompt_width + column, done),
+      live=state.live & ~cut, done=done,
+      cut=state.cut + jnp.sum(cut).astype(jnp.int32),
+      peak=jnp.maximum(state.peak, turn_pages.in_use(cache)),
       logits=jnp.where(has[:, None], logits, state.logits),
       tokens=put(tokens_NxT, state.tokens), mask=put(mask_NxT, state.mask),
       observed=put(observed_NxT & mask_NxT, state.observed),
       sampler_logp=put(sampler_logp_NxT, state.sampler_logp),
       policy_logp=(None if state.policy_logp is None
                    else put(policy_logp_NxT, state.policy_logp)),
-      column=jnp.where(restore_N, column, state.column),
-      position=state.position + column,
+      column=column,
+      position=state.position + jnp.where(restore_N, column, 0),
       turn_start=jnp.where(restore_N, turn_start_N, state.turn_start))
 
 
@@ -175,7 +230,11 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
   max_turn = turns.max_turn_tokens or t
 
   def body(s: Turns) -> Turns:
-    live = s.live
+    # A paged cache's live rows reserve their next slot first; a row that
+    # finds no free block ends here, cut (a dense cache: none is).
+    cache, cut = turn_pages.reserve(s.cache, prompt_width + s.column, s.live,
+                                    1)
+    live = s.live & ~cut
     token, sampler_logp = sc.method.get_next_tokens(
         s.logits, token_keys(s.keys, s.column), samples)
     token = jnp.where(live, token, sc.pad_id)
@@ -193,16 +252,18 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
       policy_logp = put(policy_logp, lp)
     ended = live & turn_ended(tokens, column, token, s.turn_start, eos,
                                turns.stop_sequences)
-    cache = s.cache._replace(index=prompt_width + s.column)
-    hidden, cache = model.apply(
-        {"params": params}, token[:, None], s.position[:, None], cache,
-        input_mask_BxT=live[:, None])
+    hidden, cache = turn_pages.apply(
+        model, params, token[:, None], s.position[:, None], cache, live,
+        live[:, None])
     logits = compute_logits(hidden, w_DxV, mc.final_logit_softcap)[:, 0]
     new_column = s.column + live.astype(jnp.int32)
     over_budget = live & (new_column >= t)
     long_turn = live & (new_column - s.turn_start >= max_turn)
+    done = s.done | over_budget | cut
     return s._replace(
-        cache=cache._replace(index=prompt_width + new_column),
+        cache=turn_pages.settle(cache, prompt_width + new_column, done),
+        peak=jnp.maximum(s.peak, turn_pages.in_use(cache)),
+        cut=s.cut + jnp.sum(cut).astype(jnp.int32),
         logits=jnp.where(live[:, None], sharding.constrain(
             logits, ("batch", "act_vocab")), s.logits),
         tokens=tokens, mask=s.mask | at,
@@ -211,7 +272,7 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
         position=s.position + live.astype(jnp.int32),
         live=live & ~ended & ~over_budget & ~long_turn,
         ended_turn=s.ended_turn | ((ended | long_turn) & ~over_budget),
-        done=s.done | over_budget, steps=s.steps + 1)
+        done=done, steps=s.steps + 1)
 
   def more(s: Turns) -> jax.Array:
     waiting = jnp.sum((s.ended_turn & ~s.done).astype(jnp.int32))
@@ -222,9 +283,12 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
 
 
 def take_rows(state: Turns, rows_L) -> Turns:
-  """The state of the cache rows ``rows_L`` (``steps`` is shared)."""
-  return jax.tree.map(
-      lambda x: x if x.ndim == 0 else jnp.take(x, rows_L, axis=0), state)
+  """The state of the cache rows ``rows_L`` (``steps`` is shared; a paged
+  cache's pool stays whole: ``turn_pages.take``)."""
+  part = jax.tree.map(
+      lambda x: x if x.ndim == 0 else jnp.take(x, rows_L, axis=0),
+      state._replace(cache=None))
+  return part._replace(cache=turn_pages.take(state.cache, rows_L))
 
 
 def put_rows(state: Turns, rows_L, part: Turns) -> Turns:
@@ -237,7 +301,8 @@ def put_rows(state: Turns, rows_L, part: Turns) -> Turns:
       return jax.random.wrap_key_data(jax.random.key_data(full).at[
           rows_L].set(jax.random.key_data(new)))
     return full.at[rows_L].set(new)
-  return jax.tree.map(put, state, part)
+  out = jax.tree.map(put, state._replace(cache=None), part._replace(cache=None))
+  return out._replace(cache=turn_pages.put(state.cache, rows_L, part.cache))
 
 
 def decode_rows(params, state: Turns, clear_N, min_waiting, rows_L, fits,
@@ -268,11 +333,13 @@ def insert(params, state: Turns, obs_NxO, obs_len_N, resume_N, end_N,
   n, t = state.tokens.shape
   o = obs_NxO.shape[1]
   obs_len_N = jnp.where(resume_N, obs_len_N, 0)
-  valid = jnp.arange(o)[None] < obs_len_N[:, None]
-  cache = state.cache._replace(index=prompt_width + state.column)
-  hidden, cache = model.apply(
-      {"params": params}, obs_NxO, state.position[:, None] + jnp.arange(o),
-      cache, input_mask_BxT=valid)
+  hidden, cache, cut = turn_pages.forward(
+      model, params, obs_NxO, state.position[:, None] + jnp.arange(o),
+      state.cache, prompt_width + state.column, obs_len_N > 0,
+      jnp.arange(o)[None] < obs_len_N[:, None])
+  # A row whose observation found no block ends with its last turn.
+  end_N, resume_N = end_N | cut, resume_N & ~cut
+  obs_len_N = jnp.where(cut, 0, obs_len_N)
   last = jnp.take_along_axis(
       hidden, jnp.maximum(obs_len_N - 1, 0)[:, None, None], 1)
   logits = compute_logits(last, w_DxV, mc.final_logit_softcap)[:, 0]
@@ -281,16 +348,18 @@ def insert(params, state: Turns, obs_NxO, obs_len_N, resume_N, end_N,
   inside = (offset >= 0) & (offset < obs_len_N[:, None])
   obs_at = jnp.take_along_axis(obs_NxO, jnp.clip(offset, 0, o - 1), axis=1)
   column = state.column + obs_len_N
+  done = state.done | end_N
   return state._replace(
-      cache=cache._replace(index=prompt_width + column),
+      cache=turn_pages.settle(cache, prompt_width + column, done),
+      peak=jnp.maximum(state.peak, turn_pages.in_use(cache)),
+      cut=state.cut + jnp.sum(cut).astype(jnp.int32),
       logits=jnp.where((obs_len_N > 0)[:, None], logits, state.logits),
       tokens=jnp.where(inside, obs_at, state.tokens),
       mask=state.mask | inside, observed=state.observed | inside,
       column=column, position=state.position + obs_len_N,
       turn_start=jnp.where(resume_N, column, state.turn_start),
-      live=state.live | resume_N,
-      done=state.done | end_N,
-      finished=state.finished | (end_N & env_done_N))
+      live=state.live | resume_N, done=done,
+      finished=state.finished | (end_N & env_done_N & ~cut))
 
 
 def verify(params, state: Turns, draft_NxD, draft_len_N, draft_lp_NxD, *,
@@ -313,11 +382,13 @@ def verify(params, state: Turns, draft_NxD, draft_len_N, draft_lp_NxD, *,
   has = draft_len_N > 0
   draft_len_N = jnp.minimum(jnp.where(has, draft_len_N, 0), t - state.column)
   cols_D = jnp.arange(d, dtype=jnp.int32)
-  valid = cols_D[None] < draft_len_N[:, None]
-  cache = state.cache._replace(index=prompt_width + state.column)
-  hidden, cache = model.apply(
-      {"params": params}, draft_NxD, state.position[:, None] + cols_D[None],
-      cache, input_mask_BxT=valid)
+  hidden, cache, cut = turn_pages.forward(
+      model, params, draft_NxD, state.position[:, None] + cols_D[None],
+      state.cache, prompt_width + state.column, draft_len_N > 0,
+      cols_D[None] < draft_len_N[:, None])
+  # A row whose draft found no block keeps none of it and ends, cut.
+  draft_len_N = jnp.where(cut, 0, draft_len_N)
+  has = has & ~cut
   # Row j of `before` predicts draft token j: the state's logits, then the
   # draft's own hidden states.
   logits = jnp.concatenate([state.logits[:, None], compute_logits(
@@ -357,15 +428,18 @@ def verify(params, state: Turns, draft_NxD, draft_len_N, draft_lp_NxD, *,
   after = jnp.take_along_axis(
       hidden, jnp.maximum(accepted - 1, 0)[:, None, None], 1)
   next_logits = compute_logits(after, w_DxV, mc.final_logit_softcap)[:, 0]
-  slots = cache.mask.shape[1]
-  start = prompt_width + state.column
-  rejected = ((jnp.arange(slots)[None] >= (start + accepted)[:, None])
-              & (jnp.arange(slots)[None] < (start + d)[:, None]))
-  cache = cache._replace(index=prompt_width + column,
-                         mask=cache.mask & ~(rejected & has[:, None]))
-  stop = ended | long_turn | over_budget
+  if not turn_pages.is_paged(cache):  # paged: settle drops the tail
+    slots = cache.mask.shape[1]
+    start = prompt_width + state.column
+    rejected = ((jnp.arange(slots)[None] >= (start + accepted)[:, None])
+                & (jnp.arange(slots)[None] < (start + d)[:, None]))
+    cache = cache._replace(mask=cache.mask & ~(rejected & has[:, None]))
+  stop = ended | long_turn | over_budget | cut
+  done = state.done | over_budget | cut
   return state._replace(
-      cache=cache,
+      cache=turn_pages.settle(cache, prompt_width + column, done),
+      peak=jnp.maximum(state.peak, turn_pages.in_use(cache)),
+      cut=state.cut + jnp.sum(cut).astype(jnp.int32),
       logits=jnp.where((accepted > 0)[:, None], next_logits, state.logits),
       tokens=tokens, mask=state.mask | inside,
       sampler_logp=put(state.sampler_logp, jnp.where(kept_D, sampler_lp, 0.0)),
@@ -374,7 +448,7 @@ def verify(params, state: Turns, draft_NxD, draft_len_N, draft_lp_NxD, *,
       column=column, position=state.position + accepted,
       live=state.live & ~stop,
       ended_turn=state.ended_turn | ((ended | long_turn) & ~over_budget),
-      done=state.done | over_budget)
+      done=done)
 
 
 def to_rollout(prompt_tokens_NxP, prompt_mask_NxP, s: Turns,

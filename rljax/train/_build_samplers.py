@@ -87,7 +87,7 @@ class Samplers:
         carry=(episode_carry.EpisodeCarry(partial.slots, partial.max_age,
                                           partial.max_carried)
                if partial is not None and partial.mode == "partial"
-               else None))
+               else None), paged=self._paged())
 
   @property
   def split(self) -> bool:

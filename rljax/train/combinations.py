@@ -60,10 +60,6 @@ def _tree(c: Any) -> bool:
   return c.rl.rollout == "tree"
 
 
-def _paged(c: Any) -> bool:
-  return c.sampler.kv_cache == "paged"
-
-
 _ALLOCATION = "rl.allocation.name"
 RULES: tuple[Rule, ...] = (
     # --- one process -------------------------------------------------------
@@ -117,11 +113,6 @@ RULES: tuple[Rule, ...] = (
          "of one leaf has no fork; VIGOR's and Pilot-Commit's entries are "
          "trees", "rl.allocation.name='vigor' or 'pilot_commit', or "
          "rl.rollout='static'", "meaningless"),
-    Rule("paged-episodes", ("sampler.kv_cache", "env.name"),
-         lambda c, p: _paged(c) and bool(c.env.name),
-         "multi-turn episodes insert observations into a dense cache per "
-         "row; they have no paged path", "sampler.kv_cache='dense'",
-         "missing"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),
