@@ -9,7 +9,12 @@ prompt, 6 new tokens) with:
   forks after 2 and 4 tokens, each doubling the rows, new rows by
   uncertainty), GRPO's advantage;
 * ``treepo``: the same trees with TreePO's subtree advantage
-  (``rl.advantage=treepo``).
+  (``rl.advantage=treepo``);
+* ``latr``: LATR's lookahead trees (``rl.rollout=latr``: every row in the
+  tree, branching where the second candidate has p2 > 0.2 and p1 - p2 <
+  0.2, pruning branches that kept within 40% edits of their parent 2 and 4
+  tokens after their birth: the paper's 30 and 50 scaled to 6-token
+  completions), GRPO's advantage.
 
 Runs go one after the other in subprocesses (``python -m launch.train``,
 one CPU device). It prints, per method and over the seeds, held-out accuracy
@@ -40,6 +45,7 @@ METHODS = {
     "tree": ["--config.rl.rollout=tree", "--config.rl.tree.segment_tokens=2"],
     "treepo": ["--config.rl.rollout=tree", "--config.rl.tree.segment_tokens=2",
                "--config.rl.advantage=treepo"],
+    "latr": ["--config.rl.rollout=latr", "--config.rl.latr.lookahead=(2, 4)"],
 }
 
 _METHODS = flags.DEFINE_list("methods", list(METHODS), f"of {list(METHODS)}")

@@ -112,6 +112,14 @@ SETTING_FIXUPS = {
                                     "sampler.kv_block_size": 4},
     # A tree (2 roots, one fork after 4 of the 6 tokens) samples on its own.
     ("rl.rollout", "tree"): {"sampler.speculative": False},
+    # LATR branching at every token (an untrained model's distributions
+    # are flat), pruning branches 2 tokens old that kept their parent's
+    # next token.
+    ("rl.rollout", "latr"): {"sampler.speculative": False,
+                             "rl.latr.abs_threshold": 0.0,
+                             "rl.latr.rel_threshold": 1.0,
+                             "rl.latr.lookahead": (2,),
+                             "rl.latr.edit_distance": 1.0},
 }
 # Applied last: an entry's needs win over a setting's (VESPO refuses tis).
 TABLE_FIXUPS = {(axis, name): dict(entry.loop_fixups)
@@ -135,7 +143,8 @@ def _allocation_fits(case):
            or case.get("rl.allocation.name") != "sgpo")
           and not case.get("rl.replay.fraction")
           and not case.get("sampler.speculative")
-          and case.get("rl.rollout", "static") not in ("partial", "tree")
+          and case.get("rl.rollout", "static") not in ("partial", "tree",
+                                                       "latr")
           and not alg_lib.sampling_needs(case["rl.advantage"])[
               "extra_samples"])
 
@@ -149,6 +158,9 @@ def _fix(case):
   if case.get("rl.rollout") == "tree" and (
       case["rl.advantage"] == "remax" or alg_lib.sampling_needs(
           case["rl.advantage"])["extra_samples"]):  # G + 1 rows: no tree
+    case["rl.rollout"] = "static"
+  if case.get("rl.rollout") == "latr" and alg_lib.sampling_needs(
+      case["rl.advantage"])["greedy_baseline"]:  # its greedy row: no tree
     case["rl.rollout"] = "static"
   return case
 

@@ -272,6 +272,7 @@ def _check_partial_dots_replay(rl):
 def _check_online_dpo(rl):
   assert all(r["pref/online/reward_chosen"] > r["pref/online/reward_rejected"]
              for r in rl)
+  assert all(r["latr/branches"] > 0 for r in rl)
   assert all(r["pref/grad_norm"] > 0 for r in rl)
 
 
@@ -292,12 +293,15 @@ CASES = {
          "eval.num_examples": 12}, None, _check_slots_async_greso),
     # Partial rollouts carrying groups, replay (8 prompts, 6 fresh).
     # Online DPO (docs/preference.md): pairs sampled from the global
-    # batch, labelled by the rewards, trained against the reference; held-out
-    # pairs scored on both processes' rows.
+    # batch with LATR's branching (each process's rows, its block of the
+    # prompts' trees), labelled by the rewards, trained against the
+    # reference; held-out pairs scored on both processes' rows.
     "online-dpo": ({"preference.loss": "dpo", "preference.online": True,
                     "preference.max_length": 22, "preference.num_pairs": 64,
                     "preference.num_heldout": 16, "eval.every": 2,
-                    **_PARITY}, None, _check_online_dpo),
+                    "rl.rollout": "latr", "rl.latr.abs_threshold": 0.0,
+                    "rl.latr.rel_threshold": 1.0, **_PARITY}, None,
+                   _check_online_dpo),
     # DOTS choosing the prompts, and every metric writer: process 0 alone
     # logs to W&B and MLflow (offline; one run each, checked below).
     "partial-dots-replay": (
@@ -442,6 +446,7 @@ COLUMN = {
     "dapo": "teachers", "critic": "lora-critic-vigor-tree-dapo-replay",
     "reward_model": "teachers", "distillation": "teachers",
     "tree": "teachers", "paged": "lora-critic-vigor-tree-dapo-replay",
+    "latr": "online-dpo",
 }
 
 

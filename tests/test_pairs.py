@@ -58,6 +58,11 @@ def _lora_adapters(rows, workdir):
   return any("_lora_a" in n for n in names)
 
 
+# LATR with thresholds every token crosses (an untrained model's next-token
+# distributions are flat).
+LATR_SETTINGS = {"rl.rollout": "latr", "rl.latr.abs_threshold": 0.0,
+                 "rl.latr.rel_threshold": 1.0}
+
 FEATURES = {
     "continuous": Feature({"rl.rollout": "continuous"},
                           _has("rollout/slot_utilization")),
@@ -87,6 +92,9 @@ FEATURES = {
     # Shared segments decoded once: fewer tokens decoded than the leaves hold.
     "tree": Feature({"rl.rollout": "tree"}, lambda rows, w: all(
         r["rollout/tree_token_saving"] > 0 for r in rows)),
+    # LATR branching at every token until each prompt's tree is full.
+    "latr": Feature(LATR_SETTINGS, lambda rows, w: all(
+        r["latr/branches"] > 0 for r in rows)),
     # The static batch on blocks: ended rows gave theirs back.
     "paged": Feature({"sampler.kv_cache": "paged"}, lambda rows, w: all(
         r["rollout/kv_blocks_peak"] > 0 and r["rollout/kv_blocks_left"] == 0
@@ -97,15 +105,16 @@ FEATURES = {
 }
 
 # Pairs that set the same field: one run cannot hold both.
-SAME_FIELD = {frozenset(p) for p in (("continuous", "partial"),
-                                     ("continuous", "tree"),
-                                     ("partial", "tree"))}
+SAME_FIELD = {frozenset(p) for p in itertools.combinations(
+    ("continuous", "partial", "tree", "latr"), 2)}
 
 # The pairs the table refuses, by its rule (docs/rollouts.md gives the
 # reasons).
 REFUSED = {
     frozenset(("tree", "env")): "tree-episodes",
     frozenset(("tree", "spec_rl")): "tree-speculative",
+    frozenset(("latr", "env")): "latr-episodes",
+    frozenset(("latr", "spec_rl")): "latr-speculative",
 }
 
 MAX_FEATURES = 10  # per run

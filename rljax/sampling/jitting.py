@@ -112,12 +112,15 @@ def jit_rows(fn, config: SamplerConfig, mesh: jax.sharding.Mesh | None,
 
 class MeteredSampler:
   """A sampler called as the static one, whose ``with_metrics`` also
-  returns its figures: a paged pool's (``paged``, ``sampling.paged``), none
-  for a dense cache. ``tree``: a tree rollout's ``TreeConfig``, which tells
-  the collector how to count its tokens."""
+  returns its figures: a paged pool's (``paged``, ``sampling.paged``), or
+  any sampler's that returns them (``stats``: LATR's counts), none
+  otherwise. ``tree``: a tree rollout's ``TreeConfig``, which tells the
+  collector how to count its tokens."""
 
-  def __init__(self, fn, *, paged: Any = None, tree: Any = None):
+  def __init__(self, fn, *, paged: Any = None, tree: Any = None,
+               stats: bool = False):
     self._fn, self.paged, self.tree = fn, paged, tree
+    self._stats = stats or paged is not None
     self.jitted = getattr(fn, "jitted", fn)
 
   def __call__(self, params, prompt_tokens_BxP, prompt_mask_BxP, key):
@@ -127,7 +130,7 @@ class MeteredSampler:
   def with_metrics(self, params, prompt_tokens_BxP, prompt_mask_BxP, key
                    ) -> tuple[Rollout, dict[str, float]]:
     out = self._fn(params, prompt_tokens_BxP, prompt_mask_BxP, key)
-    if self.paged is None:
+    if not self._stats:
       return out, {}
     return out[0], {k: float(v) for k, v in jax.device_get(out[1]).items()}
 

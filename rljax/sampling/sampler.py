@@ -310,18 +310,22 @@ _ROW_FIELDS = ("tokens", "mask", "policy_logp", "sampler_logp", "column",
 
 
 def decode_step(params, state: _LoopState, keys_N, *, model, w_DxV,
-                mc: ModelConfig, sc: SamplerConfig) -> _LoopState:
+                mc: ModelConfig, sc: SamplerConfig, choose=None) -> _LoopState:
   """One decode step of every row: draws each live row's token at its
   ``column`` (``token_keys``), writes it and its logprobs, and runs the
   decoder on it at the cache's next slot. Rows that are done write nothing.
-  The step of ``_decode``'s loops and of the tree rollout
-  (``rljax/sampling/tree.py``)."""
+  The step of ``_decode``'s loops, of the tree rollout
+  (``rljax/sampling/tree.py``) and of LATR's (``rljax/sampling/latr.py``,
+  whose ``choose(state, token_N, sampler_logp_N) -> (token_N,
+  sampler_logp_N)`` replaces some rows' draws)."""
   t = sc.max_new_tokens
   eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
   cols_T = jnp.arange(t, dtype=jnp.int32)
   i = state.step
   token, sampler_logp = sc.method.get_next_tokens(
       state.logits, token_keys(keys_N, state.column))
+  if choose is not None:
+    token, sampler_logp = choose(state, token, sampler_logp)
   live = ~state.done
   token = jnp.where(live, token, sc.pad_id)
   policy_logp = None

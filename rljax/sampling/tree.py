@@ -157,7 +157,7 @@ def fork_parents(done_BxW, surprisal_BxW, width: int, branch_by: str):
       e, jnp.arange(width), side="right"))(ends).astype(jnp.int32)
 
 
-def _gather(state, rows_n):
+def gather_rows(state, rows_n):
   """The decode state of rows ``rows_n``: per-row fields, next-token logits
   and the decode cache's own rows (a shared prompt prefix stays), or on a
   paged cache the rows' block tables (``paged_cache.fork``: no key or value
@@ -246,7 +246,7 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
     parents = fork_parents(state.done.reshape(b, w), surprisal.reshape(b, w),
                            widths[d + 1], tree.branch_by)
     rows = (jnp.arange(b, dtype=jnp.int32)[:, None] * w + parents).reshape(-1)
-    state = _gather(state, rows)
+    state = gather_rows(state, rows)
     nodes = jnp.take(nodes, rows, axis=0).at[:, d].set(parents.reshape(-1))
   g = sc.num_samples
   rollout = Rollout(
@@ -325,5 +325,6 @@ def tree_metrics(counts: list[dict[str, float]]) -> dict[str, float]:
   return out
 
 
-__all__ = ["BRANCH_BY", "TreeConfig", "fork_parents", "make_tree_sampler",
+__all__ = ["BRANCH_BY", "TreeConfig", "fork_parents", "gather_rows",
+           "make_tree_sampler",
            "tree_counts", "tree_metrics"]

@@ -16,6 +16,7 @@ from rljax.data import allocation as allocation_lib
 from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
 from rljax.rollout import partial as partial_lib
+from rljax.sampling import latr as latr_lib
 from rljax.sampling import tree as tree_lib
 
 
@@ -69,9 +70,9 @@ def meshes(config: Any) -> tuple[jax.sharding.Mesh, jax.sharding.Mesh]:
 def partial_config(config: Any):
   """The ``partial.PartialConfig`` of ``rl.rollout*`` / ``rl.partial_*``;
   None for the plans without slots, ``rl.rollout="static"`` and
-  ``"tree"``."""
+  ``"tree"`` and ``"latr"``."""
   rl = config.rl
-  if rl.rollout in ("static", "tree"):
+  if rl.rollout in ("static", "tree", "latr"):
     return None
   rows = rl.prompts_per_step * (rl.group_size + alg_lib.sampling_needs(
       rl.advantage)["extra_samples"])
@@ -100,7 +101,7 @@ def _validate_rollout(config: Any) -> None:
     fresh_allocation(config)  # with replay, the fresh prompts' rounds
   if rl.sampler_devices:
     _check_sampler_devices(rl.sampler_devices)
-  if rl.rollout in ("static", "tree"):
+  if rl.rollout in ("static", "tree", "latr"):
     for name in ("rollout_slots", "rollout_refill_rows"):
       if rl[name] is not None:
         raise ValueError(f"rl.{name}={rl[name]!r} with rl.rollout="
@@ -121,8 +122,50 @@ def _validate_rollout(config: Any) -> None:
               f"rl.allocation.name={rl.allocation.name!r} samples "
               f"{rows} rows per prompt entry (each round gives a prompt a "
               f"multiple), each entry a tree: {e}") from None
+    if rl.rollout == "latr":
+      _validate_latr(config)
     return
   partial_config(config)  # checks slots against refill rows
+
+
+def _validate_latr(config: Any) -> None:
+  """LATR's tree has at least 2 rows of each group (of each prompt entry
+  with rollout allocation), and leaves out ReMax's greedy row (the last of
+  each group), which its branches would copy."""
+  rl = config.rl
+  needs = alg_lib.sampling_needs(rl.advantage)
+  rows = rl.group_size + needs["extra_samples"]
+  latr = latr_config(config)
+  if rl.allocation.name != "none":
+    rows = allocation(config).sampler_samples
+    try:
+      latr.tree_rows(rows)
+    except ValueError as e:
+      raise ValueError(
+          f"rl.allocation.name={rl.allocation.name!r} samples {rows} rows "
+          f"per prompt entry, each entry with its own LATR tree: {e}"
+      ) from None
+    return
+  m = latr.tree_rows(rows)
+  if needs["greedy_baseline"] and m >= rows:
+    raise ValueError(
+        f"rl.latr.mix_ratio={rl.latr.mix_ratio!r} puts all {rows} rows of a "
+        f"group in LATR's tree, and rl.advantage={rl.advantage!r} decodes "
+        "the last row greedily from the prompt as its baseline; accepted: "
+        f"rl.latr.mix_ratio <= {(rows - 1.5) / rows:.3g} (the greedy row "
+        "outside the tree).")
+
+
+def latr_config(config: Any) -> latr_lib.LatrConfig | None:
+  """The ``LatrConfig`` of ``rl.latr.*`` with ``rl.rollout="latr"``, else
+  None."""
+  if config.rl.rollout != "latr":
+    return None
+  c = config.rl.latr
+  return latr_lib.LatrConfig(
+      mix_ratio=float(c.mix_ratio), abs_threshold=float(c.abs_threshold),
+      rel_threshold=float(c.rel_threshold), lookahead=tuple(c.lookahead),
+      edit_distance=float(c.edit_distance))
 
 
 def tree_config(config: Any) -> tree_lib.TreeConfig | None:

@@ -19,11 +19,12 @@ from rljax import sampling
 from rljax.rollout import episode_carry
 from rljax.rollout import partial as partial_lib
 from rljax.train._build_inputs import eos_ids
+from rljax.sampling import latr as latr_lib
 from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
-from rljax.train._build_rollouts import (allocation, partial_config,
-                                         replay_buffer, selection,
-                                         tree_config)
+from rljax.train._build_rollouts import (allocation, latr_config,
+                                         partial_config, replay_buffer,
+                                         selection, tree_config)
 
 
 def sampler_config(config: Any, tokenizer: Any, num_samples: int, *,
@@ -133,7 +134,8 @@ class Samplers:
     and with ``rl.rollout="tree"`` the training rows are sampled as trees
     (``sampling.tree``; with rollout allocation its prompt entries are the
     trees, ``allocation_rollouts``, and the collector's sampler of whole
-    groups, which its rounds never call, is not one).
+    groups, which its rounds never call, is not one); with
+    ``rl.rollout="latr"`` with LATR's branching (``sampling.latr``).
     ``sampler.kv_cache="paged"``: the static batch
     decodes on a paged KV cache (``sampling.paged``), as the slots do
     (``slot_rollouts``).
@@ -156,6 +158,13 @@ class Samplers:
       tree = None
     if tree is not None:
       return tree_lib.make_tree_sampler(self.model_config, config, tree,
+                                        *self._where(training), paged=paged)
+    latr = latr_config(self.config) if training and not greedy else None
+    if latr is not None and self.config.rl.allocation.name != "none" and (
+        num_samples != allocation(self.config).sampler_samples):
+      latr = None
+    if latr is not None:
+      return latr_lib.make_latr_sampler(self.model_config, config, latr,
                                         *self._where(training), paged=paged)
     if paged is not None:
       return paged_lib.make_paged_sampler(self.model_config, config, paged,

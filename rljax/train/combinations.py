@@ -60,6 +60,10 @@ def _tree(c: Any) -> bool:
   return c.rl.rollout == "tree"
 
 
+def _latr(c: Any) -> bool:
+  return c.rl.rollout == "latr"
+
+
 _ALLOCATION = "rl.allocation.name"
 RULES: tuple[Rule, ...] = (
     # --- one process -------------------------------------------------------
@@ -112,6 +116,25 @@ RULES: tuple[Rule, ...] = (
          "entry (any size from 2 to rl.allocation.max_group), and a tree "
          "of one leaf has no fork; VIGOR's and Pilot-Commit's entries are "
          "trees", "rl.allocation.name='vigor' or 'pilot_commit', or "
+         "rl.rollout='static'", "meaningless"),
+    Rule("latr-episodes", ("rl.rollout", "env.name"),
+         lambda c, p: _latr(c) and bool(c.env.name),
+         "LATR forks a row at a token; the multi-turn rollout decodes its "
+         "rows with their own draws and has no fork of a row mid-turn (nor "
+         "of its environment's state)",
+         "rl.rollout='static' or 'continuous' with an environment",
+         "missing"),
+    Rule("latr-speculative", ("rl.rollout", "sampler.speculative"),
+         lambda c, p: _latr(c) and bool(c.sampler.speculative),
+         "SPEC-RL verifies each row's draft from the prompt and decodes on "
+         "with the row's own draws; LATR's forced tokens and branches have "
+         "no verification pass", "sampler.speculative=False", "missing"),
+    Rule("latr-sgpo", ("rl.rollout", _ALLOCATION),
+         lambda c, p: _latr(c) and c.rl.allocation.name == "sgpo",
+         "sGPO samples a prompt's group as single completions, one per "
+         "entry, and a LATR tree of one row never branches; VIGOR's and "
+         "Pilot-Commit's entries are LATR trees",
+         "rl.allocation.name='vigor' or 'pilot_commit', or "
          "rl.rollout='static'", "meaningless"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"

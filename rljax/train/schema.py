@@ -184,9 +184,11 @@ _BASE: dict[str, Field] = {
     "rl.num_microbatches": F(1, "int>=1", "accumulation chunks per update"),
     # --- rl: how rollouts are scheduled (docs/rollouts.md) ---
     "rl.rollout": F("static", None, "static batch, continuous batching on "
-                    "slots, partial rollouts (APRIL), or tree rollouts "
-                    "(TreePO: rl.tree.*)",
-                    choices=("static", "continuous", "partial", "tree")),
+                    "slots, partial rollouts (APRIL), tree rollouts "
+                    "(TreePO: rl.tree.*), or lookahead tree rollouts "
+                    "branching at uncertain tokens (LATR: rl.latr.*)",
+                    choices=("static", "continuous", "partial", "tree",
+                             "latr")),
     "rl.rollout_slots": F(None, "int>=1?", "continuous / partial: rows "
                           "decoded at once (None: half the step's rows)", int),
     "rl.rollout_refill_rows": F(None, "int>=1?", "rows prefilled per refill "
@@ -206,6 +208,18 @@ _BASE: dict[str, Field] = {
                            "to the live rows by their last segment's mean "
                            "surprisal, or equally",
                            choices=("uncertainty", "uniform")),
+    "rl.latr.mix_ratio": F(1.0, "[0,1]", "latr: the share of a prompt's rows "
+                           "grown as its tree (the rest sampled as usual)"),
+    "rl.latr.abs_threshold": F(0.2, "[0,1]", "latr: a token branches when "
+                               "its second candidate's probability p2 is "
+                               "above this"),
+    "rl.latr.rel_threshold": F(0.2, "[0,1]", "latr: and p1 - p2 is below "
+                               "this"),
+    "rl.latr.lookahead": F((30, 50), None, "latr: a branch is compared with "
+                           "its parent this many tokens after its birth"),
+    "rl.latr.edit_distance": F(0.4, "[0,1]", "latr: a branch within this "
+                               "fraction of edits of its parent's last k "
+                               "tokens is pruned"),
     # --- rl.selection: which prompts are sampled and trained (docs/selection.md)
     "rl.selection.name": F("none", None, "dapo: drop zero-variance groups "
                            "and refill; greso: also skip prompts predicted "
