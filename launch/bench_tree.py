@@ -10,11 +10,13 @@ prompt, 6 new tokens) with:
   uncertainty), GRPO's advantage;
 * ``treepo``: the same trees with TreePO's subtree advantage
   (``rl.advantage=treepo``);
-* ``latr``: LATR's lookahead trees (``rl.rollout=latr``: every row in the
-  tree, branching where the second candidate has p2 > 0.2 and p1 - p2 <
-  0.2, pruning branches that kept within 40% edits of their parent 2 and 4
-  tokens after their birth: the paper's 30 and 50 scaled to 6-token
-  completions), GRPO's advantage.
+* ``latr``: LATR's lookahead trees (``rl.rollout=latr``: half of each
+  group in the tree, the middle of the authors' mix-ratio schedule, the
+  other half sampled; branching where the second candidate has p2 > 0.15
+  and p1 - p2 > 0.25, the authors' scripts' thresholds; pruning branches
+  that kept within 40% edits of their parent 2 and 4 tokens after their
+  birth, the authors' 30 and 50 scaled to 6-token completions), GRPO's
+  advantage.
 
 Runs go one after the other in subprocesses (``python -m launch.train``,
 one CPU device). It prints, per method and over the seeds, held-out accuracy
@@ -45,7 +47,8 @@ METHODS = {
     "tree": ["--config.rl.rollout=tree", "--config.rl.tree.segment_tokens=2"],
     "treepo": ["--config.rl.rollout=tree", "--config.rl.tree.segment_tokens=2",
                "--config.rl.advantage=treepo"],
-    "latr": ["--config.rl.rollout=latr", "--config.rl.latr.lookahead=(2, 4)"],
+    "latr": ["--config.rl.rollout=latr", "--config.rl.latr.lookahead=(2, 4)",
+             "--config.rl.latr.mix_ratio=0.5"],
 }
 
 _METHODS = flags.DEFINE_list("methods", list(METHODS), f"of {list(METHODS)}")
@@ -76,6 +79,11 @@ def run_figures(workdir: str) -> dict:
           "tokens_per_distinct": tokens / max(distinct, 1.0),
           "tree_token_saving": float(np.mean(
               [r.get("rollout/tree_token_saving", 0.0) for r in rl])),
+          # LATR's branches and the slots left to copies, per step.
+          "latr_branches": float(np.mean(
+              [r.get("latr/branches", 0.0) for r in rl])),
+          "latr_copies": float(np.mean(
+              [r.get("latr/copies", 0.0) for r in rl])),
           "rl_seconds": float(sum(r["time/step"] for r in rl))}
 
 
@@ -89,6 +97,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                                            ddof=ddof))}
                    for k in ("before", "after", "tokens", "distinct",
                              "tokens_per_distinct", "tree_token_saving",
+                             "latr_branches", "latr_copies",
                              "rl_seconds")}
     out[method]["after_by_seed"] = [f["after"] for f in figures]
   return out

@@ -27,8 +27,8 @@ SC = sampling.SamplerConfig(num_samples=G, max_new_tokens=T, eos_ids=(2, 3),
                             record_policy_logprobs=True)
 PROMPTS = [[5, 6, 7], [9, 10], [11, 12, 13, 14]]
 # Thresholds this model crosses at some steps and not at others; with these
-# prompts and key 1 two branches are pruned (their slots taken again).
-BRANCHY = latr_lib.LatrConfig(abs_threshold=0.08, rel_threshold=0.1,
+# prompts and key 1 a branch is pruned and its slot taken again.
+BRANCHY = latr_lib.LatrConfig(abs_threshold=0.05, rel_threshold=0.1,
                               lookahead=(2, 5), edit_distance=1.0)
 
 
@@ -105,7 +105,7 @@ def reference(params, prompt_tokens, prompt_mask, key, latr, g=G, sc=SC):
     ok = [tree[r] and live[r]
           and probs[r, order[r, 1]] > latr.abs_threshold
           and probs[r, order[r, 0]] - probs[r, order[r, 1]]
-          < latr.rel_threshold for r in range(n)]
+          > latr.rel_threshold for r in range(n)]
     token = {}
     for q in range(b):
       rows = range(q * g, q * g + g)
@@ -178,6 +178,9 @@ def _check(params, prompts, latr, paged=None, key=1, sc=SC):
 
 @pytest.mark.parametrize("name,latr", [
     ("branch_and_prune", BRANCHY),
+    # Fewer branch points: a pruned slot stays empty and ends as a copy.
+    ("prune_and_copy", BRANCHY.replace(abs_threshold=0.1,
+                                       rel_threshold=0.15)),
     ("half_tree", BRANCHY.replace(mix_ratio=0.5)),
     ("never_prune", BRANCHY.replace(edit_distance=0.0)),
     ("never_branch", BRANCHY.replace(abs_threshold=1.0)),
@@ -189,9 +192,11 @@ def test_latr_gives_the_reference_rows(params, prompts, name, latr):
     assert stats["latr/copies"] == 3 * (G - 1)
   if name == "never_prune":
     assert stats["latr/pruned"] == 0
-  if name == "branch_and_prune":  # pruned slots branch again
+  if name == "branch_and_prune":  # a pruned slot branches again
     assert stats["latr/pruned"] > 0
     assert stats["latr/branches"] > 3 * (G - 1)
+  if name == "prune_and_copy":
+    assert stats["latr/pruned"] > 0 and stats["latr/copies"] > 0
   # The forward without a cache gives the recorded logprobs: each branch's
   # cache rows were its parent's.
   from tests.test_continuous import _logprobs  # pylint: disable=import-outside-toplevel

@@ -117,7 +117,7 @@ SETTING_FIXUPS = {
     # next token.
     ("rl.rollout", "latr"): {"sampler.speculative": False,
                              "rl.latr.abs_threshold": 0.0,
-                             "rl.latr.rel_threshold": 1.0,
+                             "rl.latr.rel_threshold": 0.0,
                              "rl.latr.lookahead": (2,),
                              "rl.latr.edit_distance": 1.0},
 }

@@ -300,7 +300,7 @@ CASES = {
                     "preference.max_length": 22, "preference.num_pairs": 64,
                     "preference.num_heldout": 16, "eval.every": 2,
                     "rl.rollout": "latr", "rl.latr.abs_threshold": 0.0,
-                    "rl.latr.rel_threshold": 1.0, **_PARITY}, None,
+                    "rl.latr.rel_threshold": 0.0, **_PARITY}, None,
                    _check_online_dpo),
     # DOTS choosing the prompts, and every metric writer: process 0 alone
     # logs to W&B and MLflow (offline; one run each, checked below).

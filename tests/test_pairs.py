@@ -61,7 +61,7 @@ def _lora_adapters(rows, workdir):
 # LATR with thresholds every token crosses (an untrained model's next-token
 # distributions are flat).
 LATR_SETTINGS = {"rl.rollout": "latr", "rl.latr.abs_threshold": 0.0,
-                 "rl.latr.rel_threshold": 1.0}
+                 "rl.latr.rel_threshold": 0.0}
 
 FEATURES = {
     "continuous": Feature({"rl.rollout": "continuous"},

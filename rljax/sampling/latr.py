@@ -10,7 +10,9 @@ each prompt's group as a tree that forks at single tokens:
   tree starts as one root; its other ``m - 1`` rows are empty slots.
 * At each step a tree row's two most likely next tokens (the policy's
   probabilities, before the sampling temperature) are a branch point when
-  the second has ``p2 > abs_threshold`` and ``p1 - p2 < rel_threshold``.
+  the second has ``p2 > abs_threshold`` and ``p1 - p2 > rel_threshold``
+  (the authors' ``ProbFilter``: an alternative with real mass that
+  sampling would rarely take, the first being well ahead of it).
   The row then takes the first candidate and an empty slot of its prompt a
   copy of the row with the second (its buffers, next-token logits and KV
   cache rows; on a paged cache its block table: copy on write). Branch
@@ -30,14 +32,15 @@ each prompt's group as a tree that forks at single tokens:
   a slot still empty then is filled with a copy of its prompt's root row
   (LATR's ``fill_return_sequences``; ``latr/copies``).
 
-Two departures from the authors' code, both documented in
-``docs/rollouts.md``: the relative test is ``p1 - p2 < rel_threshold``
-(the code writes ``>``, while its parameter scheduler makes the test
-stricter by lowering the threshold, which only holds for ``<``, and the
-paper branches where the candidates are close); and a forced token's
-sampler logprob (a first candidate, a branch's second) is the policy's
-log-probability at the sampling temperature, not truncated by top-k/top-p,
-as the distribution the other rows draw from.
+The defaults are the authors' scripts' (``scripts/grpo-kt-math.sh``:
+``prob_filter_abs_thres=0.15``, ``prob_filter_rel_thres=0.25``, two
+candidates per token; their scripts prune by suffix match and ROUGE-L, the
+edit-distance criterion here is their ``rollout_filter_edit_dist_thres``,
+default 0.4). What differs from their code (``docs/rollouts.md``): the
+mix ratio is constant (their scripts lower it over training); and a forced
+token's sampler logprob (a first candidate, a branch's second) is the
+policy's log-probability at the sampling temperature, not truncated by
+top-k/top-p, as the distribution the other rows draw from.
 
 Each row's draws are its own (``row_keys``); the rollout is an ordinary
 group of ``G`` completions for every advantage.
@@ -72,7 +75,7 @@ class LatrConfig:
   Attributes:
     mix_ratio: the share of a prompt's rows grown as its tree.
     abs_threshold: a branch point's second candidate has ``p2`` above it.
-    rel_threshold: and ``p1 - p2`` below it.
+    rel_threshold: and ``p1 - p2`` above it.
     lookahead: steps after a branch's birth at which it is compared with its
       parent (the authors' ``rollout_filter_steps``).
     edit_distance: a branch whose last ``k`` tokens are within
@@ -80,8 +83,8 @@ class LatrConfig:
   """
 
   mix_ratio: float = 1.0
-  abs_threshold: float = 0.2
-  rel_threshold: float = 0.2
+  abs_threshold: float = 0.15
+  rel_threshold: float = 0.25
   lookahead: tuple[int, ...] = (30, 50)
   edit_distance: float = 0.4
 
@@ -229,7 +232,7 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
     top_p, _ = jax.lax.top_k(probs, 2)
     live = ~s.done
     ok = (tree_N & active & live & (top_p[:, 1] > latr.abs_threshold)
-          & (top_p[:, 0] - top_p[:, 1] < latr.rel_threshold))
+          & (top_p[:, 0] - top_p[:, 1] > latr.rel_threshold))
     src, spawn, branch, full = _spawns(ok, tree_N & ~active, g)
     if paged is None:
       s = jax.lax.cond(jnp.any(spawn), lambda x: gather_rows(x, src),

@@ -210,10 +210,10 @@ _BASE: dict[str, Field] = {
                            choices=("uncertainty", "uniform")),
     "rl.latr.mix_ratio": F(1.0, "[0,1]", "latr: the share of a prompt's rows "
                            "grown as its tree (the rest sampled as usual)"),
-    "rl.latr.abs_threshold": F(0.2, "[0,1]", "latr: a token branches when "
+    "rl.latr.abs_threshold": F(0.15, "[0,1]", "latr: a token branches when "
                                "its second candidate's probability p2 is "
                                "above this"),
-    "rl.latr.rel_threshold": F(0.2, "[0,1]", "latr: and p1 - p2 is below "
+    "rl.latr.rel_threshold": F(0.25, "[0,1]", "latr: and p1 - p2 is above "
                                "this"),
     "rl.latr.lookahead": F((30, 50), None, "latr: a branch is compared with "
                            "its parent this many tokens after its birth"),
