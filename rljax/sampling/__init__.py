@@ -1,5 +1,5 @@
 """Rollout sampling: KV cache, prefill + decode loop, sampling methods, tree
-rollouts and the static batch on a paged KV cache."""
+rollouts (TreePO's and LATR's) and the static batch on a paged KV cache."""
 
 from rljax.models.kv_cache import KVCache, LayerKV, init_cache
 from rljax.sampling.methods import (SamplingMethod, apply_temperature,
@@ -13,6 +13,7 @@ from rljax.sampling.speculative import Draft, make_speculative_sampler
 from rljax.sampling.drafts import DraftStore, Speculation
 from rljax.sampling.paged import PagedConfig, make_paged_sampler
 from rljax.sampling.tree import TreeConfig, make_tree_sampler
+from rljax.sampling.latr import LatrConfig, make_latr_sampler
 
 __all__ = [
     "KVCache", "LayerKV", "init_cache", "SamplingMethod", "apply_temperature",
@@ -22,4 +23,5 @@ __all__ = [
     "shrink_levels",
     "Draft", "DraftStore", "Speculation", "make_speculative_sampler",
     "PagedConfig", "make_paged_sampler", "TreeConfig", "make_tree_sampler",
+    "LatrConfig", "make_latr_sampler",
 ]

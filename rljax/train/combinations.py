@@ -100,8 +100,9 @@ RULES: tuple[Rule, ...] = (
          "meaningless"),
     Rule("tree-episodes", ("rl.rollout", "env.name"),
          lambda c, p: _tree(c) and bool(c.env.name),
-         "a fork would copy a live episode, and the Environment protocol "
-         "has no copy of an environment's state",
+         "a fork copies a live episode (its cache rows and buffers, and its "
+         "environment's JSON state), and the multi-turn rollout has no "
+         "fork of a row",
          "rl.rollout='static' or 'continuous' with an environment",
          "missing"),
     Rule("tree-speculative", ("rl.rollout", "sampler.speculative"),
@@ -119,9 +120,9 @@ RULES: tuple[Rule, ...] = (
          "rl.rollout='static'", "meaningless"),
     Rule("latr-episodes", ("rl.rollout", "env.name"),
          lambda c, p: _latr(c) and bool(c.env.name),
-         "LATR forks a row at a token; the multi-turn rollout decodes its "
-         "rows with their own draws and has no fork of a row mid-turn (nor "
-         "of its environment's state)",
+         "LATR forks a row at a token, copying a live episode (its cache "
+         "rows and buffers, and its environment's JSON state), and the "
+         "multi-turn rollout has no fork of a row",
          "rl.rollout='static' or 'continuous' with an environment",
          "missing"),
     Rule("latr-speculative", ("rl.rollout", "sampler.speculative"),
