@@ -55,9 +55,8 @@ import jax
 import jax.numpy as jnp
 
 from rljax import sharding
-from rljax.models import ModelConfig, compute_logits, init_cache
+from rljax.models import ModelConfig, compute_logits
 from rljax.models import paged_cache as pc
-from rljax.models import positions_from_mask
 from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import (_cache_slots, _gather_cache, _grow,
                                          shrink_levels)
@@ -179,25 +178,17 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
   model, w_DxV, cache_dtype, prompt_len_N = decode_setup(
       params, prompt_mask_BxP, mc, sc)
-  b, p = prompt_tokens_BxP.shape
+  b = prompt_tokens_BxP.shape[0]
   n = b * g
-  failed = jnp.zeros((n,), jnp.bool_)
-  if paged is None:  # a shared prompt prefix, a dense cache per row
-    prefix = init_cache(mc, b, p, cache_dtype)
-    hidden, prefix = model.apply(
-        {"params": params}, prompt_tokens_BxP,
-        positions_from_mask(prompt_mask_BxP), prefix,
-        input_mask_BxT=prompt_mask_BxP)
-    hidden_BxD = hidden[:, -1]
-    cache = _grow(init_cache(mc, n, 0, cache_dtype, prefix=prefix),
-                  _cache_slots(t, t))
-  else:  # blocks: a branch shares its parent's (copy on write)
-    num_blocks, max_blocks = paged.sizes(b, p, n, t)
-    cache = pc.init_paged_cache(mc, n, num_blocks, paged.block_size,
-                                max_blocks, cache_dtype)
-    hidden_BxD, cache, failed_B = paged_lib.prefill_groups(
-        params, prompt_tokens_BxP, prompt_mask_BxP, cache, g, model)
-    failed = jnp.repeat(failed_B, g)
+  # A shared prompt prefix and a dense cache per row, or blocks: a branch
+  # shares its parent's (copy on write).
+  hidden_BxD, cache, failed_B, num_blocks = paged_lib.prefill_prompts(
+      params, prompt_tokens_BxP, prompt_mask_BxP, model=model, mc=mc,
+      rows_per_prompt=g, dtype=cache_dtype, paged=paged, pool_rows=n,
+      max_new_tokens=t)
+  if paged is None:
+    cache = _grow(cache, _cache_slots(t, t))
+  failed = jnp.repeat(failed_B, g)
   logits_B = compute_logits(hidden_BxD[:, None], w_DxV,
                             mc.final_logit_softcap)[:, 0]
   state = _empty_state(jnp.repeat(logits_B, g, axis=0), cache, prompt_len_N,

@@ -35,7 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rljax.models import ModelConfig, compute_logits, positions_from_mask
+from rljax.models import (ModelConfig, compute_logits, init_cache,
+                          positions_from_mask)
 from rljax.models import paged_cache as pc
 from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.decode_cache import shrink_levels
@@ -100,6 +101,37 @@ def prefill_groups(params, prompt_tokens_BxP, prompt_mask_BxP, cache, g: int,
   return hidden[:, -1], cache, failed
 
 
+def prefill_prompts(params, prompt_tokens_BxP, prompt_mask_BxP, *, model,
+                    mc: ModelConfig, rows_per_prompt: int, dtype,
+                    paged: PagedConfig | None = None, pool_rows: int = 0,
+                    max_new_tokens: int = 0):
+  """``(hidden_BxD, cache, failed_B, num_blocks)``: each prompt prefilled
+  once for its ``rows_per_prompt`` rows. A dense cache: a read-only shared
+  prefix (``KVCache.prefix``) and no slots of the rows' own yet (no prompt
+  fails; ``num_blocks`` 0). A paged one (``paged``): a pool sized for
+  ``pool_rows`` rows of ``max_new_tokens`` (``PagedConfig.sizes``), each
+  prompt in its first row's blocks and its other rows pointing to them
+  (``prefill_groups``). The tree's, LATR's, the static paged sampler's and
+  SPEC-RL's paged prefill."""
+  b, p = prompt_tokens_BxP.shape
+  if paged is None:
+    prefix = init_cache(mc, b, p, dtype)
+    hidden, prefix = model.apply(
+        {"params": params}, prompt_tokens_BxP,
+        positions_from_mask(prompt_mask_BxP), prefix,
+        input_mask_BxT=prompt_mask_BxP)
+    return (hidden[:, -1],
+            init_cache(mc, b * rows_per_prompt, 0, dtype, prefix=prefix),
+            jnp.zeros((b,), jnp.bool_), 0)
+  num_blocks, max_blocks = paged.sizes(b, p, pool_rows, max_new_tokens)
+  cache = pc.init_paged_cache(mc, b * rows_per_prompt, num_blocks,
+                              paged.block_size, max_blocks, dtype)
+  hidden_BxD, cache, failed_B = prefill_groups(
+      params, prompt_tokens_BxP, prompt_mask_BxP, cache, rows_per_prompt,
+      model)
+  return hidden_BxD, cache, failed_B, num_blocks
+
+
 def paged_decode(params, state, keys_N, end, *, model, w_DxV, mc, sc,
                  fits: int = 0):
   """Decode steps of every live row until ``step == end`` or at most
@@ -138,13 +170,12 @@ def _sample_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
   model, w_DxV, cache_dtype, prompt_len_N = decode_setup(
       params, prompt_mask_BxP, mc, sc)
-  b, p = prompt_tokens_BxP.shape
+  b = prompt_tokens_BxP.shape[0]
   g = sc.num_samples
-  num_blocks, max_blocks = paged.sizes(b, p, b * g, sc.max_new_tokens)
-  cache = pc.init_paged_cache(mc, b * g, num_blocks, paged.block_size,
-                              max_blocks, cache_dtype)
-  hidden_BxD, cache, failed_B = prefill_groups(
-      params, prompt_tokens_BxP, prompt_mask_BxP, cache, g, model)
+  hidden_BxD, cache, failed_B, num_blocks = prefill_prompts(
+      params, prompt_tokens_BxP, prompt_mask_BxP, model=model, mc=mc,
+      rows_per_prompt=g, dtype=cache_dtype, paged=paged, pool_rows=b * g,
+      max_new_tokens=sc.max_new_tokens)
   logits = compute_logits(hidden_BxD[:, None], w_DxV,
                           mc.final_logit_softcap)[:, 0]
   state = _empty_state(jnp.repeat(logits, g, axis=0), cache, prompt_len_N, sc)

@@ -135,11 +135,10 @@ def _speculative_paged_impl(params, prompt_tokens_BxP, prompt_mask_BxP,
   b, p = prompt_tokens_BxP.shape
   g = sc.num_samples
   n = b * g
-  num_blocks, max_blocks = paged.sizes(b, p, n, t)
-  cache = pc.init_paged_cache(mc, n, num_blocks, paged.block_size,
-                              max_blocks, cache_dtype)
-  hidden_BxD, cache, failed_B = paged_lib.prefill_groups(
-      params, prompt_tokens_BxP, prompt_mask_BxP, cache, g, model)
+  hidden_BxD, cache, failed_B, num_blocks = paged_lib.prefill_prompts(
+      params, prompt_tokens_BxP, prompt_mask_BxP, model=model, mc=mc,
+      rows_per_prompt=g, dtype=cache_dtype, paged=paged, pool_rows=n,
+      max_new_tokens=t)
   no_prompt_N = jnp.repeat(failed_B, g)
   cache, failed_N = pc.reserve(cache, ~no_prompt_N, t)
   cut_N = no_prompt_N | failed_N  # rows with no room for their draft

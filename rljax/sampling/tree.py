@@ -44,9 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from rljax import sharding
-from rljax.models import ModelConfig, compute_logits, init_cache
+from rljax.models import ModelConfig, compute_logits
 from rljax.models import paged_cache as pc
-from rljax.models import positions_from_mask
 from rljax.models.kv_cache import LayerKV
 from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import (_cache_slots, _gather_cache, _grow,
@@ -185,22 +184,14 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   forks = len(widths) - 1
   prompt_mask_BxP = prompt_mask_BxP.astype(jnp.bool_)
   model, w_DxV, cache_dtype, _ = decode_setup(params, prompt_mask_BxP, mc, sc)
-  b, p = prompt_tokens_BxP.shape
+  b = prompt_tokens_BxP.shape[0]
   w0 = widths[0]
-  if paged is None:  # a shared prompt prefix, a dense cache per row
-    prefix = init_cache(mc, b, p, cache_dtype)
-    hidden, prefix = model.apply(
-        {"params": params}, prompt_tokens_BxP,
-        positions_from_mask(prompt_mask_BxP), prefix,
-        input_mask_BxT=prompt_mask_BxP)
-    hidden_BxD = hidden[:, -1]
-    cache = init_cache(mc, b * w0, 0, cache_dtype, prefix=prefix)
-  else:  # blocks: forks share their parents' (copy on write)
-    num_blocks, max_blocks = paged.sizes(b, p, b * sc.num_samples, t)
-    cache = pc.init_paged_cache(mc, b * w0, num_blocks, paged.block_size,
-                                max_blocks, cache_dtype)
-    hidden_BxD, cache, failed_B = paged_lib.prefill_groups(
-        params, prompt_tokens_BxP, prompt_mask_BxP, cache, w0, model)
+  # A shared prompt prefix and a dense cache per row, or blocks: forks
+  # share their parents' (copy on write).
+  hidden_BxD, cache, failed_B, num_blocks = paged_lib.prefill_prompts(
+      params, prompt_tokens_BxP, prompt_mask_BxP, model=model, mc=mc,
+      rows_per_prompt=w0, dtype=cache_dtype, paged=paged,
+      pool_rows=b * sc.num_samples, max_new_tokens=t)
   logits_B = compute_logits(hidden_BxD[:, None], w_DxV,
                             mc.final_logit_softcap)[:, 0]
   prompt_len_B = prompt_mask_BxP.astype(jnp.int32).sum(-1)
