@@ -242,3 +242,19 @@ def test_a_tree_of_fewer_than_two_rows_is_refused(mix, g):
 def test_a_bad_setting_is_refused_naming_the_field(field, value):
   with pytest.raises(ValueError, match=rf"rl\.latr\.{field}="):
     latr_lib.LatrConfig(**{field: value})
+
+
+def test_latrs_peak_is_blocks_held_at_once(params, prompts):
+  """``rollout/kv_blocks_peak`` counts the blocks right after each step's
+  reservations, so a pool one block below it cuts a row (the run goes on,
+  every block back), and the peak never exceeds the pool."""
+  _, stats = _check(params, prompts, BRANCHY,
+                    paged=sampling.PagedConfig(block_size=4))
+  peak = int(stats["rollout/kv_blocks_peak"])
+  assert 0 < peak <= stats["rollout/kv_blocks_pool"]
+  fn = latr_lib.make_latr_sampler(MC, SC, BRANCHY,
+                                  paged=sampling.PagedConfig(4, peak - 1))
+  _, below = fn.with_metrics(params, *prompts, jax.random.key(1))
+  assert below["rollout/kv_cut_rows"] >= 1
+  assert below["rollout/kv_blocks_left"] == 0
+  assert below["rollout/kv_blocks_peak"] <= peak - 1

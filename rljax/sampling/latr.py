@@ -246,9 +246,11 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                   logp_V, forced_token[:, None], 1)[:, 0], sampler_logp))
 
     cut = jnp.zeros((n,), jnp.bool_)
-    if paged is not None:
+    peak = counts["peak"]
+    if paged is not None:  # the most blocks in use: after the reservations
       cache, cut = pc.reserve(s.cache, ~s.done, 1)
       s = s._replace(cache=cache, done=s.done | cut)
+      peak = jnp.maximum(peak, pc.blocks_in_use(cache))
     before = s.done
     s = step_fn(s, keys_N, choose=choose)
     # Lookahead: a branch ``k`` tokens old is compared with its parent.
@@ -281,9 +283,7 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
         pruned=counts["pruned"] + jnp.sum(prune),
         branch_points=counts["branch_points"] + jnp.sum(ok),
         tree_steps=counts["tree_steps"] + 1,
-        cut=counts["cut"] + jnp.sum(cut),
-        peak=(counts["peak"] if paged is None else jnp.maximum(
-            counts["peak"], pc.blocks_in_use(s.cache))))
+        cut=counts["cut"] + jnp.sum(cut), peak=peak)
     return s, active, parent, birth, counts
 
   parent = jnp.full((n,), -1, jnp.int32)
