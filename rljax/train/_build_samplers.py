@@ -152,17 +152,16 @@ class Samplers:
                             record_policy_logprobs=record_policy_logprobs,
                             greedy_every=greedy_every)
     paged = self._paged()
-    tree = tree_config(self.config) if training and not greedy else None
-    if tree is not None and self.config.rl.allocation.name != "none" and (
-        num_samples != allocation(self.config).sampler_samples):
-      tree = None
+    # The training rows grow as trees (TreePO's or LATR's); with rollout
+    # allocation only its prompt entries' sampler does.
+    trees = training and not greedy and (
+        self.config.rl.allocation.name == "none"
+        or num_samples == allocation(self.config).sampler_samples)
+    tree = tree_config(self.config) if trees else None
     if tree is not None:
       return tree_lib.make_tree_sampler(self.model_config, config, tree,
                                         *self._where(training), paged=paged)
-    latr = latr_config(self.config) if training and not greedy else None
-    if latr is not None and self.config.rl.allocation.name != "none" and (
-        num_samples != allocation(self.config).sampler_samples):
-      latr = None
+    latr = latr_config(self.config) if trees else None
     if latr is not None:
       return latr_lib.make_latr_sampler(self.model_config, config, latr,
                                         *self._where(training), paged=paged)
