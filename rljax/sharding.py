@@ -311,6 +311,26 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None],
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+def whole_on_each_device(fn: Any) -> Any:
+  """``fn`` computed whole on every device of the active mesh: its
+  arguments gathered once, its results replicated, no collective inside.
+
+  For bookkeeping on small arrays that every row's step reads (a paged KV
+  cache's block tables and free list, ``rljax/models/paged_cache.py``):
+  laid out across devices by the compiler, each of its scatters and scans
+  would gather its operands, a collective per op, which between processes
+  costs more than the work. A no-op without a mesh, on one device, or
+  inside a ``shard_map`` already (every axis manual).
+  """
+  def call(*args):
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1 or mesh.manual_axes:
+      return fn(*args)
+    return jax.shard_map(fn, in_specs=PartitionSpec(),
+                         out_specs=PartitionSpec(), check_vma=False)(*args)
+  return call
+
+
 def batch_ways(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> int:
   """How many ways the mesh's batch axes split a batch's rows."""
   target = dict(rules).get("batch")

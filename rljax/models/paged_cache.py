@@ -36,6 +36,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from rljax import sharding
 from rljax.models.config import ModelConfig
 from rljax.models.kv_cache import LayerKV
 
@@ -157,11 +158,12 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
   bs, mb = cache.block_size, cache.table.shape[1]
   rows = jnp.arange(cache.table.shape[0])
   failed = rows_R & (cache.lengths + num_slots > mb * bs)
-  # The blocks slots [length, length + num_slots) fall in: at most
-  # ceil(num_slots / bs) + 1 of them.
-  for j in range(-(-num_slots // bs) + 1):
-    first = cache.lengths // bs
-    col = first + j
+
+  def block_j(j, carry):
+    # The j-th block slots [length, length + num_slots) fall in (at most
+    # ceil(num_slots / bs) + 1 of them).
+    cache, failed = carry
+    col = cache.lengths // bs + j
     touched = rows_R & (col * bs < cache.lengths + num_slots) & (col < mb)
     col = jnp.clip(col, 0, mb - 1)
     current = cache.table[rows, col]
@@ -176,7 +178,13 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
     cache = _clear_slots(cache, jnp.where(fresh, block, -1))
     cache = cache._replace(table=cache.table.at[rows, col].set(
         jnp.where(need & (block >= 0), block, current)))
-  return cache, failed
+    return cache, failed
+
+  # One compiled body, however wide the write (a carried history's or a
+  # prompt's reservation unrolled would grow the program per block); on a
+  # mesh, the tables whole on each device (``whole_on_each_device``).
+  return sharding.whole_on_each_device(lambda c, f: jax.lax.fori_loop(
+      0, -(-num_slots // bs) + 1, block_j, (c, f)))(cache, failed)
 
 
 def _clear_slots(cache: PagedKVCache, block_R) -> PagedKVCache:
@@ -221,21 +229,29 @@ def write(pool_k, pool_v, table_RxM, lengths_R, new_k_RxKxTxH, new_v_RxKxTxH,
           block_size: int):
   """The pools with row ``r``'s ``T`` new keys and values written at its
   logical slots ``lengths[r] .. lengths[r] + T - 1`` (blocks from
-  ``reserve``; a slot whose row has no block there is dropped)."""
-  block, off = _slots(table_RxM, lengths_R, new_k_RxKxTxH.shape[2],
-                      block_size, pool_k.shape[0])
-  # [R, T, K, H] rows of the pool's [N, K, BS, H] at (block, :, off, :).
-  k_rt = jnp.transpose(new_k_RxKxTxH, (0, 2, 1, 3)).astype(pool_k.dtype)
-  v_rt = jnp.transpose(new_v_RxKxTxH, (0, 2, 1, 3)).astype(pool_v.dtype)
-  return (pool_k.at[block, :, off, :].set(k_rt, mode="drop"),
-          pool_v.at[block, :, off, :].set(v_rt, mode="drop"))
+  ``reserve``; a slot whose row has no block there is dropped). On a mesh
+  the pool is whole on each device (``sharding.whole_on_each_device``):
+  any row may point into any block."""
+  def put(pool_k, pool_v, table_RxM, lengths_R, new_k, new_v):
+    block, off = _slots(table_RxM, lengths_R, new_k.shape[2], block_size,
+                        pool_k.shape[0])
+    # [R, T, K, H] rows of the pool's [N, K, BS, H] at (block, :, off, :).
+    k_rt = jnp.transpose(new_k, (0, 2, 1, 3)).astype(pool_k.dtype)
+    v_rt = jnp.transpose(new_v, (0, 2, 1, 3)).astype(pool_v.dtype)
+    return (pool_k.at[block, :, off, :].set(k_rt, mode="drop"),
+            pool_v.at[block, :, off, :].set(v_rt, mode="drop"))
+  return sharding.whole_on_each_device(put)(
+      pool_k, pool_v, table_RxM, lengths_R, new_k_RxKxTxH, new_v_RxKxTxH)
 
 
 def write_mask(slot_mask, table_RxM, lengths_R, mask_RxT):
   """The slot mask with ``mask_RxT`` written as ``write`` writes keys."""
-  block, off = _slots(table_RxM, lengths_R, mask_RxT.shape[1],
-                      slot_mask.shape[1], slot_mask.shape[0])
-  return slot_mask.at[block, off].set(mask_RxT, mode="drop")
+  def put(slot_mask, table_RxM, lengths_R, mask_RxT):
+    block, off = _slots(table_RxM, lengths_R, mask_RxT.shape[1],
+                        slot_mask.shape[1], slot_mask.shape[0])
+    return slot_mask.at[block, off].set(mask_RxT, mode="drop")
+  return sharding.whole_on_each_device(put)(slot_mask, table_RxM, lengths_R,
+                                            mask_RxT)
 
 
 def gather(pool, table_RxM):

@@ -212,20 +212,28 @@ class MultiTurnSampler(env_steps.EnvSteps):
     extra = turns.max_observation_tokens if drafts is None else max(
         turns.max_observation_tokens, self._draft_width)
     self.paged = paged
-    self._start = jax.jit(functools.partial(
+    # Every program returns the rollout's state whole on each device: its
+    # next program then always sees the same layout, and compiles once
+    # (a state laid out by the compiler came back sharded from some
+    # programs and not from others, each layout a compile of its own).
+    jit = functools.partial(jax.jit, out_shardings=(
+        None if mesh is None else jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec())))
+    self._start = jit(functools.partial(
         turns_lib.start, obs_width=extra, paged=paged, **kw))
-    self._refill = jax.jit(functools.partial(
+    self._refill = jit(functools.partial(
         turns_lib.refill, obs_width=extra, paged=paged, **kw))
-    self._verify = jax.jit(functools.partial(
+    self._verify = jit(functools.partial(
         turns_lib.verify, turns=turns, log_lenience=float(log_lenience), **kw),
-                           static_argnames=("prompt_width",))
-    self._decode = jax.jit(functools.partial(turns_lib.decode_turn, turns=turns, **kw),
-                           static_argnames=("prompt_width",))
-    self._insert = jax.jit(functools.partial(turns_lib.insert, **kw),
-                           static_argnames=("prompt_width",))
-    self._restore = jax.jit(functools.partial(turns_lib.restore, **kw),
-                            static_argnames=("prompt_width",))
-    self._decode_rows = jax.jit(
+                       static_argnames=("prompt_width",))
+    self._decode = jit(functools.partial(turns_lib.decode_turn, turns=turns,
+                                         **kw),
+                       static_argnames=("prompt_width",))
+    self._insert = jit(functools.partial(turns_lib.insert, **kw),
+                       static_argnames=("prompt_width",))
+    self._restore = jit(functools.partial(turns_lib.restore, **kw),
+                        static_argnames=("prompt_width",))
+    self._decode_rows = jit(
         functools.partial(turns_lib.decode_rows, turns=turns, **kw),
         static_argnames=("prompt_width",))
     if slots is not None and config.shrink_batch_to is not None:
