@@ -246,12 +246,19 @@ def test_a_bad_setting_is_refused_naming_the_field(field, value):
 
 def test_latrs_peak_is_blocks_held_at_once(params, prompts):
   """``rollout/kv_blocks_peak`` counts the blocks right after each step's
-  reservations, so a pool one block below it cuts a row (the run goes on,
-  every block back), and the peak never exceeds the pool."""
+  reservations, so a pool of exactly the peak cuts no row (a block that
+  every branch writes is kept by one of them: ``paged_cache.reserve``),
+  one block below it cuts a row (the run goes on, every block back), and
+  the peak never exceeds the pool."""
   _, stats = _check(params, prompts, BRANCHY,
                     paged=sampling.PagedConfig(block_size=4))
   peak = int(stats["rollout/kv_blocks_peak"])
   assert 0 < peak <= stats["rollout/kv_blocks_pool"]
+  fn = latr_lib.make_latr_sampler(MC, SC, BRANCHY,
+                                  paged=sampling.PagedConfig(4, peak))
+  _, at = fn.with_metrics(params, *prompts, jax.random.key(1))
+  assert at["rollout/kv_cut_rows"] == 0
+  assert at["rollout/kv_blocks_peak"] == peak
   fn = latr_lib.make_latr_sampler(MC, SC, BRANCHY,
                                   paged=sampling.PagedConfig(4, peak - 1))
   _, below = fn.with_metrics(params, *prompts, jax.random.key(1))

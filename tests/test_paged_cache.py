@@ -142,6 +142,40 @@ def test_rows_share_full_blocks_and_copy_only_the_one_they_write():
     np.testing.assert_array_equal(row, [0, 1, 2, 3, 4, 5, 10 + r])
 
 
+@pytest.mark.parametrize("blocks", [5, 4])
+def test_a_block_every_holder_writes_is_kept_by_one_and_copied_by_the_rest(
+    blocks):
+  """Four rows share a half-full block and all write into it: the lowest
+  row writes it in place and three copy it, so a pool with 3 free blocks
+  (5 in all) serves every row, and one with 2 (4 in all) fails the last
+  row only. A holder that does not write makes every writer copy."""
+  cache = _cache(blocks=blocks)
+  for value in range(6):
+    cache, _ = _append(cache, jnp.array([True, False, False, False]),
+                       jnp.full(4, value))
+  cache = pc.fork(cache, jnp.zeros(4, jnp.int32))
+  half = int(cache.table[0, 1])
+  cache, failed = _append(cache, jnp.ones(4, bool), jnp.arange(4) + 10)
+  np.testing.assert_array_equal(failed, [False] * 3 + [blocks == 4])
+  assert int(cache.table[0, 1]) == half  # row 0 kept it
+  served = 4 - (blocks == 4)
+  assert len(set(np.asarray(cache.table[:served, 1]))) == served
+  # The row that failed let go of the block, so its write did not land in
+  # the block row 0 writes in place.
+  assert blocks == 5 or int(cache.table[3, 1]) == -1
+  for r, row in enumerate(_read(cache)[:served]):
+    np.testing.assert_array_equal(row, [0, 1, 2, 3, 4, 5, 10 + r])
+  if blocks == 5:  # rows 1-3 share row 0's again; row 3 does not write
+    cache = pc.fork(cache, jnp.array([0, 0, 0, 0]))
+    before = int(cache.table[0, 1])
+    cache, failed = _append(cache, jnp.array([True, True, True, False]),
+                            jnp.arange(4) + 20)
+    assert not failed.any()
+    assert before not in set(np.asarray(cache.table[:3, 1]))
+    assert int(cache.table[3, 1]) == before
+    np.testing.assert_array_equal(_read(cache)[3], [0, 1, 2, 3, 4, 5, 10])
+
+
 def test_a_full_pool_fails_the_rows_beyond_it_and_only_those():
   cache = _cache(rows=4, blocks=3, size=2, width=2)
   cache, failed = _append(cache, jnp.ones(4, bool), jnp.arange(4))

@@ -150,10 +150,13 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
 
   Each block that the write will touch is allocated if the row has none
   there, or copied to a new block if another row points to it too (copy on
-  write: the other rows keep reading the old one). ``failed_R`` (bool
+  write: the other rows keep reading the old one). A shared block that
+  every row pointing to it writes is kept by the first of them (lowest
+  row), which writes it in place: only the others copy. ``failed_R`` (bool
   ``[R]``) marks the rows that found no free block, or whose slots run past
-  their table: their write would go nowhere (``write`` drops it), so the
-  caller ends them or sizes the pool so that none fails.
+  their table: their write goes nowhere (``write`` drops it: a row that
+  failed to copy a shared block no longer points to it), so the caller
+  ends them or sizes the pool so that none fails.
   """
   bs, mb = cache.block_size, cache.table.shape[1]
   rows = jnp.arange(cache.table.shape[0])
@@ -168,7 +171,17 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
     col = jnp.clip(col, 0, mb - 1)
     current = cache.table[rows, col]
     counts = refcounts(cache)
-    shared = (current >= 0) & (counts[jnp.maximum(current, 0)] > 1)
+    holders = counts[jnp.maximum(current, 0)]
+    shared = (current >= 0) & (holders > 1)
+    # A shared block that all its holders write: the first of them (lowest
+    # row) writes it in place, the others copy it, so the write needs one
+    # block fewer than the holders.
+    at = jnp.where(touched & shared, current, cache.num_blocks)
+    writers = jnp.zeros_like(counts).at[at].add(1, mode="drop")
+    first = jnp.full_like(counts, rows.shape[0]).at[at].min(rows, mode="drop")
+    keeps = (touched & shared & (writers[jnp.maximum(current, 0)] == holders)
+             & (first[jnp.maximum(current, 0)] == rows))
+    shared = shared & ~keeps
     need = touched & ((current < 0) | shared)
     block = _allocate(counts, need)
     failed = failed | (need & (block < 0))
@@ -176,8 +189,11 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
     cache = _copy_blocks(cache, current, jnp.where(copy, block, -1))
     fresh = need & ~shared & (block >= 0)
     cache = _clear_slots(cache, jnp.where(fresh, block, -1))
+    # A row that found no block lets go of the shared one it would have
+    # copied, so its write is dropped there, never landing in a block
+    # another row writes in place (or reads).
     cache = cache._replace(table=cache.table.at[rows, col].set(
-        jnp.where(need & (block >= 0), block, current)))
+        jnp.where(need, block, current)))
     return cache, failed
 
   # One compiled body, however wide the write (a carried history's or a
