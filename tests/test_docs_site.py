@@ -49,8 +49,14 @@ def test_every_page_is_in_the_navigation():
     assert f": {page}" in nav, f"{page} is not in mkdocs.yml's nav"
 
 
-@pytest.mark.parametrize("page, code", _python_blocks(),
-                         ids=[p for p, _ in _python_blocks()])
+def _blocks_marked():
+  """A block that trains a run (``train.run``) is a whole loop: ``slow``."""
+  return [pytest.param(page, code, id=page, marks=(
+      (pytest.mark.slow,) if "train.run(" in code else ()))
+          for page, code in _python_blocks()]
+
+
+@pytest.mark.parametrize("page, code", _blocks_marked())
 def test_python_blocks_run_as_pasted(tmp_path, page, code):
   """Each runs in a fresh interpreter outside the repository (except those
   reading the run of the README's commands, ``/tmp/demo``)."""
