@@ -62,12 +62,13 @@ def dense_rows(prefilled_U: KVCache, source_N) -> KVCache:
                           jnp.int32), prefilled_U.prefix)
 
 
-def _replicated(cache: pc.PagedKVCache) -> pc.PagedKVCache:
-  """The pool and tables on every device: rows on any device point into
-  any block, so a pool laid out across devices would gather it at every
-  read and write (and its compile would partition each of them)."""
+def _replicated(tree: Any) -> Any:
+  """A paged cache (or the rows' flags it is written with) on every device:
+  rows on any device point into any block, so a pool laid out across
+  devices would gather it at every read and write (and its compile would
+  partition each of them)."""
   return jax.tree.map(lambda x: sharding.constrain(x, (None,) * x.ndim),
-                      cache)
+                      tree)
 
 
 def prompts(cache: pc.PagedKVCache, rows_N, prefilled_U: KVCache, source_N
