@@ -176,6 +176,44 @@ def test_a_block_every_holder_writes_is_kept_by_one_and_copied_by_the_rest(
     np.testing.assert_array_equal(_read(cache)[3], [0, 1, 2, 3, 4, 5, 10])
 
 
+def test_on_a_mesh_the_bookkeeping_runs_whole_on_each_device():
+  """``reserve``, ``write`` and ``write_mask`` jitted on a 2 x 4 mesh, with
+  the rows' arrays sharded over it, give the tables, counts and pool of the
+  same calls without a mesh (``sharding.whole_on_each_device``), the keep
+  rule included (four rows writing one shared half block), and their
+  compiled program holds no collective inside the reservation's loop."""
+  from rljax import sharding  # pylint: disable=import-outside-toplevel
+  def steps(cache):
+    for value in range(6):
+      cache, _ = _append(cache, jnp.array([True, False, False, False]),
+                         jnp.full(4, value))
+    cache = pc.fork(cache, jnp.zeros(4, jnp.int32))
+    return _append(cache, jnp.ones(4, bool), jnp.arange(4) + 10)
+
+  want, want_failed = steps(_cache(blocks=5))
+  mesh = sharding.make_mesh(data=2, fsdp=4)
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      ("data", "fsdp")))
+  with jax.set_mesh(mesh):
+    cache = _cache(rows=8, blocks=5)
+    cache = cache._replace(table=jax.device_put(cache.table, rows),
+                           lengths=jax.device_put(cache.lengths, rows))
+    got, got_failed = steps(jax.tree.map(
+        lambda x: x[:4] if x.shape[0] == 8 else x, cache))
+    hlo = _append.lower(cache, jnp.ones(8, bool), jnp.arange(8)).compile(
+        ).as_text()
+  np.testing.assert_array_equal(got_failed, want_failed)
+  np.testing.assert_array_equal(got.table, want.table)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+  np.testing.assert_array_equal(pc.refcounts(got), pc.refcounts(want))
+  np.testing.assert_array_equal(got.layers[0].k, want.layers[0].k)
+  np.testing.assert_array_equal(got.slot_mask, want.slot_mask)
+  body = hlo[hlo.find("while"):]
+  assert "while" in hlo and not any(
+      op in body for op in ("all-reduce(", "all-to-all(",
+                            "collective-permute(")), body[:2000]
+
+
 def test_a_full_pool_fails_the_rows_beyond_it_and_only_those():
   cache = _cache(rows=4, blocks=3, size=2, width=2)
   cache, failed = _append(cache, jnp.ones(4, bool), jnp.arange(4))
