@@ -62,6 +62,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from rljax import distributed
 from rljax import tokenizers as tok_lib
@@ -212,13 +213,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
     extra = turns.max_observation_tokens if drafts is None else max(
         turns.max_observation_tokens, self._draft_width)
     self.paged = paged
-    # Every program returns the rollout's state whole on each device: its
-    # next program then always sees the same layout, and compiles once
-    # (a state laid out by the compiler came back sharded from some
-    # programs and not from others, each layout a compile of its own).
-    jit = functools.partial(jax.jit, out_shardings=(
-        None if mesh is None else jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec())))
+    # The state comes back whole on each device from every program, so each
+    # compiles once (a layout of the compiler's choosing varied by program).
+    jit = functools.partial(jax.jit, out_shardings=None if mesh is None else
+                            jax.sharding.NamedSharding(mesh, P()))
     self._start = jit(functools.partial(
         turns_lib.start, obs_width=extra, paged=paged, **kw))
     self._refill = jit(functools.partial(
