@@ -36,7 +36,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from rljax import sharding
 from rljax.models import paged_cache as pc
 from rljax.models.kv_cache import KVCache, LayerKV
 from rljax.sampling import slot_pages
@@ -60,15 +59,6 @@ def dense_rows(prefilled_U: KVCache, source_N) -> KVCache:
                  prefilled_U.mask[source_N],
                  jnp.full(source_N.shape, prefilled_U.mask.shape[1],
                           jnp.int32), prefilled_U.prefix)
-
-
-def _replicated(tree: Any) -> Any:
-  """A paged cache (or the rows' flags it is written with) on every device:
-  rows on any device point into any block, so a pool laid out across
-  devices would gather it at every read and write (and its compile would
-  partition each of them)."""
-  return jax.tree.map(lambda x: sharding.constrain(x, (None,) * x.ndim),
-                      tree)
 
 
 def prompts(cache: pc.PagedKVCache, rows_N, prefilled_U: KVCache, source_N
@@ -98,7 +88,7 @@ def prompts(cache: pc.PagedKVCache, rows_N, prefilled_U: KVCache, source_N
   failed = rows_N & failed[leader]
   cache = slot_pages.share(cache, jnp.arange(n), leader,
                            rows_N & ~first & ~failed, p)
-  return _replicated(pc.release(cache, failed)), failed
+  return pc.release(cache, failed), failed
 
 
 def reserve(cache, at_N, write_N, width: int) -> tuple[Any, jax.Array]:
@@ -107,8 +97,7 @@ def reserve(cache, at_N, write_N, width: int) -> tuple[Any, jax.Array]:
   slots there (``failed_N``: found no free block)."""
   if not is_paged(cache):
     return cache._replace(index=at_N), jnp.zeros(at_N.shape, jnp.bool_)
-  cache, failed = pc.reserve(_replicated(cache._replace(lengths=at_N)),
-                             _replicated(write_N), width)
+  cache, failed = pc.reserve(cache._replace(lengths=at_N), write_N, width)
   return cache, failed & write_N
 
 
@@ -124,8 +113,8 @@ def apply(model, params, tokens_NxW, positions_NxW, cache, write_N, mask_NxW
                        input_mask_BxT=mask_NxW)
   view = cache._replace(table=jnp.where(write_N[:, None], cache.table, -1))
   hidden, out = model.apply({"params": params}, tokens_NxW, positions_NxW,
-                            _replicated(view), input_mask_BxT=mask_NxW)
-  return hidden, _replicated(out._replace(table=cache.table))
+                            view, input_mask_BxT=mask_NxW)
+  return hidden, out._replace(table=cache.table)
 
 
 def forward(model, params, tokens_NxW, positions_NxW, cache, at_N, write_N,
