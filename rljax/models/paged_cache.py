@@ -171,7 +171,8 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
     col = jnp.clip(col, 0, mb - 1)
     current = cache.table[rows, col]
     counts = refcounts(cache)
-    holders = counts[jnp.maximum(current, 0)]
+    held = jnp.maximum(current, 0)
+    holders = counts[held]
     shared = (current >= 0) & (holders > 1)
     # A shared block that all its holders write: the first of them (lowest
     # row) writes it in place, the others copy it, so the write needs one
@@ -179,8 +180,8 @@ def reserve(cache: PagedKVCache, rows_R: jax.Array, num_slots: int
     at = jnp.where(touched & shared, current, cache.num_blocks)
     writers = jnp.zeros_like(counts).at[at].add(1, mode="drop")
     first = jnp.full_like(counts, rows.shape[0]).at[at].min(rows, mode="drop")
-    keeps = (touched & shared & (writers[jnp.maximum(current, 0)] == holders)
-             & (first[jnp.maximum(current, 0)] == rows))
+    keeps = (touched & shared & (writers[held] == holders)
+             & (first[held] == rows))
     shared = shared & ~keeps
     need = touched & ((current < 0) | shared)
     block = _allocate(counts, need)
