@@ -169,3 +169,29 @@ class Jittery(Graded):
   def step(self, state, action):
     time.sleep(0.005 * (sum(map(ord, action)) % 7))
     return super().step(state, action)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorder:
+  """Keeps every action in its state, appended in place (an environment
+  that mutates its state: episodes that share one object would see each
+  other's actions). The observation after turn k is ``"<k:n>"``, ``n`` the
+  letters of all actions so far (mod 10), rewarded k; done after ``turns``
+  turns. With ``fail_at=k``, step k raises on an action whose characters'
+  codes sum to an odd number."""
+
+  turns: int = 3
+  fail_at: int = 0
+  stop_strings: tuple = ()
+
+  def reset(self, example):
+    return example["prompt"], {"seen": []}
+
+  def step(self, state, action):
+    k = len(state["seen"]) + 1
+    if k == self.fail_at and sum(map(ord, action)) % 2:
+      raise ValueError(f"step {k} refuses {action!r}")
+    state["seen"].append(action)
+    letters = sum(ch.isalpha() for a in state["seen"] for ch in a) % 10
+    return Step(observation=f"<{k}:{letters}>", reward=float(k),
+                done=k >= self.turns, state=state)

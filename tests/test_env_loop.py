@@ -104,10 +104,12 @@ def test_failing_environments_are_counted_and_training_goes_on(tmp_path):
 # Each run composes several features, each seen to act through its own
 # metric: one 2-step run per case keeps the pairs cheap.
 COMPOSE = {
-    # Dynamic sampling refills zero-variance groups with more episodes;
+    # Dynamic sampling refills zero-variance groups with more episodes,
+    # each example's a tree that forks after turn 1 (docs/environments.md);
     # every turn rewarded (tests.env_fixtures.Graded), REINFORCE++ with a
     # discount reads the per-token rewards.
-    "dapo-turn-rewards-reinforce_pp": {
+    "tree-dapo-turn-rewards-reinforce_pp": {
+        "rl.rollout": "tree",
         "rl.selection.name": "dapo", "rl.selection.max_rounds": 2,
         "env.name": "tests.env_fixtures:Graded", "env.kwargs": {},
         "rl.advantage": "whiten_by_tokens", "rl.gamma": 0.9,
@@ -158,6 +160,8 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
     assert "select/zero_variance_before" in rows[-1]
   if "env.kwargs" in overrides:  # every turn rewarded
     assert all(r["reward/env/mean"] != 0 for r in rows)
+  if "rl.rollout" in overrides:  # the forks copied turns decoded once
+    assert all(r["rollout/tree_token_saving"] > 0 for r in rows)
   if "sampler.shrink_batch_to" in overrides:
     n = config.rl.prompts_per_step * config.rl.group_size
     assert all(2 <= r["rollout/decode_rows"] < n for r in rows)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from rljax import envs, models
+from rljax.rollout import episodes as episodes_lib
 from rljax.rollout import multi_turn as mt
 from tests import env_fixtures
 from tests.test_envs import EXAMPLES, MC, O, SC, TOK
@@ -75,15 +76,15 @@ def test_a_prompt_starting_several_rows_is_prefilled_once_by_hand():
   once, padded to a power of two with the last, and each row's index."""
   tokens = np.arange(10)[:, None] * np.ones((1, 3), np.int32)
   mask = np.ones((10, 3), bool)
-  lead, lead_mask, source = mt._distinct_prompts(  # pylint: disable=protected-access
+  lead, lead_mask, source = episodes_lib.distinct_prompts(
       np.array([0, 1, 2, 3, 5, 9]), 2, tokens, mask)
   np.testing.assert_array_equal(lead[:, 0], [0, 2, 4, 8])
   np.testing.assert_array_equal(source, [0, 0, 1, 1, 2, 3])
   assert lead_mask.shape == (4, 3)
-  lead, _, source = mt._distinct_prompts(np.array([4, 0, 2]), 2, tokens, mask)
+  lead, _, source = episodes_lib.distinct_prompts(np.array([4, 0, 2]), 2, tokens, mask)
   np.testing.assert_array_equal(lead[:, 0], [0, 2, 4, 4])  # 3 -> 4 rows
   np.testing.assert_array_equal(source, [2, 0, 1])
-  lead, _, source = mt._distinct_prompts(np.array([7, 6]), 2, tokens, mask)
+  lead, _, source = episodes_lib.distinct_prompts(np.array([7, 6]), 2, tokens, mask)
   np.testing.assert_array_equal(lead[:, 0], [6])
   np.testing.assert_array_equal(source, [0, 0])
 

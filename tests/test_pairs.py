@@ -1,6 +1,6 @@
 """Every pair of the single-process rollout and training features trains.
 
-Fourteen features, each a few settings of a tiny calculator config: the
+Fifteen features, each a few settings of a tiny calculator config: the
 rollout plans (continuous slots, partial rollouts, tree rollouts, the
 static batch on a paged KV cache), the schedules
 (asynchronous sampling, sampler devices), a multi-turn environment, SPEC-RL,
@@ -18,7 +18,7 @@ devices, environment turns, drafted rows, LoRA adapters, no packing,
 selection rounds, the critic's loss, the reward model's scores, the
 distillation KL).
 
-The fifteenth feature, several processes, pairs with each of these in
+The sixteenth feature, several processes, pairs with each of these in
 ``tests/test_multihost.py`` (``COLUMN`` names the two-process run of each,
 which matches one process to 1e-6).
 """
@@ -111,7 +111,6 @@ SAME_FIELD = {frozenset(p) for p in itertools.combinations(
 # The pairs the table refuses, by its rule (docs/rollouts.md gives the
 # reasons).
 REFUSED = {
-    frozenset(("tree", "env")): "tree-episodes",
     frozenset(("tree", "spec_rl")): "tree-speculative",
     frozenset(("latr", "env")): "latr-episodes",
     frozenset(("latr", "spec_rl")): "latr-speculative",

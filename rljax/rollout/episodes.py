@@ -4,6 +4,7 @@ with slots the episodes that left them."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, NamedTuple
@@ -178,4 +179,26 @@ class EpisodeLog:
                     metrics, spans)
 
 
-__all__ = ["EpisodeLog", "Episodes", "SlotOutputs"]
+def state_copy(state: Any) -> Any:
+  """An environment's state (a JSON value) copied: each episode that plays
+  from it steps its own."""
+  return json.loads(json.dumps(state))
+
+
+def distinct_prompts(rows_N: np.ndarray, g: int, tokens_NxP: np.ndarray,
+                      mask_NxP: np.ndarray
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """``(tokens [U, P], mask [U, P], source [N])``: the prompts of the
+  episode rows ``rows_N`` (the ``G`` rows of an example share its prompt),
+  each example once, and the index of each row's. ``U`` is the count of
+  distinct examples rounded up to a power of two (repeats of the last
+  pad it), so a run compiles at most ``log2(M) + 1`` prefills."""
+  examples, source = np.unique(np.asarray(rows_N) // g, return_inverse=True)
+  u = 1 << (len(examples) - 1).bit_length()
+  lead = np.concatenate([examples, np.repeat(examples[-1:],
+                                             u - len(examples))]) * g
+  return tokens_NxP[lead], mask_NxP[lead], source.astype(np.int32)
+
+
+__all__ = ["EpisodeLog", "Episodes", "SlotOutputs", "distinct_prompts",
+           "state_copy"]

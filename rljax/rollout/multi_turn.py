@@ -55,7 +55,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,11 +66,12 @@ from jax.sharding import PartitionSpec as P
 from rljax import distributed
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
-from rljax.rollout import env_steps, episode_carry
+from rljax.rollout import env_steps, episode_carry, episode_tree
 from rljax.rollout import turns as turns_lib
 from rljax.rollout.env_steps import StepCall
 from rljax.rollout.episode_drafts import Speculation
-from rljax.rollout.episodes import EpisodeLog, Episodes, SlotOutputs
+from rljax.rollout.episodes import (EpisodeLog, Episodes, SlotOutputs,
+                                   distinct_prompts, state_copy)
 from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig
 from rljax.models import paged_cache as pc
@@ -121,10 +121,6 @@ class TurnConfig:
                        "tokens.")
 
 
-def _state_copy(state: Any) -> Any:
-  return json.loads(json.dumps(state))
-
-
 class MultiTurnSampler(env_steps.EnvSteps):
   """Runs episodes: ``run(params, examples, key) -> Episodes``.
 
@@ -167,6 +163,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
       prompt's blocks are shared by the rows that start with it, and an
       episode's blocks are released when it ends; None: a dense cache of
       ``P + T + O`` slots per row.
+    tree: tree episodes (``rl.rollout="tree"``, ``episode_tree``): a
+      group's episodes fork between turns; None: each plays on its own.
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
@@ -178,7 +176,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
                group: distributed.ProcessGroup | None = None,
                drafts: DraftStore | None = None, log_lenience: float = 0.0,
                carry: episode_carry.EpisodeCarry | None = None,
-               paged: PagedConfig | None = None):
+               paged: PagedConfig | None = None, tree: Any = None):
     for name, value in (("rl.rollout_slots", slots),
                         ("rl.rollout_refill_rows", refill_rows)):
       if value is not None and (isinstance(value, bool)
@@ -190,6 +188,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
       raise ValueError("partial rollouts of episodes play on slots: pass "
                        "slots with carry.")
     self.carry = carry
+    if tree is not None:
+      episode_tree.check(tree, config.num_samples, turns.max_turns,
+                         plain=slots is None and drafts is None)
+    self.tree = tree
     self.group = group or distributed.ProcessGroup()
     if not self.group.single and mesh is None:
       raise ValueError("MultiTurnSampler with several processes needs the "
@@ -229,6 +231,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
                        static_argnames=("prompt_width",))
     self._insert = jit(functools.partial(turns_lib.insert, **kw),
                        static_argnames=("prompt_width",))
+    self._fork = jit(turns_lib.fork)
     self._restore = jit(functools.partial(turns_lib.restore, **kw),
                         static_argnames=("prompt_width",))
     self._decode_rows = jit(
@@ -310,7 +313,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
     for i, outcome in enumerate(resets):
       if outcome.status == "ok":
         for j in range(g):
-          states[n0 + group_of[i] * g + j] = _state_copy(
+          states[n0 + group_of[i] * g + j] = state_copy(
               outcome.value["state"])
     # Every example's prompt (a failed reset's: the example's own stands in,
     # and its rows end at once), gathered from the processes' blocks.
@@ -365,7 +368,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
     steps_before, row_steps = 0, 0
     with self._mesh():
       rows_M = np.maximum(slot_row, 0).astype(np.int32)
-      distinct = _distinct_prompts(rows_M, g, tokens_NxP, mask_NxP)
+      distinct = distinct_prompts(rows_M, g, tokens_NxP, mask_NxP)
       state = self._start(params, *distinct, keys_N[rows_M], rows_M)
       if out is not None:
         out.prefilled_rows += len(distinct[0])
@@ -374,6 +377,9 @@ class MultiTurnSampler(env_steps.EnvSteps):
                               prompt_width=p)
       # The slots live in the decode dispatched next.
       decoding = (slot_row >= 0) & ~ep.failed[rows_M]
+      forest = self.tree and episode_tree.EpisodeTree(self.tree, g, n)
+      if forest is not None:  # the rows that wait for a fork
+        decoding &= ~forest.dormant()
       if not decoding.all():  # rows whose reset failed never decode
         state = state._replace(live=state.live & decoding,
                                done=state.done | ~decoding)
@@ -426,6 +432,9 @@ class MultiTurnSampler(env_steps.EnvSteps):
         taken_turns = (self._host(state.tokens), column, start)
         # (A resumed row whose observation found no block is over.)
         decoding = (decoding & ~stopped) | (resumed & ~done)
+        if forest is not None:
+          state, decoding = forest.step(self, state, decoding,
+                                        resumed & ~done, done, ep, states)
         if out is not None:
           state, decoding = self._turnover(
               params, state, out, slot_row, queue, done & ~decoding,
@@ -441,15 +450,21 @@ class MultiTurnSampler(env_steps.EnvSteps):
         if spec is not None:
           spec.store(self._host((state.tokens, state.mask,
                                  state.sampler_logp, state.observed)))
-        rollout = self._split_by_blocks(turns_lib.to_rollout(
+        rollout = turns_lib.to_rollout(
             tokens_NxP, mask_NxP, state,
-            ep.turn_rewards(self.config.max_new_tokens)))
+            ep.turn_rewards(self.config.max_new_tokens))
+        if forest is not None:
+          rollout = forest.annotate(rollout, self.group.single)
+          ep.slot_metrics = forest.metrics(self._host(rollout.lengths))
+        rollout = self._split_by_blocks(rollout)
         if len(levels) > 1:
-          ep.slot_metrics = {
+          ep.slot_metrics.update({
               "rollout/decode_steps": float(steps_before),
               "rollout/decode_rows": row_steps / max(steps_before, 1),
-              "rollout/decode_utilization": self._model_tokens(state)
-              / max(row_steps, 1)}
+              # Model tokens decoded (tree episodes: less what forks copied).
+              "rollout/decode_utilization": (ep.slot_metrics.get(
+                  "rollout/generated_tokens") or self._model_tokens(state))
+              / max(row_steps, 1)})
       else:
         if stopped_early:
           state = self._drain(params, state, taken, taken_turns, slot_row,
@@ -560,7 +575,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
     refill = _mask(len(slot_row), slots)
     # Slots not refilled take a valid row's prompt and are discarded.
     rows_M = np.where(refill, slot_row, rows[0]).astype(np.int32)
-    distinct = _distinct_prompts(rows_M, self.config.num_samples,
+    distinct = distinct_prompts(rows_M, self.config.num_samples,
                                  tokens_NxP, mask_NxP)
     state = self._refill(params, state, refill, *distinct, keys_N[rows_M],
                          rows_M)
@@ -574,21 +589,6 @@ class MultiTurnSampler(env_steps.EnvSteps):
                           prompt_width)
     out.prefills += len(slots)
     return state, decoding | (refill & ~failed)
-
-
-def _distinct_prompts(rows_N: np.ndarray, g: int, tokens_NxP: np.ndarray,
-                      mask_NxP: np.ndarray
-                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """``(tokens [U, P], mask [U, P], source [N])``: the prompts of the
-  episode rows ``rows_N`` (the ``G`` rows of an example share its prompt),
-  each example once, and the index of each row's. ``U`` is the count of
-  distinct examples rounded up to a power of two (repeats of the last
-  pad it), so a run compiles at most ``log2(M) + 1`` prefills."""
-  examples, source = np.unique(np.asarray(rows_N) // g, return_inverse=True)
-  u = 1 << (len(examples) - 1).bit_length()
-  lead = np.concatenate([examples, np.repeat(examples[-1:],
-                                             u - len(examples))]) * g
-  return tokens_NxP[lead], mask_NxP[lead], source.astype(np.int32)
 
 
 def _mask(n: int, rows: np.ndarray) -> np.ndarray:

@@ -69,7 +69,7 @@ class ProcessBlocks:
     spec = dict(sampled.spec_metrics, **{  # the padding's groups left out
         "rollout/distinct_completions": distinct_completions(
             sampled.completions[:rows], g)})
-    if sampled.rollout.tree_nodes is not None:
+    if sampled.rollout.tree_nodes is not None and self.episodes is None:
       nodes = self.group.gather_rows(self.group.local_rows(
           sampled.rollout.tree_nodes), self.mesh)
       spec.update(self._tree_metrics(kwargs.get("sampler"), nodes[:rows],

@@ -159,6 +159,15 @@ def take(cache, rows_L):
   return part._replace(held=pc.refcounts(cache) - pc.refcounts(part))
 
 
+def fork(cache, src_N):
+  """Every row ``n`` a copy of row ``src_N[n]``: a dense cache's rows
+  gathered; a paged one's block tables (``paged_cache.fork``: the blocks
+  shared, copied when a row first writes into one)."""
+  if is_paged(cache):
+    return pc.fork(cache, src_N)
+  return take(cache, src_N)
+
+
 def put(cache, rows_L, part):
   """``cache`` with rows ``rows_L`` set to ``part``'s (``take``)."""
   if not is_paged(cache):
@@ -170,5 +179,5 @@ def put(cache, rows_L, part):
                         lengths=cache.lengths.at[rows_L].set(part.lengths))
 
 
-__all__ = ["apply", "dense_rows", "forward", "in_use", "is_paged", "pool",
+__all__ = ["apply", "dense_rows", "fork", "forward", "in_use", "is_paged", "pool",
            "prompts", "put", "reserve", "settle", "take"]

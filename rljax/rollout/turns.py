@@ -305,6 +305,23 @@ def put_rows(state: Turns, rows_L, part: Turns) -> Turns:
   return out._replace(cache=turn_pages.put(state.cache, rows_L, part.cache))
 
 
+def fork(state: Turns, src_N, forked_N, hold_N) -> Turns:
+  """Tree episodes (``rljax/rollout/episode_tree.py``): each row in
+  ``forked_N`` becomes a copy of row ``src_N[n]`` (its buffers, its place
+  in the episode, its cache: ``turn_pages.fork``) and decodes next unless
+  that episode is over; it keeps its own key and episode row, so its draws
+  from here on are its own. Rows in ``hold_N`` wait for their group's fork
+  (not live)."""
+  own = ("cache", "keys", "row", "steps", "peak", "cut")
+  taken = jax.tree.map(
+      lambda x: jnp.take(x, src_N, axis=0),
+      {f: getattr(state, f) for f in Turns._fields
+       if f not in own and getattr(state, f) is not None})
+  out = state._replace(cache=turn_pages.fork(state.cache, src_N), **taken)
+  return out._replace(live=jnp.where(forked_N, ~out.done,
+                                     state.live & ~hold_N))
+
+
 def decode_rows(params, state: Turns, clear_N, min_waiting, rows_L, fits,
                  **kw) -> Turns:
   """``decode_turn`` on the cache rows ``rows_L`` only (a shrinking static

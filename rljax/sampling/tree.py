@@ -86,7 +86,8 @@ class TreeConfig:
       raise ValueError(f"rl.tree.branch_by={self.branch_by!r}: accepted "
                        f"{BRANCH_BY}.")
 
-  def widths(self, num_samples: int, max_new_tokens: int) -> tuple[int, ...]:
+  def widths(self, num_samples: int, max_new_tokens: int | None = None
+             ) -> tuple[int, ...]:
     """A prompt's rows at each depth: ``roots``, ``roots * branch``, ...,
     ``num_samples`` (the leaves).
 
@@ -94,7 +95,8 @@ class TreeConfig:
       ValueError: when ``num_samples`` is not ``roots * branch ** D`` for a
         ``D >= 1``, or when the ``D`` forks (after ``segment_tokens``,
         ``2 segment_tokens``, ...) do not all come before
-        ``max_new_tokens``, naming the fields.
+        ``max_new_tokens``, naming the fields (None: no segment check; the
+        segments of tree episodes are turns, ``rljax/rollout/episode_tree.py``).
     """
     widths = [self.roots]
     while widths[-1] < num_samples:
@@ -107,7 +109,8 @@ class TreeConfig:
           f"per prompt (rl.group_size, with the advantage's extra rows) for "
           f"some D >= 1; accepted row counts: {powers}.")
     forks = len(widths) - 1
-    if forks * self.segment_tokens >= max_new_tokens:
+    if max_new_tokens is not None and (
+        forks * self.segment_tokens >= max_new_tokens):
       raise ValueError(
           f"rl.tree.segment_tokens={self.segment_tokens}: its {forks} forks "
           f"(one after each segment) need more than {forks} x "

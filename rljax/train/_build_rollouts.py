@@ -15,6 +15,7 @@ from rljax import sharding
 from rljax.data import allocation as allocation_lib
 from rljax.data import selection as selection_lib
 from rljax.train import algorithm as alg_lib
+from rljax.rollout import episode_tree
 from rljax.rollout import partial as partial_lib
 from rljax.sampling import latr as latr_lib
 from rljax.sampling import tree as tree_lib
@@ -110,18 +111,23 @@ def _validate_rollout(config: Any) -> None:
                          f"'partial', or rl.{name}=None.")
     if rl.rollout == "tree":  # its widths fit the rows and the budget
       tree = tree_config(config)
+      # Tree episodes fork between turns, not after segments of tokens.
+      budget = None if config.env.name else config.sampler.max_new_tokens
       if rl.allocation.name == "none":
-        tree.widths(rl.group_size + alg_lib.sampling_needs(rl.advantage)[
-            "extra_samples"], config.sampler.max_new_tokens)
+        rows = rl.group_size + alg_lib.sampling_needs(rl.advantage)[
+            "extra_samples"]
+        tree.widths(rows, budget)
       else:  # each prompt entry of the rounds is a tree
         rows = allocation(config).sampler_samples
         try:
-          tree.widths(rows, config.sampler.max_new_tokens)
+          tree.widths(rows, budget)
         except ValueError as e:
           raise ValueError(
               f"rl.allocation.name={rl.allocation.name!r} samples "
               f"{rows} rows per prompt entry (each round gives a prompt a "
               f"multiple), each entry a tree: {e}") from None
+      if config.env.name:
+        episode_tree.check(tree, rows, config.env.max_turns)
     if rl.rollout == "latr":
       _validate_latr(config)
     return

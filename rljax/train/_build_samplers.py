@@ -88,7 +88,8 @@ class Samplers:
         carry=(episode_carry.EpisodeCarry(partial.slots, partial.max_age,
                                           partial.max_carried)
                if partial is not None and partial.mode == "partial"
-               else None), paged=self._paged())
+               else None), paged=self._paged(),
+        tree=tree_config(self.config) if training else None)
 
   @property
   def split(self) -> bool:

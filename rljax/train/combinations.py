@@ -98,13 +98,6 @@ RULES: tuple[Rule, ...] = (
          "row of a tree shares its first segment with sampled siblings",
          "an advantage without a greedy row, or rl.rollout='static'",
          "meaningless"),
-    Rule("tree-episodes", ("rl.rollout", "env.name"),
-         lambda c, p: _tree(c) and bool(c.env.name),
-         "a fork copies a live episode (its cache rows and buffers, and its "
-         "environment's JSON state), and the multi-turn rollout has no "
-         "fork of a row",
-         "rl.rollout='static' or 'continuous' with an environment",
-         "missing"),
     Rule("tree-speculative", ("rl.rollout", "sampler.speculative"),
          lambda c, p: _tree(c) and bool(c.sampler.speculative),
          "SPEC-RL verifies each row's draft in one pass from the prompt; a "
