@@ -195,3 +195,26 @@ class Recorder:
     letters = sum(ch.isalpha() for a in state["seen"] for ch in a) % 10
     return Step(observation=f"<{k}:{letters}>", reward=float(k),
                 done=k >= self.turns, state=state)
+
+
+def assert_replays(episodes, sampler, env):
+  """Each row of ``episodes`` (``MultiTurnSampler.run``'s, on the host)
+  holds the observations ``env`` answers its own actions, replayed from
+  ``env.reset`` (a row that stepped another's state, or stepped one
+  twice, would show it), each encoded as the sampler inserts it."""
+  tokens = episodes.rollout.completion_tokens
+  eos = set(sampler.config.eos_ids)
+  for r, spans in enumerate(episodes.turn_tokens):
+    _, state = env.reset({"prompt": ""})
+    model = [(s, e) for s, e, kind in spans if kind == "model"]
+    observed = [(s, e) for s, e, kind in spans if kind == "observation"]
+    assert len(observed) <= len(model), (r, spans)
+    for (s, e), (os_, oe) in zip(model, observed):
+      action = sampler.tokenizer.decode(
+          [int(x) for x in tokens[r, s:e] if x not in eos])
+      step = env.step(state, action)
+      want = sampler.format.encode(step.observation,
+                                   int(tokens[r, e - 1]) in eos)
+      assert oe > os_ and [int(x) for x in tokens[r, os_:oe]] == want[
+          :oe - os_], (r, spans)
+      state = step.state

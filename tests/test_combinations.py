@@ -27,7 +27,6 @@ TRIGGERS = {
     "tree-speculative": ({"rl.rollout": "tree",
                           "sampler.speculative": True}, 1),
     "tree-sgpo": ({"rl.rollout": "tree", "rl.allocation.name": "sgpo"}, 1),
-    "latr-episodes": ({"rl.rollout": "latr", "env.name": "calculator"}, 1),
     "latr-speculative": ({"rl.rollout": "latr",
                           "sampler.speculative": True}, 1),
     "latr-sgpo": ({"rl.rollout": "latr", "rl.allocation.name": "sgpo"}, 1),

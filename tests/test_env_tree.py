@@ -63,20 +63,7 @@ def test_each_child_steps_its_own_copy_of_its_parents_environment(
   the later ones the row's own (with the state shared or stepped twice,
   the count or the letters would be off)."""
   sampler, out = forests[name]
-  tokens = out.rollout.completion_tokens
-  eos = set(CONFIG.eos_ids)
-  for r, spans in enumerate(out.turn_tokens):
-    env, state = env_fixtures.Recorder(), {"seen": []}
-    model = _model_spans(spans)
-    observed = [(s, e) for s, e, kind in spans if kind == "observation"]
-    assert len(observed) <= len(model)
-    for (s, e), (os_, oe) in zip(model, observed):
-      action = TOK.decode([int(x) for x in tokens[r, s:e] if x not in eos])
-      step = env.step(state, action)
-      ended_eos = int(tokens[r, e - 1]) in eos
-      want = sampler.format.encode(step.observation, ended_eos)
-      assert oe > os_ and list(tokens[r, os_:oe]) == want[:oe - os_], (r,)
-      state = step.state
+  env_fixtures.assert_replays(out, sampler, env_fixtures.Recorder())
 
 
 @pytest.mark.parametrize("name", list(TREES))

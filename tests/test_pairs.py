@@ -112,7 +112,6 @@ SAME_FIELD = {frozenset(p) for p in itertools.combinations(
 # reasons).
 REFUSED = {
     frozenset(("tree", "spec_rl")): "tree-speculative",
-    frozenset(("latr", "env")): "latr-episodes",
     frozenset(("latr", "spec_rl")): "latr-speculative",
 }
 

@@ -66,7 +66,8 @@ from jax.sharding import PartitionSpec as P
 from rljax import distributed
 from rljax import tokenizers as tok_lib
 from rljax.envs.base import EnvOutcome, EnvRunner
-from rljax.rollout import env_steps, episode_carry, episode_tree
+from rljax.rollout import (env_steps, episode_carry, episode_latr,
+                           episode_tree, turn_rounds)
 from rljax.rollout import turns as turns_lib
 from rljax.rollout.env_steps import StepCall
 from rljax.rollout.episode_drafts import Speculation
@@ -74,10 +75,9 @@ from rljax.rollout.episodes import (EpisodeLog, Episodes, SlotOutputs,
                                    distinct_prompts, state_copy)
 from rljax.rollout.observations import ObservationFormat
 from rljax.models import ModelConfig
-from rljax.models import paged_cache as pc
 from rljax.sampling.decode_cache import shrink_levels
 from rljax.sampling.drafts import DraftStore
-from rljax.sampling.paged import PagedConfig, pool_stats
+from rljax.sampling.paged import PagedConfig
 from rljax.sampling.sampler import SamplerConfig, pad_prompts, row_keys
 
 
@@ -121,7 +121,7 @@ class TurnConfig:
                        "tokens.")
 
 
-class MultiTurnSampler(env_steps.EnvSteps):
+class MultiTurnSampler(env_steps.EnvSteps, turn_rounds.Rounds):
   """Runs episodes: ``run(params, examples, key) -> Episodes``.
 
   Args:
@@ -165,6 +165,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
       ``P + T + O`` slots per row.
     tree: tree episodes (``rl.rollout="tree"``, ``episode_tree``): a
       group's episodes fork between turns; None: each plays on its own.
+    latr: LATR episodes (``rl.rollout="latr"``, ``episode_latr``): part of
+      a group's episodes branch at uncertain tokens; None: no branches.
   """
 
   def __init__(self, model_config: ModelConfig, config: SamplerConfig,
@@ -176,7 +178,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
                group: distributed.ProcessGroup | None = None,
                drafts: DraftStore | None = None, log_lenience: float = 0.0,
                carry: episode_carry.EpisodeCarry | None = None,
-               paged: PagedConfig | None = None, tree: Any = None):
+               paged: PagedConfig | None = None, tree: Any = None,
+               latr: Any = None):
     for name, value in (("rl.rollout_slots", slots),
                         ("rl.rollout_refill_rows", refill_rows)):
       if value is not None and (isinstance(value, bool)
@@ -191,7 +194,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
     if tree is not None:
       episode_tree.check(tree, config.num_samples, turns.max_turns,
                          plain=slots is None and drafts is None)
-    self.tree = tree
+    if latr is not None:
+      episode_latr.check(latr, config.num_samples,
+                         plain=slots is None and drafts is None)
+    self.tree, self.latr = tree, latr
     self.group = group or distributed.ProcessGroup()
     if not self.group.single and mesh is None:
       raise ValueError("MultiTurnSampler with several processes needs the "
@@ -227,7 +233,7 @@ class MultiTurnSampler(env_steps.EnvSteps):
         turns_lib.verify, turns=turns, log_lenience=float(log_lenience), **kw),
                        static_argnames=("prompt_width",))
     self._decode = jit(functools.partial(turns_lib.decode_turn, turns=turns,
-                                         **kw),
+                                         latr=latr, **kw),
                        static_argnames=("prompt_width",))
     self._insert = jit(functools.partial(turns_lib.insert, **kw),
                        static_argnames=("prompt_width",))
@@ -380,6 +386,10 @@ class MultiTurnSampler(env_steps.EnvSteps):
       forest = self.tree and episode_tree.EpisodeTree(self.tree, g, n)
       if forest is not None:  # the rows that wait for a fork
         decoding &= ~forest.dormant()
+      branching = self.latr and episode_latr.EpisodeLatr(self.latr, g, n)
+      if branching is not None:  # its empty slots
+        decoding &= ~branching.dormant()
+        state = state._replace(latr=branching.rows())
       if not decoding.all():  # rows whose reset failed never decode
         state = state._replace(live=state.live & decoding,
                                done=state.done | ~decoding)
@@ -391,9 +401,9 @@ class MultiTurnSampler(env_steps.EnvSteps):
       stopped_early = False
       while (decoding.any() or len(taken) or queue
              or self.group.any(bool(calls))):
-        if len(levels) == 1:
-          state = self._decode(params, state, _mask(m, taken), min_waiting,
-                               prompt_width=p)
+        if len(levels) == 1 or (branching and branching.growing):
+          state, size = self._decode(params, state, _mask(m, taken),
+                                     min_waiting, prompt_width=p), m
         else:
           state, size = self._decode_shrinking(
               params, state, _mask(m, taken), min_waiting, decoding, levels,
@@ -419,6 +429,8 @@ class MultiTurnSampler(env_steps.EnvSteps):
         host = self._host((state.column, state.turn_start,
                            state.ended_turn, state.done))
         column, start, ended, done = (np.asarray(x) for x in host)
+        if branching is not None:
+          decoding = branching.after_decode(self, state, decoding, ep, states)
         if len(levels) > 1:
           steps = int(self._host(state.steps))
           row_steps += size * (steps - steps_before)
@@ -450,6 +462,9 @@ class MultiTurnSampler(env_steps.EnvSteps):
         if spec is not None:
           spec.store(self._host((state.tokens, state.mask,
                                  state.sampler_logp, state.observed)))
+        if branching is not None:
+          state = branching.fill(self, state, ep, states)
+          ep.slot_metrics.update(branching.metrics(self, state))
         rollout = turns_lib.to_rollout(
             tokens_NxP, mask_NxP, state,
             ep.turn_rewards(self.config.max_new_tokens))
@@ -520,37 +535,6 @@ class MultiTurnSampler(env_steps.EnvSteps):
     done = np.asarray(self._host(state.done))
     held.over[slot_row[(slot_row >= 0) & done]] = True
     return state
-
-  def _decode_shrinking(self, params, state, clear, min_waiting, decoding,
-                        levels, prompt_width):
-    """One round's decode on the smallest of ``levels`` that holds the rows
-    that decode (``decoding``), padded with rows that do not; it returns
-    once no more rows decode than the next smaller level holds, so the next
-    round shrinks. Returns ``(state, rows decoded)``."""
-    live = np.flatnonzero(decoding)
-    k = max(i for i, size in enumerate(levels) if size >= len(live))
-    fits = np.int32(levels[k + 1] if k + 1 < len(levels) else 0)
-    if k == 0:
-      return self._decode(params, state, clear, min_waiting, fits,
-                          prompt_width=prompt_width), levels[0]
-    rows = np.concatenate([live, np.flatnonzero(~decoding)[
-        :levels[k] - len(live)]]).astype(np.int32)
-    return self._decode_rows(params, state, clear, min_waiting, rows, fits,
-                             prompt_width=prompt_width), levels[k]
-
-  def _pool_metrics(self, state) -> dict[str, float]:
-    """The paged pool's figures (``sampling.paged.pool_stats``): blocks
-    at the peak, the pool, episodes cut for want of a block, and blocks
-    still held once every episode is over (0). Episodes a partial step
-    carries are restored next step (``turns.restore``): their blocks go
-    back with the step's, as continuous slots' do."""
-    cache = pc.release(state.cache, ~state.done)
-    return {k: float(v) for k, v in self._host(pool_stats(
-        cache, cache.num_blocks, state.peak, state.cut)).items()}
-
-  def _model_tokens(self, state) -> int:
-    mask, observed = self._host((state.mask, state.observed))
-    return int(np.sum(np.asarray(mask) & ~np.asarray(observed)))
 
   def _turnover(self, params, state, out: "SlotOutputs", slot_row, queue,
                 over, decoding, tokens_NxP, mask_NxP, keys_N, ep, spec,

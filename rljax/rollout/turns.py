@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from rljax import sharding
 from rljax.models import ModelConfig, compute_logits, init_cache
-from rljax.rollout import turn_pages
+from rljax.rollout import turn_latr, turn_pages
 from rljax.sampling.continuous import ACCEPT_FOLD, accept_draft
 from rljax.sampling.sampler import (Rollout, SamplerConfig, decode_setup,
                                     fused_logprobs, pick_logprob, token_keys)
@@ -47,6 +47,7 @@ class Turns(NamedTuple):
   steps: jax.Array         # [] int32, decode steps run so far
   peak: jax.Array          # [] int32, most KV blocks in use (paged; else 0)
   cut: jax.Array           # [] int32, rows cut for want of a block (paged)
+  latr: Any = None         # turn_latr.LatrRows: LATR's branching, or None
 
 
 def _prefill(params, prompt_tokens_UxP, prompt_mask_UxP, *, mc, sc, slots):
@@ -216,13 +217,17 @@ def turn_ended(tokens_NxT, column_N, token_N, turn_start_N, eos_V,
 
 def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
                  mc: ModelConfig, sc: SamplerConfig, turns: Any,
-                 prompt_width: int) -> Turns:
+                 prompt_width: int, latr: Any = None) -> Turns:
   """Decode steps until no row is live, until ``min_waiting`` rows have
   ended a turn, or until no more than ``fits`` rows are live (traced ints;
   ``fits``: the next smaller batch of a shrinking one, ``decode_rows``);
   ``clear_N``: rows whose ended turn the host has taken (their
-  ``ended_turn`` is cleared first)."""
+  ``ended_turn`` is cleared first). With ``state.latr``, LATR's branches
+  (``turn_latr``, its ``LatrConfig`` ``latr``) grow at each step."""
   state = state._replace(ended_turn=state.ended_turn & ~clear_N)
+  if state.latr is not None:  # each row holds its own content so far
+    state = state._replace(latr=state.latr._replace(
+        origin=jnp.arange(state.live.shape[0], dtype=jnp.int32)))
   model, w_DxV, _, _ = decode_setup(params, state.mask[:1, :1], mc, sc)
   n, t = state.tokens.shape
   eos = jnp.asarray(sc.eos_ids if sc.eos_ids else (-1,), jnp.int32)
@@ -230,6 +235,9 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
   max_turn = turns.max_turn_tokens or t
 
   def body(s: Turns) -> Turns:
+    if s.latr is not None:
+      s, forced, forced_token = turn_latr.branch(s, fork, latr,
+                                                 sc.num_samples)
     # A paged cache's live rows reserve their next slot first; a row that
     # finds no free block ends here, cut (a dense cache: none is).
     cache, cut = turn_pages.reserve(s.cache, prompt_width + s.column, s.live,
@@ -237,6 +245,11 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
     live = s.live & ~cut
     token, sampler_logp = sc.method.get_next_tokens(
         s.logits, token_keys(s.keys, s.column), samples)
+    if s.latr is not None:  # a forced token's logprob at the temperature
+      t_ = 1.0 if sc.method.greedy else sc.method.temperature
+      token = jnp.where(forced, forced_token, token)
+      sampler_logp = jnp.where(forced, pick_logprob(jax.nn.log_softmax(
+          s.logits.astype(jnp.float32) / t_, -1), forced_token), sampler_logp)
     token = jnp.where(live, token, sc.pad_id)
     column = jnp.minimum(s.column, t - 1)
     at = (jnp.arange(t)[None] == column[:, None]) & live[:, None]
@@ -260,7 +273,7 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
     over_budget = live & (new_column >= t)
     long_turn = live & (new_column - s.turn_start >= max_turn)
     done = s.done | over_budget | cut
-    return s._replace(
+    out = s._replace(
         cache=turn_pages.settle(cache, prompt_width + new_column, done),
         peak=jnp.maximum(s.peak, turn_pages.in_use(cache)),
         cut=s.cut + jnp.sum(cut).astype(jnp.int32),
@@ -273,6 +286,11 @@ def decode_turn(params, state: Turns, clear_N, min_waiting, fits=0, *,
         live=live & ~ended & ~over_budget & ~long_turn,
         ended_turn=s.ended_turn | ((ended | long_turn) & ~over_budget),
         done=done, steps=s.steps + 1)
+    if out.latr is None:
+      return out
+    out = turn_latr.prune(out, latr)  # a pruned row's blocks go back
+    return out._replace(cache=turn_pages.settle(
+        out.cache, prompt_width + out.column, out.done))
 
   def more(s: Turns) -> jax.Array:
     waiting = jnp.sum((s.ended_turn & ~s.done).astype(jnp.int32))
@@ -312,12 +330,15 @@ def fork(state: Turns, src_N, forked_N, hold_N) -> Turns:
   that episode is over; it keeps its own key and episode row, so its draws
   from here on are its own. Rows in ``hold_N`` wait for their group's fork
   (not live)."""
-  own = ("cache", "keys", "row", "steps", "peak", "cut")
+  own = ("cache", "keys", "row", "steps", "peak", "cut", "latr")
   taken = jax.tree.map(
       lambda x: jnp.take(x, src_N, axis=0),
       {f: getattr(state, f) for f in Turns._fields
        if f not in own and getattr(state, f) is not None})
   out = state._replace(cache=turn_pages.fork(state.cache, src_N), **taken)
+  if state.latr is not None:  # LATR's branches: whose content each holds
+    out = out._replace(latr=state.latr._replace(
+        origin=state.latr.origin[src_N]))
   return out._replace(live=jnp.where(forked_N, ~out.done,
                                      state.live & ~hold_N))
 
@@ -334,10 +355,13 @@ def decode_rows(params, state: Turns, clear_N, min_waiting, rows_L, fits,
   inside = jnp.zeros(state.live.shape, jnp.bool_).at[rows_L].set(True)
   waiting_outside = jnp.sum((state.ended_turn & ~state.done
                              & ~inside).astype(jnp.int32))
-  part = decode_turn(params, take_rows(state, rows_L),
+  # LATR's tree phase is over when a batch shrinks: the rows decode as the
+  # static batch's (episode_latr), their groups' slots apart.
+  latr = state.latr
+  part = decode_turn(params, take_rows(state._replace(latr=None), rows_L),
                       jnp.zeros(rows_L.shape, jnp.bool_),
                       min_waiting - waiting_outside, fits, **kw)
-  return put_rows(state, rows_L, part)
+  return put_rows(state._replace(latr=None), rows_L, part)._replace(latr=latr)
 
 
 def insert(params, state: Turns, obs_NxO, obs_len_N, resume_N, end_N,

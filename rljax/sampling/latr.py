@@ -140,14 +140,14 @@ def edit_distance(a_NxK: jax.Array, b_NxK: jax.Array) -> jax.Array:
   return last[:, -1]
 
 
-def _window(tokens_NxT, column_N, k: int):
+def last_tokens(tokens_NxT, column_N, k: int):
   """Each row's last ``k`` tokens before ``column_N``."""
   cols = jnp.clip(column_N[:, None] - k + jnp.arange(k), 0,
                   tokens_NxT.shape[1] - 1)
   return jnp.take_along_axis(tokens_NxT, cols, 1)
 
 
-def _spawns(ok_N, empty_N, g: int):
+def spawn_slots(ok_N, empty_N, g: int):
   """``(src_N, spawn_N, branch_N, full_N)``: each empty slot that takes a
   branch and the row it copies (the ``k``-th branch point of a prompt goes
   to its ``k``-th empty slot; points past the empty slots are suppressed),
@@ -224,7 +224,7 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
     live = ~s.done
     ok = (tree_N & active & live & (top_p[:, 1] > latr.abs_threshold)
           & (top_p[:, 0] - top_p[:, 1] > latr.rel_threshold))
-    src, spawn, branch, full = _spawns(ok, tree_N & ~active, g)
+    src, spawn, branch, full = spawn_slots(ok, tree_N & ~active, g)
     if paged is None:
       s = jax.lax.cond(jnp.any(spawn), lambda x: gather_rows(x, src),
                        lambda x: x, s)
@@ -263,8 +263,8 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
              & ~s.done & ~s.done[p_safe] & active[p_safe])
 
       def compare(s=s, due=due, k=k, p_safe=p_safe):
-        mine = _window(s.tokens, s.column, k)
-        theirs = _window(s.tokens[p_safe], s.column, k)
+        mine = last_tokens(s.tokens, s.column, k)
+        theirs = last_tokens(s.tokens[p_safe], s.column, k)
         return due & (edit_distance(mine, theirs)
                       < latr.edit_distance * k)
 
@@ -353,4 +353,5 @@ def make_latr_sampler(model_config: ModelConfig, config: SamplerConfig,
                                  with_stats=True), paged=paged, stats=True)
 
 
-__all__ = ["LatrConfig", "edit_distance", "make_latr_sampler"]
+__all__ = ["LatrConfig", "edit_distance", "last_tokens", "make_latr_sampler",
+           "spawn_slots"]

@@ -89,7 +89,8 @@ class Samplers:
                                           partial.max_carried)
                if partial is not None and partial.mode == "partial"
                else None), paged=self._paged(),
-        tree=tree_config(self.config) if training else None)
+        tree=tree_config(self.config) if training else None,
+        latr=latr_config(self.config) if training else None)
 
   @property
   def split(self) -> bool:

@@ -111,13 +111,6 @@ RULES: tuple[Rule, ...] = (
          "of one leaf has no fork; VIGOR's and Pilot-Commit's entries are "
          "trees", "rl.allocation.name='vigor' or 'pilot_commit', or "
          "rl.rollout='static'", "meaningless"),
-    Rule("latr-episodes", ("rl.rollout", "env.name"),
-         lambda c, p: _latr(c) and bool(c.env.name),
-         "LATR forks a row at a token, copying a live episode (its cache "
-         "rows and buffers, and its environment's JSON state), and the "
-         "multi-turn rollout has no fork of a row",
-         "rl.rollout='static' or 'continuous' with an environment",
-         "missing"),
     Rule("latr-speculative", ("rl.rollout", "sampler.speculative"),
          lambda c, p: _latr(c) and bool(c.sampler.speculative),
          "SPEC-RL verifies each row's draft from the prompt and decodes on "
