@@ -171,13 +171,37 @@ def test_episodes_compose_with_schedules_feeders_and_estimators(case,
 
 
 @pytest.mark.slow
-def test_a_stopped_environment_run_resumes_to_the_same_rows(tmp_path):
+@pytest.mark.parametrize("rollout", ["static", "tree", "latr"])
+def test_a_stopped_environment_run_resumes_to_the_same_rows(rollout,
+                                                            tmp_path):
+  """The static batch, and tree and LATR episodes (their forks and
+  branches within a step: nothing crosses a step but the checkpoint)."""
   config = env_config("guess_number", **QUICK, **{"rl.num_steps": 3,
                                          "checkpoint.every": 1,
-                                         "eval.every": 0})
+                                         "eval.every": 0,
+                                         "rl.rollout": rollout})
+  # Thresholds every token of an untrained model crosses.
+  config.rl.latr.abs_threshold = config.rl.latr.rel_threshold = 0.0
   train.run(config, str(tmp_path / "whole"))
   rows = rl_rows(tmp_path / "whole")
+  if rollout == "tree":
+    assert all(r["rollout/tree_token_saving"] > 0 for r in rows)
+  if rollout == "latr":
+    assert all(r["latr/branches"] > 0 for r in rows)
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
+
+
+def test_tree_episodes_need_a_turn_after_their_last_fork():
+  """Group size 4 as 2 roots x 2^1 (one fork, after turn 1): two turns
+  are enough, one is refused before compiling, naming the fields."""
+  config = env_config("calculator", **{"rl.rollout": "tree",
+                                       "rl.group_size": 4,
+                                       "env.max_turns": 2})
+  config.rl.tree.roots = config.rl.tree.branch = 2
+  build.validate(config)
+  config.env.max_turns = 1
+  with pytest.raises(ValueError, match=r"env.max_turns=1 leaves no turn"):
+    build.validate(config)
 
 
 @pytest.mark.slow
