@@ -18,6 +18,15 @@ prompt, 6 new tokens) with:
   birth, the authors' 30 and 50 scaled to 6-token completions), GRPO's
   advantage.
 
+``--task=calculator`` runs the same methods on the calculator demo
+(``configs/calculator_grpo.py``: multi-turn episodes with a tool, 120 RL
+steps, ``G = 8``): its trees fork between turns (``tree``, ``treepo``:
+``rljax/rollout/episode_tree.py``; ``segment_tokens`` is not used) and
+LATR's branches grow inside turns (``latr``:
+``rljax/rollout/episode_latr.py``, the authors' lookahead of 30 and 50
+tokens scaled to the same 2 and 4). Held-out success is the demo's
+(sampled, 128 problems).
+
 Runs go one after the other in subprocesses (``python -m launch.train``,
 one CPU device). It prints, per method and over the seeds, held-out accuracy
 before and after RL (sampled, 512 problems), the tokens the sampler decoded
@@ -28,6 +37,7 @@ RL seconds; ``--record_dir`` keeps the record.
 
   python -m launch.bench_tree --record_dir=benchmarks/results
   python -m launch.bench_tree --quick        # 1 seed of the tiny config
+  python -m launch.bench_tree --task=calculator --record_dir=benchmarks/results
 """
 
 from __future__ import annotations
@@ -51,10 +61,16 @@ METHODS = {
              "--config.rl.latr.mix_ratio=0.5"],
 }
 
+TASKS = {"arithmetic": "configs/arithmetic_grpo.py",
+         "calculator": "configs/calculator_grpo.py"}
+
 _METHODS = flags.DEFINE_list("methods", list(METHODS), f"of {list(METHODS)}")
+_TASK = flags.DEFINE_enum("task", "arithmetic", list(TASKS), "the main job "
+                          "(arithmetic) or the calculator demo's episodes")
 _SEEDS = flags.DEFINE_list("seeds", ["0", "1", "2"], "seeds per method")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 100, "held-out evaluation "
-                                   "every this many RL steps")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", None, "held-out "
+                                   "evaluation every this many RL steps "
+                                   "(default: 100 arithmetic, 40 calculator)")
 _QUICK = flags.DEFINE_bool("quick", False, "1 seed of the tiny config, 4 "
                            "steps")
 _WORKDIR = flags.DEFINE_string("workdir", "", "where the runs go (default: "
@@ -115,13 +131,14 @@ def main(argv):
   base = _WORKDIR.value or tempfile.mkdtemp(prefix="rljax-bench-tree-")
   env = local_cluster.child_env(1, platform="")
   runs: dict[str, list[dict]] = {}
+  eval_every = _EVAL_EVERY.value or (100 if _TASK.value == "arithmetic"
+                                     else 40)
   for method in _METHODS.value:
     for seed in seeds:
       workdir = os.path.join(base, f"{method}_seed{seed}")
-      args = ["--config=configs/arithmetic_grpo.py" + (":tiny" if quick
-                                                         else ""),
+      args = [f"--config={TASKS[_TASK.value]}" + (":tiny" if quick else ""),
               f"--workdir={workdir}", f"--config.seed={seed}",
-              f"--config.eval.every={2 if quick else _EVAL_EVERY.value}",
+              f"--config.eval.every={2 if quick else eval_every}",
               *METHODS[method]]
       if quick:
         args += ["--config.rl.num_steps=4", "--config.sft.num_steps=20",
@@ -152,11 +169,13 @@ def main(argv):
           f"{s['rl_seconds']['mean']:6.0f}{ratio}")
   out_dir = _RECORD_DIR.value or base
   os.makedirs(out_dir, exist_ok=True)
+  name = "bench_tree" + ("" if _TASK.value == "arithmetic"
+                         else f"_{_TASK.value}")
   print("record:", benchlib.write_record(
-      "bench_tree" + ("_quick" if quick else ""),
+      name + ("_quick" if quick else ""),
       {"summary": summary, "runs": runs, "seeds": seeds, "quick": quick},
       out_dir, {"methods": _METHODS.value, "flags": METHODS,
-                "eval_every": _EVAL_EVERY.value}))
+                "task": _TASK.value, "eval_every": eval_every}))
 
 
 if __name__ == "__main__":

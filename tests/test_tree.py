@@ -479,6 +479,19 @@ def test_bench_tree_quick_decodes_fewer_tokens_than_independent_rows(
 
 
 @pytest.mark.slow
+def test_bench_tree_on_the_calculator_forks_episodes_between_turns(tmp_path):
+  """``--task=calculator``: tree episodes share their first turns."""
+  figures = _launch("launch.bench_tree", "--quick", "--task=calculator",
+                    "--methods=tree", f"--workdir={tmp_path}", cwd=tmp_path)
+  [run] = figures["runs"]["tree"]
+  assert 0 < run["tree_token_saving"] < 1
+  assert run["tokens_per_distinct"] == pytest.approx(
+      run["tokens"] / run["distinct"])
+  assert [f for f in os.listdir(tmp_path) if f.endswith(".json")][
+      0].startswith("bench_tree_calculator_quick-")
+
+
+@pytest.mark.slow
 def test_bench_paged_small_run_finds_the_same_tokens_in_fewer_slots(tmp_path):
   figures = _launch("launch.bench_paged", "--prompts=2", "--group_size=4",
                     "--prompt_len=16", "--max_new_tokens=32",
