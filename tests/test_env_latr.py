@@ -19,7 +19,7 @@ from rljax import envs, models, sampling
 from rljax.rollout import multi_turn as mt
 from rljax.sampling.latr import LatrConfig
 from tests import env_fixtures
-from tests.test_envs import EXAMPLES, MC, SC, TOK
+from tests.test_envs import MC, SC, TOK, play
 
 G = 4
 CONFIG = SC.replace(num_samples=G, max_new_tokens=40)
@@ -44,16 +44,10 @@ def params():
   return models.init_params(MC, jax.random.key(0))
 
 
-def _run(params, name, *, paged=None, key=3):
+def _run(params, name, *, paged=None):
   config, latr = RUNS[name]
-  runner = envs.EnvRunner(env_fixtures.Recorder(), num_workers=0)
-  try:
-    sampler = mt.MultiTurnSampler(MC, config, TURNS, runner, TOK, (8,),
-                                  latr=latr, paged=paged)
-    return sampler, jax.device_get(sampler.run(params, EXAMPLES,
-                                               jax.random.key(key)))
-  finally:
-    runner.close()
+  return play(params, env_fixtures.Recorder(), config, TURNS, latr=latr,
+              paged=paged)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from rljax.rollout import episode_tree
 from rljax.rollout import multi_turn as mt
 from rljax.sampling.tree import TreeConfig
 from tests import env_fixtures
-from tests.test_envs import EXAMPLES, MC, SC, TOK
+from tests.test_envs import MC, SC, TOK, play
 
 G = 4
 CONFIG = SC.replace(num_samples=G, max_new_tokens=40)
@@ -35,15 +35,9 @@ def params():
   return models.init_params(MC, jax.random.key(0))
 
 
-def _run(params, tree, *, env=None, paged=None, key=3, turns=TURNS):
-  runner = envs.EnvRunner(env or env_fixtures.Recorder(), num_workers=0)
-  try:
-    sampler = mt.MultiTurnSampler(MC, CONFIG, turns, runner, TOK, (8,),
-                                  tree=tree, paged=paged)
-    return sampler, jax.device_get(sampler.run(params, EXAMPLES,
-                                               jax.random.key(key)))
-  finally:
-    runner.close()
+def _run(params, tree, *, env=None, paged=None):
+  return play(params, env or env_fixtures.Recorder(), CONFIG, TURNS,
+              tree=tree, paged=paged)
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,20 @@ def _sampler(env, turns=mt.TurnConfig(max_turns=4, max_observation_tokens=O),
                              TOK, (8,))
 
 
+def play(params, env, config, turns, *, key=3, **sampler_kwargs):
+  """``(sampler, its episodes of EXAMPLES on the host)``: one run of a
+  ``MultiTurnSampler`` (``sampler_kwargs``: its plan) with ``env`` in
+  process."""
+  runner = envs.EnvRunner(env, num_workers=0)
+  try:
+    sampler = mt.MultiTurnSampler(MC, config, turns, runner, TOK, (8,),
+                                  **sampler_kwargs)
+    return sampler, jax.device_get(sampler.run(params, EXAMPLES,
+                                               jax.random.key(key)))
+  finally:
+    runner.close()
+
+
 @pytest.fixture(scope="module")
 def scripted(params):
   sampler = _sampler(env_fixtures.Scripted(turns=3))

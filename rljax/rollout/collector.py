@@ -489,8 +489,7 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       result = rewards_lib.merge_results(
           result.names, rewards_all, valid_all, total_all,
           group.gather_json(result.metrics))
-    # Each shared segment decoded once (tree episodes count their own).
-    if rollout.tree_nodes is not None and self.episodes is None:
+    if rollout.tree_nodes is not None and self.episodes is None:  # trees
       nodes = group.gather_rows(group.local_rows(rollout.tree_nodes), mesh)
       spec_metrics = dict(spec_metrics, **self._tree_metrics(
           sampler, nodes, lengths, g))
