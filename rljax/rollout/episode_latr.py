@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 
 from rljax.rollout import turn_latr
-from rljax.rollout.episodes import state_copy
 from rljax.sampling.latr import LatrConfig
 
 
@@ -89,10 +88,10 @@ class EpisodeLatr:
             r.origin, r.active, r.parent, r.birth, state.live, state.column,
             state.turn_start)))
     moved = np.flatnonzero(origin != np.arange(self.n))
-    self._copy(moved, origin[moved], ep, states)
+    ep.copy_rows(moved, origin[moved], states)
     pruned = self.active & ~active
     for i in np.flatnonzero(pruned | (~active & (origin != np.arange(self.n)))):
-      self._clear(i, ep, states)
+      ep.clear_row(i, states)
     self.active = active
     born = np.zeros(self.n, bool)
     born[moved] = True
@@ -105,24 +104,6 @@ class EpisodeLatr:
     self.growing = bool(np.any(empty & live_tree) or young.any())
     return decoding
 
-  @staticmethod
-  def _copy(rows, sources, ep, states) -> None:
-    """Rows ``rows`` take the records of rows ``sources`` (read before any
-    is written)."""
-    got = [(ep.failed[s], ep.reward[s], ep.turns[s], list(ep.rewards_at[s]),
-            list(ep.spans[s]),
-            None if states[s] is None else state_copy(states[s]))
-           for s in sources]
-    for i, (failed, reward, turns, rewards_at, spans, state) in zip(rows,
-                                                                    got):
-      ep.failed[i], ep.reward[i], ep.turns[i] = failed, reward, turns
-      ep.rewards_at[i], ep.spans[i], states[i] = rewards_at, spans, state
-
-  @staticmethod
-  def _clear(i, ep, states) -> None:
-    ep.failed[i], ep.reward[i], ep.turns[i] = False, 0.0, 0
-    ep.rewards_at[i], ep.spans[i], states[i] = [], [], None
-
   def fill(self, sampler: Any, state: Any, ep: Any, states: list) -> Any:
     """Every episode over: each slot still empty takes a copy of its
     group's root episode."""
@@ -132,7 +113,7 @@ class EpisodeLatr:
     self.copies = int(empty.sum())
     if not self.copies:
       return state
-    self._copy(np.flatnonzero(empty), root[empty], ep, states)
+    ep.copy_rows(np.flatnonzero(empty), root[empty], states)
     return sampler._fork(state, src, empty, np.zeros(self.n, bool))
 
   def metrics(self, sampler: Any, state: Any) -> dict[str, float]:

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rljax.rollout.episodes import state_copy
 from rljax.sampling.tree import TreeConfig, fork_parents
 
 
@@ -125,21 +124,11 @@ class EpisodeTree:
     d = self.depth[i]
     child = i * self.g + np.arange(len(parent_L))
     first = np.r_[True, parent_L[1:] != parent_L[:-1]]
-    for j, p in zip(child[~first], parent_L[~first]):
+    for p in parent_L[~first]:  # children beyond a parent's first
       self.copied_tokens += sum(e - s for s, e, kind in ep.spans[p]
                                 if kind == "model")
       self.copies += int(done[p])
-    for name in ("failed", "reward", "turns"):
-      getattr(ep, name)[child] = getattr(ep, name)[parent_L]
-    for name in ("rewards_at", "spans"):
-      rows = getattr(ep, name)
-      got = [list(rows[p]) for p in parent_L]
-      for j, value in zip(child, got):
-        rows[j] = value
-    got = [None if states[p] is None else state_copy(states[p])
-           for p in parent_L]
-    for j, value in zip(child, got):
-      states[j] = value
+    ep.copy_rows(child, parent_L, states)
     self.nodes[child] = self.nodes[parent_L]
     self.nodes[child, d] = parent_L - i * self.g
     src[child] = src[parent_L]

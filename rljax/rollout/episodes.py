@@ -142,6 +142,24 @@ class EpisodeLog:
     logging.getLogger("rljax").warning("environment %s: %s", outcome.status,
                                        outcome.message)
 
+  def copy_rows(self, rows, sources, states: list) -> None:
+    """Episode rows ``rows`` take the records of rows ``sources`` (all read
+    before any is written) and a copy of their environment's state (tree
+    episodes' forks, LATR's branches)."""
+    rows, sources = np.asarray(rows), np.asarray(sources)
+    for name in ("failed", "reward", "turns"):
+      getattr(self, name)[rows] = getattr(self, name)[sources]
+    got = [(list(self.rewards_at[s]), list(self.spans[s]),
+            None if states[s] is None else state_copy(states[s]))
+           for s in sources]
+    for i, (rewards_at, spans, state) in zip(rows, got):
+      self.rewards_at[i], self.spans[i], states[i] = rewards_at, spans, state
+
+  def clear_row(self, i: int, states: list) -> None:
+    """Row ``i`` holds no episode (LATR's pruned branch)."""
+    self.failed[i], self.reward[i], self.turns[i] = False, 0.0, 0
+    self.rewards_at[i], self.spans[i], states[i] = [], [], None
+
   def turn_rewards(self, t: int) -> np.ndarray:
     """``[N, T]`` float32: each step's reward on its turn's last model
     token; a failed episode's row is 0 (its ``env`` reward is NaN)."""

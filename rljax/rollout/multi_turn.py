@@ -470,7 +470,7 @@ class MultiTurnSampler(env_steps.EnvSteps, turn_rounds.Rounds):
             ep.turn_rewards(self.config.max_new_tokens))
         if forest is not None:
           rollout = forest.annotate(rollout, self.group.single)
-          ep.slot_metrics = forest.metrics(self._host(rollout.lengths))
+          ep.slot_metrics.update(forest.metrics(self._host(rollout.lengths)))
         rollout = self._split_by_blocks(rollout)
         if len(levels) > 1:
           ep.slot_metrics.update({
