@@ -334,6 +334,24 @@ CASES = {
                                           and r["rollout/kv_blocks_left"] == 0
                                           for r in rl)
                            and rl[0]["rollout/carried_groups"] > 0),
+    # Calculator episodes as trees that fork between turns
+    # (rljax/rollout/episode_tree.py), on a paged cache (forks share block
+    # tables), TreePO's advantage: every process takes the same forks from
+    # the gathered rows, and a child's environment state stays with the
+    # process that owns its example.
+    "calculator-tree-paged": ({"env.num_workers": 0, "rl.rollout": "tree",
+                               "rl.advantage": "treepo",
+                               "sampler.kv_cache": "paged",
+                               "sampler.kv_block_size": 4,
+                               "rewards.names": (
+                                   "env", "tests.reward_fixtures:parity"),
+                               "rewards.weights": (1.0, 0.5)},
+                              "configs/calculator_grpo.py",
+                              lambda rl: all(
+                                  r["rollout/tree_token_saving"] > 0
+                                  and r["env/failed_episodes"] == 0
+                                  and r["rollout/kv_blocks_left"] == 0
+                                  for r in rl)),
     # Trees on a paged KV cache, LoRA adapters on a frozen base, PPO's
     # critic (GAE), VIGOR's rounds (each prompt entry a tree of 2 leaves,
     # merged into groups of unequal size across the processes' rows)
