@@ -19,7 +19,7 @@ from rljax import envs, models, sampling
 from rljax.rollout import multi_turn as mt
 from rljax.sampling.latr import LatrConfig
 from tests import env_fixtures
-from tests.test_envs import MC, SC, TOK, play
+from tests.test_envs import MC, SC, TOK, assert_same_episodes, play
 
 G = 4
 CONFIG = SC.replace(num_samples=G, max_new_tokens=40)
@@ -121,13 +121,7 @@ def test_pruned_slots_are_taken_again_or_copy_the_root(runs):
 def test_a_paged_cache_gives_the_dense_caches_branches(params, runs):
   _, want = runs["pruning"]
   _, got = _run(params, "pruning", paged=sampling.PagedConfig(block_size=4))
-  for field in ("completion_tokens", "completion_mask", "observation_mask",
-                "turn_rewards"):
-    np.testing.assert_array_equal(getattr(got.rollout, field),
-                                  getattr(want.rollout, field), err_msg=field)
-  np.testing.assert_allclose(got.rollout.sampler_logprobs,
-                             want.rollout.sampler_logprobs, atol=2e-5)
-  assert got.turn_tokens == want.turn_tokens
+  assert_same_episodes(got, want)
   assert got.metrics["rollout/kv_blocks_left"] == 0
   for k in ("latr/branches", "latr/pruned", "latr/copies"):
     assert got.metrics[k] == want.metrics[k], k

@@ -19,15 +19,11 @@ from rljax.rollout import multi_turn as mt
 from rljax.rollout import turns as turns_lib
 from rljax.sampling import sampler as sampler_lib
 from tests import env_fixtures
-from tests.test_envs import EXAMPLES, MC, O, SC, TOK
+from tests.test_envs import EXAMPLES, MC, O, SC, TOK, assert_same_episodes
 
 TURNS = mt.TurnConfig(max_turns=4, max_observation_tokens=O,
                       max_turn_tokens=6)
 BLOCK = 4
-FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens",
-          "completion_mask", "observation_mask", "lengths", "finished",
-          "turn_rewards")
-
 
 @pytest.fixture(scope="module")
 def params():
@@ -54,18 +50,6 @@ def _run(params, *, paged=None, config=SC, env=None, runs=1, key=3,
     return out
   finally:
     runner.close()
-
-
-def _assert_same_episodes(got, want):
-  for field in FIELDS:
-    np.testing.assert_array_equal(getattr(got.rollout, field),
-                                  getattr(want.rollout, field), err_msg=field)
-  for field in ("sampler_logprobs", "policy_logprobs"):
-    np.testing.assert_allclose(getattr(got.rollout, field),
-                               getattr(want.rollout, field), atol=2e-5,
-                               rtol=0, err_msg=field)
-  assert got.turn_tokens == want.turn_tokens
-  np.testing.assert_array_equal(got.env_reward, want.env_reward)
 
 
 PLANS = {
@@ -97,7 +81,7 @@ def test_paged_episodes_are_the_dense_episodes_and_free_every_block(
   if plan == "spec":  # drafts kept in part: their rejected tails released
     assert 0 < paged[1].metrics["spec/accept_rate"] < 1
   for got, want in zip(paged, dense):
-    _assert_same_episodes(got, want)
+    assert_same_episodes(got, want)
     m = got.metrics
     assert m["rollout/kv_cut_rows"] == 0
     assert m["rollout/kv_blocks_left"] == 0
@@ -148,7 +132,7 @@ def test_a_pool_at_the_peak_cuts_nothing_and_one_block_less_cuts(params):
   unlimited, = _run(params, paged=sampling.PagedConfig(block_size=BLOCK))
   peak = int(unlimited.metrics["rollout/kv_blocks_peak"])
   at_peak, = _run(params, paged=sampling.PagedConfig(BLOCK, peak))
-  _assert_same_episodes(at_peak, unlimited)
+  assert_same_episodes(at_peak, unlimited)
   assert at_peak.metrics["rollout/kv_cut_rows"] == 0
   assert at_peak.metrics["rollout/kv_blocks_pool"] == peak
   below, = _run(params, paged=sampling.PagedConfig(BLOCK, peak - 1))

@@ -34,6 +34,26 @@ SC = sampling.SamplerConfig(num_samples=G, max_new_tokens=T, eos_ids=EOS,
 EXAMPLES = {"prompt": ["ab+c", "xyz"]}
 
 
+EPISODE_FIELDS = ("prompt_tokens", "prompt_mask", "completion_tokens",
+                  "completion_mask", "observation_mask", "lengths",
+                  "finished", "turn_rewards")
+
+
+def assert_same_episodes(got, want, fields=()):
+  """Two runs' episodes (on the host) alike: every buffer and figure of
+  ``EPISODE_FIELDS`` and ``fields`` exactly, logprobs to float rounding
+  (a paged cache against a dense one, a pool at its peak)."""
+  for field in EPISODE_FIELDS + tuple(fields):
+    np.testing.assert_array_equal(getattr(got.rollout, field),
+                                  getattr(want.rollout, field), err_msg=field)
+  for field in ("sampler_logprobs", "policy_logprobs"):
+    np.testing.assert_allclose(getattr(got.rollout, field),
+                               getattr(want.rollout, field), atol=2e-5,
+                               rtol=0, err_msg=field)
+  assert got.turn_tokens == want.turn_tokens
+  np.testing.assert_array_equal(got.env_reward, want.env_reward)
+
+
 @pytest.fixture(scope="module")
 def params():
   return models.init_params(MC, jax.random.key(0))
