@@ -83,25 +83,25 @@ class EpisodeLatr:
     read; returns the rows that decoded in it (the branches born in it
     among them, the pruned ones not)."""
     r = state.latr
-    origin, active, parent, birth, live, column, start = (
+    origin, active, parent, birth, live, done, column, start = (
         np.asarray(x) for x in sampler._host((
-            r.origin, r.active, r.parent, r.birth, state.live, state.column,
-            state.turn_start)))
-    moved = np.flatnonzero(origin != np.arange(self.n))
-    ep.copy_rows(moved, origin[moved], states)
-    pruned = self.active & ~active
-    for i in np.flatnonzero(pruned | (~active & (origin != np.arange(self.n)))):
+            r.origin, r.active, r.parent, r.birth, state.live, state.done,
+            state.column, state.turn_start)))
+    born = origin != np.arange(self.n)  # holds another row's content
+    ep.copy_rows(np.flatnonzero(born), origin[born], states)
+    # Pruned in this decode (born in it or before): no episode.
+    for i in np.flatnonzero(~active & (self.active | born)):
       ep.clear_row(i, states)
     self.active = active
-    born = np.zeros(self.n, bool)
-    born[moved] = True
     decoding = (decoding | (born & active)) & active
     groups = self.n // self.g
     empty = (self.tree & ~active).reshape(groups, self.g).any(1)
-    live_tree = (self.tree & active & live).reshape(groups, self.g).any(1)
+    # A tree row still playing (decoding, or waiting for its environment)
+    # may branch again.
+    playing = (self.tree & active & ~done).reshape(groups, self.g).any(1)
     young = (self.tree & active & (parent >= 0) & live & (start <= birth)
              & (column - birth < max(self.latr.lookahead)))
-    self.growing = bool(np.any(empty & live_tree) or young.any())
+    self.growing = bool(np.any(empty & playing) or young.any())
     return decoding
 
   def fill(self, sampler: Any, state: Any, ep: Any, states: list) -> Any:
