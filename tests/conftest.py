@@ -44,6 +44,14 @@ if _OWNS_CACHE:
   os.environ["RLJAX_TEST_JAX_CACHE"] = tempfile.mkdtemp(
       prefix="rljax-test-jax-cache-")
 CACHE_DIR = os.environ["RLJAX_TEST_JAX_CACHE"]
+# Likewise one directory of finished warm-ups (rljax/train/sft_cache.py) for
+# the launchers and notebooks the session starts (``one_device_env()``): the
+# quickstart, DPO and RLHF notebooks train the same 450-step warm-up, once.
+_OWNS_SFT_CACHE = "RLJAX_TEST_SFT_CACHE" not in os.environ
+if _OWNS_SFT_CACHE:
+  os.environ["RLJAX_TEST_SFT_CACHE"] = tempfile.mkdtemp(
+      prefix="rljax-test-sft-cache-")
+SFT_CACHE_DIR = os.environ["RLJAX_TEST_SFT_CACHE"]
 jax.config.update("jax_compilation_cache_dir", CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -168,9 +176,38 @@ def _finished_run(base, installed_wheel):
   return workdir, proc.stdout
 
 
+# The files that take longest in a full run (``--durations=0`` summed per
+# file, 2 workers), heaviest first. pytest-xdist's ``--dist loadfile`` hands
+# files out in collection order once its own reordering (by number of tests)
+# is off: a few long files started first finish together with the many short
+# ones behind them, where sorted by test count test_multihost (few tests,
+# ~12 minutes) started late and ran alone on one worker at the end.
+HEAVIEST_FIRST = (
+    "test_multihost.py", "test_colabs.py", "test_loop.py", "test_pairs.py",
+    "test_schedules.py", "test_env_loop.py", "test_allocation.py",
+    "test_preference.py", "test_reward_training.py", "test_launchers.py",
+    "test_steps.py", "test_tree.py", "test_lora.py")
+
+
+def pytest_configure(config):
+  if hasattr(config.option, "loadscopereorder"):  # pytest-xdist's option
+    config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(items):
+  """The files of ``HEAVIEST_FIRST`` first, in that order; then the rest
+  as collected (a stable sort keeps each file's tests in order)."""
+  rank = {name: i for i, name in enumerate(HEAVIEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 def pytest_sessionfinish(session):
-  """The process that made the session's compilation cache (the xdist
-  controller, or the one process) removes it: a session leaves no cache
-  behind in the temporary directory."""
-  if _OWNS_CACHE and not hasattr(session.config, "workerinput"):
+  """The process that made the session's caches (the xdist controller, or
+  the one process) removes them: a session leaves no cache behind in the
+  temporary directory."""
+  if hasattr(session.config, "workerinput"):
+    return
+  if _OWNS_CACHE:
     shutil.rmtree(CACHE_DIR, ignore_errors=True)
+  if _OWNS_SFT_CACHE:
+    shutil.rmtree(SFT_CACHE_DIR, ignore_errors=True)

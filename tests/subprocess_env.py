@@ -19,8 +19,8 @@ from launch import local_cluster
 def one_device_env(fast_codegen: bool = True) -> dict[str, str]:
   """``os.environ`` with one simulated CPU device, every other XLA flag kept
   (``launch.local_cluster.child_env``, the environment of a local cluster's
-  process), and the session's persistent compilation cache
-  (``tests/conftest.py``). ``fast_codegen=False``: XLA's default code
+  process), the session's persistent compilation cache and its directory
+  of finished warm-ups (``tests/conftest.py``). ``fast_codegen=False``: XLA's default code
   generation instead, for a process that trains long enough for optimised
   code to pay for its compiles (the RLHF and quickstart notebooks, which
   train the main job: 141 s instead of 180 s for the two)."""
@@ -32,6 +32,9 @@ def one_device_env(fast_codegen: bool = True) -> dict[str, str]:
     env.update(JAX_COMPILATION_CACHE_DIR=cache,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+  sft_cache = os.environ.get("RLJAX_TEST_SFT_CACHE")
+  if sft_cache:
+    env["RLJAX_SFT_CACHE"] = sft_cache
   return env
 
 

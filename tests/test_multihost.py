@@ -175,9 +175,12 @@ def two_runs(tmp_path_factory, jax_cache):
   return codes, each process's output)``. The two-process run is also the
   teacher of the distillation test (a run that several processes wrote)."""
   root = tmp_path_factory.mktemp("two-runs")
-  want = one_process_run(root / "one", {})
+  # Each run keeps its warm-up in one cache (rljax/train/sft_cache.py): on
+  # two processes process 0 writes what both gathered.
+  cache = {"sft.cache_dir": str(root / "sft_cache")}
+  want = one_process_run(root / "one", cache)
   workdir = str(root / "two")
-  cluster = Cluster(flags_for({}, workdir), str(root / "logs"), jax_cache)
+  cluster = Cluster(flags_for(cache, workdir), str(root / "logs"), jax_cache)
   codes = cluster.wait()
   return want, workdir, codes, [cluster.output(i) for i in range(2)]
 
@@ -190,6 +193,9 @@ def test_two_processes_match_one(two_runs):
   got_rows = rows(workdir)
   assert_same_metrics(got_rows, rows(want))
   assert any(r["step"] < 0 and "sft/sft_loss" in r for r in got_rows)
+  # Two warm-ups, two entries: the key names the process count.
+  cache = os.path.join(os.path.dirname(workdir), "sft_cache")
+  assert len([f for f in os.listdir(cache) if f.endswith(".npz")]) == 2
   assert "eval/accuracy" in got_rows[-1] and got_rows[-1]["step"] == 4
   assert_same_params(workdir, want)
   # The run directory holds what one process writes (plus the launcher's

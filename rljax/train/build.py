@@ -170,7 +170,8 @@ def sft_config(config: Any) -> SFTConfig:
                    learning_rate=float(s.learning_rate),
                    num_examples=s.num_examples, max_length=s.max_length,
                    label_noise=float(s.label_noise),
-                   seed=config.seed, padding_free=bool(s.padding_free))
+                   seed=config.seed, padding_free=bool(s.padding_free),
+                   cache_dir=str(s.cache_dir))
 
 
 def checkpoint_options(config: Any) -> dict[str, Any]:

@@ -102,6 +102,8 @@ _BASE: dict[str, Field] = {
     "sft.label_noise": F(0.0, "[0,1)", "fraction of near-miss demonstrations"),
     "sft.padding_free": F(True, None, "warm-up rows packed, real tokens only "
                           "(the same loss; False: padded rows)"),
+    "sft.cache_dir": F("", None, "finished warm-ups kept and reused "
+                       "(train/sft_cache.py; '': $RLJAX_SFT_CACHE or none)"),
     # --- reward_model: launch.train_reward_model (Bradley-Terry) ---
     "reward_model.num_steps": F(1000, "int>=1", "optimizer steps"),
     "reward_model.batch_size": F(32, "int>=1", "pairs per step"),

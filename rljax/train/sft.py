@@ -23,6 +23,7 @@ from rljax import metrics as metrics_lib
 from rljax import models, optim, sharding
 from rljax import tokenizers as tok_lib
 from rljax import objectives as obj_lib
+from rljax.train import sft_cache
 
 log = logging.getLogger("rljax")
 
@@ -66,6 +67,10 @@ class SFTConfig:
     seed: data seed.
     padding_free: pack each batch's rows (``train/packing.py``'s buffers
       and buckets).
+    cache_dir: a directory of finished warm-ups (``sft_cache.py``): a
+      warm-up already trained there, on the same parameters, data, program
+      and platform, is loaded instead of trained; "" reads
+      ``$RLJAX_SFT_CACHE`` (unset: no cache).
   """
 
   num_steps: int = 0
@@ -76,6 +81,7 @@ class SFTConfig:
   label_noise: float = 0.0
   seed: int = 0
   padding_free: bool = True
+  cache_dir: str = ""
 
 
 def noisy_completions(completions: Sequence[str], fraction: float,
@@ -214,6 +220,32 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
                    donate_argnums=(0, 1))
   if not group.single:
     sharding.check_batch_divisible(cfg.batch_size, mesh, "sft.batch_size")
+
+  def batch(rng):
+    idx = rng.integers(0, len(examples), cfg.batch_size)
+    # Every process draws the same rows: the packing of the global batch.
+    extra = (pack_batch(input_mask[idx], sharding.batch_ways(mesh)),
+             ) if packed else ()
+    if not group.single:
+      idx = idx[group.rows(mesh, cfg.batch_size)]
+    return (*(group.global_array(x[idx], mesh)
+              for x in (tokens, input_mask, loss_mask)), *extra)
+
+  directory = sft_cache.cache_dir(cfg.cache_dir)
+  if directory:
+    with jax.set_mesh(mesh):
+      program = jitted.lower(params, opt_state, *batch(
+          np.random.default_rng(cfg.seed))).as_text()
+    entry = sft_cache.key(params, cfg, program,
+                          (tokens, input_mask, loss_mask), mesh, group)
+    cached = sft_cache.load(directory, entry, params, group)
+    if cached is not None:
+      params, logged = cached
+      if writer is not None:
+        for row in logged:
+          writer.write(row["step"], row["metrics"])
+      return params
+  logged = []
   rng = np.random.default_rng(cfg.seed)
   start = time.time()
   every = max(1, cfg.num_steps // 5)
@@ -221,16 +253,7 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
            cfg.num_steps, cfg.batch_size)
   with jax.set_mesh(mesh):
     for i in range(cfg.num_steps):
-      idx = rng.integers(0, len(examples), cfg.batch_size)
-      # Every process draws the same rows: the packing of the global batch.
-      extra = (pack_batch(input_mask[idx], sharding.batch_ways(mesh)),
-               ) if packed else ()
-      if not group.single:
-        idx = idx[group.rows(mesh, cfg.batch_size)]
-      params, opt_state, m = jitted(
-          params, opt_state,
-          *(group.global_array(x[idx], mesh)
-            for x in (tokens, input_mask, loss_mask)), *extra)
+      params, opt_state, m = jitted(params, opt_state, *batch(rng))
       if i == 0:
         jax.block_until_ready(m)
         log.info("sft: step 1 compiled and ran in %.1f s",
@@ -239,7 +262,10 @@ def run_sft(params: Any, cfg: SFTConfig, *, task: Any, tokenizer: Any,
         m = metrics_lib.to_floats(m)
         log.info("sft step %d/%d loss %.4f (%.0fs)", i + 1, cfg.num_steps,
                  m["sft_loss"], time.time() - start)
+        logged.append({"step": -cfg.num_steps + i + 1,
+                       "metrics": {"sft/" + k: v for k, v in m.items()}})
         if writer is not None:
-          writer.write(-cfg.num_steps + i + 1,
-                       {"sft/" + k: v for k, v in m.items()})
+          writer.write(logged[-1]["step"], logged[-1]["metrics"])
+  if directory:
+    sft_cache.save(directory, entry, params, logged, group)
   return params
