@@ -194,3 +194,15 @@ def test_a_run_from_the_config_loads_the_warm_up_another_run_trained(
   assert len(entries(tmp_path / "cache")) == 1
   assert rows[0] == rows[1]
   assert [r["step"] for r in rows[1] if "sft/sft_loss" in r] == [-2, -1, 0]
+
+
+def test_a_cache_that_cannot_be_written_warns_and_the_warm_up_stands(
+    trained, setting, tmp_path, caplog):
+  plain, _, _ = trained
+  blocker = tmp_path / "a_file"
+  blocker.write_text("not a directory")
+  with caplog.at_level(logging.INFO, logger="rljax"):
+    params, rows, _ = warm_up(setting, blocker / "cache")
+  assert "was not cached" in caplog.text
+  assert_same(params, plain[0])
+  assert rows == plain[1]

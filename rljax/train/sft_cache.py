@@ -121,15 +121,19 @@ def save(directory: str, entry: str, params: Any, rows: list[dict],
                                      np.uint8) for i, x in enumerate(host)}
     arrays["manifest"] = np.frombuffer(json.dumps(manifest).encode(),
                                        np.uint8)
-    os.makedirs(directory, exist_ok=True)
     final = path(directory, entry)
     tmp = f"{final}.tmp-{os.getpid()}"
     buf = io.BytesIO()
     np.savez(buf, **arrays)
-    with open(tmp, "wb") as f:
-      f.write(buf.getvalue())
-    os.replace(tmp, final)
-    log.info("sft: warm-up saved to the cache %s", final)
+    try:  # a cache that cannot be written costs the next run, not this one
+      os.makedirs(directory, exist_ok=True)
+      with open(tmp, "wb") as f:
+        f.write(buf.getvalue())
+      os.replace(tmp, final)
+      log.info("sft: warm-up saved to the cache %s", final)
+    except OSError as e:
+      log.warning("sft: the warm-up was not cached in %s (%s: %s)",
+                  directory, type(e).__name__, e)
   group.barrier("sft_cache_save")
 
 
