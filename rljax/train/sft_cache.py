@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -123,12 +122,10 @@ def save(directory: str, entry: str, params: Any, rows: list[dict],
                                        np.uint8)
     final = path(directory, entry)
     tmp = f"{final}.tmp-{os.getpid()}"
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
     try:  # a cache that cannot be written costs the next run, not this one
       os.makedirs(directory, exist_ok=True)
       with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
+        np.savez(f, **arrays)
       os.replace(tmp, final)
       log.info("sft: warm-up saved to the cache %s", final)
     except OSError as e:
