@@ -279,6 +279,7 @@ def _check_online_dpo(rl):
   assert all(r["pref/online/reward_chosen"] > r["pref/online/reward_rejected"]
              for r in rl)
   assert all(r["latr/branches"] > 0 for r in rl)
+  assert all(0 < r["pref/online/kept_pairs"] <= 0.5 for r in rl)
   assert all(r["pref/grad_norm"] > 0 for r in rl)
 
 
@@ -300,9 +301,11 @@ CASES = {
     # Partial rollouts carrying groups, replay (8 prompts, 6 fresh).
     # Online DPO (docs/preference.md): pairs sampled from the global
     # batch with LATR's branching (each process's rows, its block of the
-    # prompts' trees), labelled by the rewards, trained against the
-    # reference; held-out pairs scored on both processes' rows.
+    # prompts' trees), labelled by the rewards, the half with the largest
+    # score gaps trained against the reference; held-out pairs scored on
+    # both processes' rows.
     "online-dpo": ({"preference.loss": "dpo", "preference.online": True,
+                    "preference.online_top_fraction": 0.5,
                     "preference.max_length": 22, "preference.num_pairs": 64,
                     "preference.num_heldout": 16, "eval.every": 2,
                     "rl.rollout": "latr", "rl.latr.abs_threshold": 0.0,

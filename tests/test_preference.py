@@ -412,6 +412,37 @@ def test_online_pairs_are_each_groups_best_over_its_worst():
   assert pairs == [(1, 0), (10, 9)] and tied == 2
 
 
+def test_online_top_fraction_keeps_the_pairs_with_the_largest_gaps():
+  """Gaps by hand: group 0 1.0 (row 1 over 0), group 2 6.0 (10 over 9),
+  group 3 1.0 (12 over 13); the kept count is ceil(fraction x 3), on both
+  sides of 2/3; equal gaps keep the earlier group; order stays by group."""
+  totals = np.array([0.0, 1.0, 0.5, 1.0, 0.3, 0.3, 0.3, 0.3,
+                     2.0, -1.0, 5.0, 0.0, 1.0, 0.0, 9.0, 9.0])
+  valid = np.ones(16, bool)
+  valid[[14, 15]] = False
+  want = {1.0: [(1, 0), (10, 9), (12, 13)], 0.67: [(1, 0), (10, 9), (12, 13)],
+          2 / 3: [(1, 0), (10, 9)], 0.5: [(1, 0), (10, 9)],
+          1 / 3: [(10, 9)], 0.01: [(10, 9)]}
+  for fraction, pairs in want.items():
+    got, tied = pref_train.pairs_from_groups(totals, valid, 4, fraction)
+    assert (got, tied) == (pairs, 1), fraction
+
+
+@pytest.mark.parametrize("value,online,match", [
+    (0.0, True, r"preference.online_top_fraction=0.0: a number in \(0, 1\]"),
+    (1.01, True, r"preference.online_top_fraction=1.01: a number in \(0, 1\]"),
+    (0.5, False, r"preference.online_top_fraction=0.5 with "
+     r"preference.online=False: .* accepted: 1.0"),
+])
+def test_online_top_fraction_is_checked_before_compiling(value, online, match):
+  c = online_config(**{"preference.online_top_fraction": value})
+  c.preference.online = online
+  with pytest.raises(ValueError, match=match):
+    build.validate(c)
+  c.preference.online, c.preference.online_top_fraction = True, 1.0
+  build.validate(c)
+
+
 def online_config(**overrides):
   c = dpo_config(**{"preference.online": True, **overrides})
   c.preference.max_length = (max(c.sampler.prompt_buckets)
@@ -431,12 +462,16 @@ def test_online_rows_must_fit_the_sampled_length():
 
 @pytest.mark.slow
 def test_online_dpo_samples_labels_trains_and_resumes_exactly(tmp_path):
-  config = online_config(**{"rl.num_steps": 3, "checkpoint.every": 1})
+  config = online_config(**{"rl.num_steps": 3, "checkpoint.every": 1,
+                             "preference.online_top_fraction": 0.5})
   train.run(config, str(tmp_path / "whole"))
   rows = _finite_rows(tmp_path / "whole", 3)
   for r in rows:  # the verifier and the parity reward label the pairs
     assert r["pref/online/reward_chosen"] > r["pref/online/reward_rejected"]
     assert 0 <= r["pref/online/tied_groups"] < 1
+    # Half of the groups' pairs at most (those with the largest gaps).
+    assert 0 < r["pref/online/kept_pairs"] <= 0.5
+    assert r["pref/online/reward_gap"] > 0
     assert r["num_generated_tokens"] > 0
   assert_stop_and_resume_matches(config, rows, tmp_path / "resumed", 1)
 

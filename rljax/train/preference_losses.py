@@ -105,6 +105,12 @@ def validate(config: Any) -> None:
                      f"model.lora.rank={config.model.lora.rank}: a LoRA run's "
                      "reference is its frozen base; accepted: "
                      "preference.reference=''.")
+  if not p.online and p.online_top_fraction != 1.0:
+    raise ValueError(
+        f"preference.online_top_fraction={p.online_top_fraction!r} with "
+        "preference.online=False: it keeps the online pairs with the largest "
+        "score gaps, and offline pairs have no scores; accepted: 1.0, or "
+        "preference.online=True.")
   if p.online and p.precompute_reference:
     raise ValueError("preference.precompute_reference=True with "
                      "preference.online=True: online pairs are sampled anew "

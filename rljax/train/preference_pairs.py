@@ -4,6 +4,7 @@ on them; ``docs/preference.md``)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -128,7 +129,8 @@ def draw(seed: int, step: int, num_pairs: int, batch_size: int) -> np.ndarray:
 # Online pairs: sampled from the current policy, labelled by the rewards.
 
 
-def pairs_from_groups(totals: np.ndarray, valid: np.ndarray, group: int
+def pairs_from_groups(totals: np.ndarray, valid: np.ndarray, group: int,
+                      top_fraction: float = 1.0
                       ) -> tuple[list[tuple[int, int]], int]:
   """``([(chosen row, rejected row)], tied groups)`` of ``G``-row groups:
   each group's best-scored row over its worst (the first of equals), as
@@ -136,8 +138,14 @@ def pairs_from_groups(totals: np.ndarray, valid: np.ndarray, group: int
   Alignment from Online AI Feedback"; Xiong et al. 2024, "Iterative
   Preference Learning from Human Feedback", best-of-n against
   worst-of-n). A group whose valid rows all score the same, or that has
-  fewer than two, gives no pair."""
-  out, tied = [], 0
+  fewer than two, gives no pair.
+
+  ``top_fraction < 1`` keeps only the ``ceil(top_fraction * pairs)`` pairs
+  whose score gap (best - worst) is largest, in group order (ties of equal
+  gaps: the earlier group): a learned reward's ranking of two completions
+  it scores alike is the one most likely wrong, so the pairs it separates
+  most are the cleanest labels (margin-based pair selection)."""
+  out, gaps, tied = [], [], 0
   for g in range(len(totals) // group):
     rows_ = [r for r in range(g * group, (g + 1) * group) if valid[r]]
     if len(rows_) < 2:
@@ -149,6 +157,11 @@ def pairs_from_groups(totals: np.ndarray, valid: np.ndarray, group: int
       tied += 1
       continue
     out.append((rows_[best], rows_[worst]))
+    gaps.append(float(scores[best] - scores[worst]))
+  if top_fraction < 1.0 and out:
+    keep = math.ceil(top_fraction * len(out))
+    order = np.argsort(-np.asarray(gaps), kind="stable")[:keep]
+    out = [out[i] for i in sorted(order)]
   return out, tied
 
 
@@ -191,8 +204,9 @@ def online_batch(c: Any, run: session.Session, params: Any, step: int
   valid = np.asarray(result.valid_NxR).all(axis=1) & np.isfinite(
       np.asarray(result.total_N))
   g = collector.samples_per_prompt
+  top = float(c.config.preference.online_top_fraction)
   chosen_rejected, tied = pairs_from_groups(np.asarray(result.total_N),
-                                            valid, g)
+                                            valid, g, top)
   groups = n // g
   totals = np.asarray(result.total_N, np.float64)
   metrics = {**metrics_lib.to_floats(sampled.spec_metrics),
@@ -205,6 +219,9 @@ def online_batch(c: Any, run: session.Session, params: Any, step: int
              "time/reward": sampled.seconds_reward}
   if not chosen_rejected:
     return None, metrics
+  metrics["pref/online/kept_pairs"] = len(chosen_rejected) / groups
+  metrics["pref/online/reward_gap"] = float(np.mean(
+      [totals[a] - totals[b] for a, b in chosen_rejected]))
   metrics["pref/online/reward_chosen"] = float(np.mean(
       [totals[a] for a, _ in chosen_rejected]))
   metrics["pref/online/reward_rejected"] = float(np.mean(

@@ -177,6 +177,10 @@ _BASE: dict[str, Field] = {
     "preference.online": F(False, None, "pairs sampled from the current "
                            "policy each step (rl.prompts_per_step x "
                            "rl.group_size), best over worst by the rewards"),
+    "preference.online_top_fraction": F(1.0, "(0,1]", "online: the "
+                                        "fraction of the step's pairs that "
+                                        "train, those whose best - worst "
+                                        "score gap is largest (1: all)"),
     # --- rl: the batch ---
     "rl.num_steps": F(100, "int>=1", "RL steps"),
     "rl.prompts_per_step": F(32, "int>=1", "prompts per step (B)"),
