@@ -93,6 +93,9 @@ _ITER_PROMPTS = flags.DEFINE_integer("iterated_prompts", 500, "prompts whose "
 _RECIPE = flags.DEFINE_bool(
     "recipe", False, "instead: configs/arithmetic_rlhf.py, online DPO on a "
     "worst-case ensemble of the 'mixed' and 'policy' reward models, per seed")
+_RECIPE_RM_STEPS = flags.DEFINE_integer(
+    "recipe_rm_steps", 3000, "--recipe: each reward model's optimizer steps "
+    "(the recipe's gain follows their held-out pair accuracy)")
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
 _RM_FLAGS = {"near": ["--config.reward_model.negatives=near"],
@@ -265,6 +268,9 @@ def recipe(seeds: list[int], base: str, env: dict[str, str], quick: bool
       rm_dir = os.path.join(base, f"rm_{kind}_seed{seed}")
       flags_ = [f"--config={_config(quick)}", *common, f"--workdir={rm_dir}",
                 "--config.reward_model.negatives=mixed"]
+      if not quick:
+        flags_.append("--config.reward_model.num_steps="
+                      f"{_RECIPE_RM_STEPS.value}")
       if kind == "policy":  # sampled sides: up to a bucket + 6 new tokens
         flags_ += ["--config.reward_model.policy_prompts="
                    f"{8 if quick else _POLICY_PROMPTS.value}",
@@ -300,7 +306,8 @@ def recipe(seeds: list[int], base: str, env: dict[str, str], quick: bool
       "bench_rlhf_recipe" + ("_quick" if quick else ""),
       {"summary": summary, "runs": runs, "seeds": seeds, "quick": quick},
       out_dir, {"config": "configs/arithmetic_rlhf.py",
-                "policy_prompts": _POLICY_PROMPTS.value}))
+                "policy_prompts": _POLICY_PROMPTS.value,
+                "rm_steps": None if quick else _RECIPE_RM_STEPS.value}))
 
 
 def main(argv):
