@@ -11,8 +11,10 @@ reward's are; docs/preference.md, "Online pairs"). First the two reward models, 
 one also on pairs of the SFT policy's own samples (InstructGPT's
 comparisons, labelled by the verifier):
 
-  python -m launch.train_reward_model --workdir=/tmp/rljax_rm_mixed
+  python -m launch.train_reward_model --workdir=/tmp/rljax_rm_mixed \
+      --config.reward_model.num_steps=3000
   python -m launch.train_reward_model --workdir=/tmp/rljax_rm_policy \
+      --config.reward_model.num_steps=3000 \
       --config.reward_model.policy_prompts=2000 --config.reward_model.max_length=22
   python -m launch.train --config=configs/arithmetic_rlhf.py --workdir=/tmp/rljax_rlhf
 
