@@ -207,12 +207,47 @@ def test_pairs_from_the_sft_model_s_samples_are_labelled_and_kept(tmp_path):
     assert last_number(p["rejected"]) != answer
 
 
-def test_policy_pairs_need_the_sft_model(tmp_path):
+@pytest.mark.parametrize("init, sft_steps", [("scratch", 40),
+                                              ("policy_sft", 0)])
+def test_policy_pairs_need_the_sft_model(tmp_path, init, sft_steps):
   config = _tiny()
   config.reward_model.policy_prompts = 8
-  config.reward_model.init = "scratch"
+  config.reward_model.init = init
+  config.sft.num_steps = sft_steps
   with pytest.raises(ValueError, match="reward_model.policy_prompts=8"):
     rt.run(config, str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_reward_model_on_the_policys_warm_up_starts_where_the_policy_does(
+    tmp_path):
+  """``reward_model.init="policy_sft"``: the reward model's decoder is the
+  warm-up that ``launch.train`` of the same config and seed trains. The
+  warm-up cache's key covers the initial params, the demonstrations and the
+  program, so the policy's run loads the reward model's entry; ``"sft"``
+  trains a warm-up of its own (a second entry)."""
+  from rljax import train  # pylint: disable=import-outside-toplevel
+  cache = tmp_path / "sft_cache"
+
+  def entries():
+    return sorted(f for f in os.listdir(cache) if f.endswith(".npz"))
+
+  config = _tiny(10)
+  config.sft.num_steps = 4
+  config.sft.cache_dir = str(cache)
+  config.reward_model.init = "policy_sft"
+  rt.run(config, str(tmp_path / "rm"))
+  [entry] = entries()
+  policy = tiny_config()
+  policy.sft.num_steps = 4
+  policy.sft.cache_dir = str(cache)
+  policy.rl.num_steps = 1
+  policy.eval.every = 0
+  train.run(policy, str(tmp_path / "policy"))
+  assert entries() == [entry]
+  config.reward_model.init = "sft"
+  rt.run(config, str(tmp_path / "rm_own"))
+  assert len(entries()) == 2
 
 
 @pytest.fixture(scope="module")

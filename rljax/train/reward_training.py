@@ -23,7 +23,9 @@ a near miss). Each pair is encoded as the policy's rollouts are
 (``model_rewards.encode``), so a model trained here scores the policy's
 tokens as they were sampled. The run (``run``; ``launch/train_reward_model.py``)
 starts from the config's SFT warm-up (``reward_model.init="sft"``: the
-reward model is the SFT model with a score head, as in InstructGPT) or from
+reward model is the SFT model with a score head, as in InstructGPT), from
+the policy's own warm-up (``"policy_sft"``: the initial parameters and SFT
+that ``launch.train`` of the same config and seed starts from) or from
 scratch, checkpoints and resumes, measures held-out pair accuracy, and
 exports the model as a Hugging Face sequence-classification checkpoint with
 the tokenizer in ``<workdir>/reward_model``, which ``"model:<workdir>"``
@@ -56,7 +58,7 @@ from rljax.train import model_rewards, rundir, sft
 
 log = logging.getLogger("rljax")
 
-INITS = ("sft", "scratch")
+INITS = ("sft", "policy_sft", "scratch")
 
 
 def bradley_terry_loss(chosen_B: jax.Array, rejected_B: jax.Array,
@@ -409,11 +411,12 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
         "policy's samples need a built-in task (its prompts and verifier); "
         "accepted: 0 with task.path.")
   if r.policy_prompts and not r.policy_path and (
-      r.init != "sft" or not config.sft.num_steps):
+      r.init == "scratch" or not config.sft.num_steps):
     raise ValueError(
         f"reward_model.policy_prompts={r.policy_prompts}: pairs from the SFT "
-        "model's samples need reward_model.init='sft' and sft.num_steps > 0 "
-        "(or reward_model.policy_path); accepted: 0 otherwise.")
+        "model's samples need reward_model.init 'sft' or 'policy_sft' and "
+        "sft.num_steps > 0 (or reward_model.policy_path); accepted: 0 "
+        "otherwise.")
   if r.policy_path and not r.policy_prompts:
     raise ValueError(
         f"reward_model.policy_path={r.policy_path!r} with "
@@ -441,6 +444,9 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                      "model.path=''.")
   t0 = time.time()
   init = (f"the reward model {init_dir}" if init_dir
+          else f"the policy's SFT model ({config.sft.num_steps} warm-up steps)"
+          if r.init == "policy_sft" and config.sft.num_steps
+          else "the policy's initial decoder" if r.init == "policy_sft"
           else f"the SFT model ({config.sft.num_steps} warm-up steps)"
           if r.init == "sft" and config.sft.num_steps else "a fresh decoder")
   log.info("building a Bradley-Terry reward model from %s: %s %d steps x "
@@ -497,10 +503,17 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
       log.info("reward model: resumed at step %d", start)
     else:
       sft_params = None
-      if r.init == "sft" and config.sft.num_steps and not (
+      if r.init == "policy_sft":
+        # The policy's own initial params (session.run_keys), so the warm-up
+        # below is the one launch.train of this config and seed runs.
+        from rljax.train import session  # pylint: disable=g-import-not-at-top
+        sft_params = models.init_params(
+            decoder, session.run_keys(config.seed)[0], mesh)
+      if r.init != "scratch" and config.sft.num_steps and not (
           init_dir and (policy is not None or not r.policy_prompts)):
         sft_params = sft.run_sft(
-            models.init_params(decoder, key, mesh), build.sft_config(config),
+            models.init_params(decoder, key, mesh) if sft_params is None
+            else sft_params, build.sft_config(config),
             task=task, tokenizer=tokenizer, model_config=decoder, mesh=mesh,
             param_shardings=models.param_shardings(decoder, mesh),
             writer=writer)

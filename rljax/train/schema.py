@@ -111,8 +111,11 @@ _BASE: dict[str, Field] = {
                                     "cosine)"),
     "reward_model.center_coef": F(0.0, ">=0", "TRL's center_rewards_"
                                   "coefficient: + c * mean((r_c + r_r)^2)"),
-    "reward_model.init": F("sft", None, "the decoder: the sft.* warm-up's "
-                           "model, or fresh", choices=("sft", "scratch")),
+    "reward_model.init": F("sft", None, "the decoder: an sft.* warm-up of "
+                           "its own, the policy's (the same initial params "
+                           "and SFT as launch.train of this config and seed)"
+                           ", or fresh",
+                           choices=("sft", "policy_sft", "scratch")),
     "reward_model.pairs_path": F("", None, "JSONL of prompt/chosen/rejected"
                                  "[/margin] ('': built from the task)"),
     "reward_model.heldout_path": F("", None, "held-out pairs JSONL ('': the "

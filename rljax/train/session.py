@@ -170,6 +170,17 @@ def _greso_arrays(run: Session) -> dict[str, Any] | None:
   return None if greso is None else greso.arrays()
 
 
+def run_keys(seed: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """A run's ``(init, eval, state)`` keys, split from its seed: the initial
+  params, held-out sampling, the training state's draws. Four are split, the
+  second unused (it was the SFT's, which draws its data from the seed): a
+  seed keeps the initial params and keys it always had. A reward model on
+  the policy's warm-up (``reward_model.init="policy_sft"``) draws its
+  decoder from the same ``init`` key."""
+  init_key, _, eval_key, state_key = jax.random.split(jax.random.key(seed), 4)
+  return init_key, eval_key, state_key
+
+
 def start(c: build_lib.Components, workdir: str) -> Session:
   """Writes the run's config and tokenizer files (process 0) and makes its
   host parts."""
@@ -181,9 +192,7 @@ def start(c: build_lib.Components, workdir: str) -> Session:
       build_lib.save_hf_files(c.hf_path, workdir)
     else:
       c.tokenizer.save(os.path.join(workdir, "tokenizer.model"))
-  # Four keys, the second unused (it was the SFT's, which draws its data
-  # from the seed): a seed keeps the initial params and keys it always had.
-  init_key, _, eval_key, state_key = jax.random.split(jax.random.key(s.seed), 4)
+  init_key, eval_key, state_key = run_keys(s.seed)
   sampler_old = c.step_config.old_logprobs == "sampler"
   speculation = c.speculation(record_policy_logprobs=sampler_old)
   schedule = build_lib.allocation(c.config)  # rl.allocation's rounds
