@@ -96,6 +96,10 @@ _RECIPE = flags.DEFINE_bool(
 _RECIPE_RM_STEPS = flags.DEFINE_integer(
     "recipe_rm_steps", 3000, "--recipe: each reward model's optimizer steps "
     "(the recipe's gain follows their held-out pair accuracy)")
+_RECIPE_RM_INIT = flags.DEFINE_enum(
+    "recipe_rm_init", "sft", ["sft", "policy_sft"], "--recipe: each reward "
+    "model's reward_model.init ('policy_sft': the policy's own warm-up, so "
+    "the 'policy' model's pairs are the recipe policy's SFT samples)")
 
 _ROOT = os.path.join(os.path.dirname(__file__), "..")
 _RM_FLAGS = {"near": ["--config.reward_model.negatives=near"],
@@ -267,7 +271,8 @@ def recipe(seeds: list[int], base: str, env: dict[str, str], quick: bool
     for kind in ("mixed", "policy"):
       rm_dir = os.path.join(base, f"rm_{kind}_seed{seed}")
       flags_ = [f"--config={_config(quick)}", *common, f"--workdir={rm_dir}",
-                "--config.reward_model.negatives=mixed"]
+                "--config.reward_model.negatives=mixed",
+                f"--config.reward_model.init={_RECIPE_RM_INIT.value}"]
       if not quick:
         flags_.append("--config.reward_model.num_steps="
                       f"{_RECIPE_RM_STEPS.value}")
@@ -307,7 +312,8 @@ def recipe(seeds: list[int], base: str, env: dict[str, str], quick: bool
       {"summary": summary, "runs": runs, "seeds": seeds, "quick": quick},
       out_dir, {"config": "configs/arithmetic_rlhf.py",
                 "policy_prompts": _POLICY_PROMPTS.value,
-                "rm_steps": None if quick else _RECIPE_RM_STEPS.value}))
+                "rm_steps": None if quick else _RECIPE_RM_STEPS.value,
+                "rm_init": _RECIPE_RM_INIT.value}))
 
 
 def main(argv):
