@@ -29,7 +29,8 @@ from launch import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs",
                         "arithmetic_grpo.py")
-cli.first_line("launch.train", _DEFAULT, "/tmp/rljax_run")
+if __name__ == "__main__":  # run as a launcher, not imported
+  cli.first_line("launch.train", _DEFAULT, "/tmp/rljax_run")
 _CONFIG = cli.define_config_file("config", _DEFAULT,
                                  "ml_collections config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_run",

@@ -25,7 +25,8 @@ from launch import cli
 
 _DEFAULT = os.path.join(os.path.dirname(__file__), "..", "configs",
                         "arithmetic_grpo.py")
-cli.first_line("launch.train_reward_model", _DEFAULT, "/tmp/rljax_rm")
+if __name__ == "__main__":  # run as a launcher, not imported
+  cli.first_line("launch.train_reward_model", _DEFAULT, "/tmp/rljax_rm")
 from rljax.train import reward_training  # noqa: E402  (after the first line)
 _CONFIG = cli.define_config_file("config", _DEFAULT, "an RL config file")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/rljax_rm", "the run directory")
