@@ -443,12 +443,14 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
                      "model.preset with the run's own tokenizer; accepted: "
                      "model.path=''.")
   t0 = time.time()
-  init = (f"the reward model {init_dir}" if init_dir
-          else f"the policy's SFT model ({config.sft.num_steps} warm-up steps)"
-          if r.init == "policy_sft" and config.sft.num_steps
-          else "the policy's initial decoder" if r.init == "policy_sft"
-          else f"the SFT model ({config.sft.num_steps} warm-up steps)"
-          if r.init == "sft" and config.sft.num_steps else "a fresh decoder")
+  whose = "the policy's " if r.init == "policy_sft" else "the "
+  if init_dir:
+    init = f"the reward model {init_dir}"
+  elif r.init != "scratch" and config.sft.num_steps:
+    init = f"{whose}SFT model ({config.sft.num_steps} warm-up steps)"
+  else:
+    init = ("the policy's initial decoder" if r.init == "policy_sft"
+            else "a fresh decoder")
   log.info("building a Bradley-Terry reward model from %s: %s %d steps x "
            "%d pairs, learning rate %g", init, config.task.path
            or config.task.name, r.num_steps, r.batch_size, r.learning_rate)
@@ -511,9 +513,10 @@ def run(config: Any, workdir: str) -> dict[str, Any]:
             decoder, session.run_keys(config.seed)[0], mesh)
       if r.init != "scratch" and config.sft.num_steps and not (
           init_dir and (policy is not None or not r.policy_prompts)):
+        if sft_params is None:
+          sft_params = models.init_params(decoder, key, mesh)
         sft_params = sft.run_sft(
-            models.init_params(decoder, key, mesh) if sft_params is None
-            else sft_params, build.sft_config(config),
+            sft_params, build.sft_config(config),
             task=task, tokenizer=tokenizer, model_config=decoder, mesh=mesh,
             param_shardings=models.param_shardings(decoder, mesh),
             writer=writer)
