@@ -24,8 +24,6 @@ TRIGGERS = {
     "treepo-without-tree": ({"rl.advantage": "treepo"}, 1),
     "tree-with-greedy-row": ({"rl.rollout": "tree",
                               "rl.advantage": "remax"}, 1),
-    "tree-speculative": ({"rl.rollout": "tree",
-                          "sampler.speculative": True}, 1),
     "tree-sgpo": ({"rl.rollout": "tree", "rl.allocation.name": "sgpo"}, 1),
     "latr-speculative": ({"rl.rollout": "latr",
                           "sampler.speculative": True}, 1),

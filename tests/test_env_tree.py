@@ -18,7 +18,8 @@ from rljax.rollout import episode_tree
 from rljax.rollout import multi_turn as mt
 from rljax.sampling.tree import TreeConfig
 from tests import env_fixtures
-from tests.test_envs import MC, SC, TOK, assert_same_episodes, play
+from tests.test_envs import (EXAMPLES, MC, SC, TOK, assert_same_episodes,
+                             play)
 
 G = 4
 CONFIG = SC.replace(num_samples=G, max_new_tokens=40)
@@ -170,12 +171,42 @@ def test_forks_need_a_turn_after_the_last_one():
     episode_tree.check(tree, 6, 8)
 
 
-def test_tree_episodes_refuse_slots_and_drafts():
+def test_tree_episodes_refuse_slots():
   runner = envs.EnvRunner(env_fixtures.Recorder(), num_workers=0)
   try:
-    for kwargs in ({"slots": 2}, {"drafts": sampling.DraftStore(8)}):
-      with pytest.raises(ValueError, match="static batch"):
-        mt.MultiTurnSampler(MC, CONFIG, TURNS, runner, TOK, (8,),
-                            tree=TREES["uniform"], **kwargs)
+    with pytest.raises(ValueError, match="static batch"):
+      mt.MultiTurnSampler(MC, CONFIG, TURNS, runner, TOK, (8,),
+                          tree=TREES["uniform"], slots=2)
   finally:
     runner.close()
+
+
+@pytest.mark.parametrize("name", ["two-roots", "uncertainty"])
+def test_a_tree_drafted_from_a_tree_of_the_same_policy_is_that_tree(
+    params, name):
+  """SPEC-RL on tree episodes: a turn drafts after its fork, and the k-th
+  child of a fork takes the k-th distinct turn the stored episodes played
+  from its history. With the same policy every drafted turn is kept whole
+  (p == q) and the environment answers the same, so the second run, with
+  another key, plays the first one's tree again; roots or siblings that
+  drafted one branch would make copies of it instead."""
+  store = sampling.DraftStore(max_prompts=8)
+  runner = envs.EnvRunner(env_fixtures.Recorder(), num_workers=0)
+  try:
+    sampler = mt.MultiTurnSampler(MC, CONFIG, TURNS, runner, TOK, (8,),
+                                  tree=TREES[name], drafts=store)
+    first = jax.device_get(sampler.run(params, EXAMPLES, jax.random.key(3)))
+    second = jax.device_get(sampler.run(params, EXAMPLES, jax.random.key(8)))
+  finally:
+    runner.close()
+  assert first.metrics["spec/drafted_rows"] == 0
+  np.testing.assert_array_equal(second.rollout.completion_tokens,
+                                first.rollout.completion_tokens)
+  np.testing.assert_array_equal(second.rollout.tree_nodes,
+                                first.rollout.tree_nodes)
+  assert second.metrics["spec/full_accept_fraction"] == 1.0
+  assert second.metrics["spec/drafted_turns"] >= len(first.failed)
+  # The tree has branches to tell apart: a group's leaves differ.
+  tokens = np.asarray(first.rollout.completion_tokens)
+  assert all(len({t.tobytes() for t in tokens[b:b + G]}) > 1
+             for b in range(0, len(tokens), G))

@@ -234,11 +234,14 @@ def assert_stop_and_resume_matches(config, rows, workdir, stop_at):
 
 
 @pytest.mark.slow
-def test_spec_rl_drafts_from_the_previous_epoch_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("rollout", ["static", "tree"])
+def test_spec_rl_drafts_from_the_previous_epoch_and_resumes_exactly(
+    tmp_path, rollout):
   """One epoch per step: steps 2 and 3 resample step 1's prompts from their
-  drafts. The draft store is checkpointed: a run stopped after step 1 and
-  resumed drafts, accepts and trains exactly as the uninterrupted one."""
-  config = loop_config(**{"sampler.speculative": True})
+  drafts (a tree's segments node by node: ``sampling.tree_drafts``). The
+  draft store is checkpointed: a run stopped after step 1 and resumed
+  drafts, accepts and trains exactly as the uninterrupted one."""
+  config = loop_config(**{"sampler.speculative": True, "rl.rollout": rollout})
   config.task.num_train = config.rl.prompts_per_step
   config.rl.num_steps = 3
   config.checkpoint.every = 1
@@ -250,6 +253,8 @@ def test_spec_rl_drafts_from_the_previous_epoch_and_resumes_exactly(tmp_path):
   assert 0 < rows[1]["spec/accept_rate"] <= 1
   assert rows[1]["spec/accepted_tokens/mean"] > 0
   assert all(r["grad_norm"] > 0 and math.isfinite(r["pg_loss"]) for r in rows)
+  if rollout == "tree":
+    assert all(r["rollout/tree_token_saving"] > 0 for r in rows)
 
   assert_stop_and_resume_matches(config, rows, tmp_path / "split", 1)
 

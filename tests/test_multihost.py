@@ -366,18 +366,23 @@ CASES = {
     # merged into groups of unequal size across the processes' rows)
     # refilled by DAPO's dynamic sampling (passes of new prompts while
     # groups without variance leave rows), with replay (step 2 samples 6
-    # fresh prompts in rounds and replays 2 groups of step 1's).
-    "lora-critic-vigor-tree-dapo-replay": (
+    # fresh prompts in rounds and replays 2 groups of step 1's), and
+    # SPEC-RL drafting step 2's trees from step 1's (8 training prompts).
+    # The 6 fresh prompts pad to the mesh's 8 on two processes: the
+    # padding's copies draft and store nothing.
+    "lora-critic-vigor-tree-spec-dapo-replay": (
         {"model.lora.rank": 4, "rl.advantage": "gae",
          "rl.allocation.name": "vigor", "rl.allocation.rounds": 2,
          "rl.rollout": "tree", "rl.tree.roots": 1,
          "rl.selection.name": "dapo", "rl.replay.fraction": 0.25,
-         "sampler.kv_cache": "paged", **_PARITY}, None,
+         "sampler.kv_cache": "paged", "sampler.speculative": True,
+         "task.num_train": 8, **_PARITY}, None,
         lambda rl: all(r["alloc/rounds"] == 2 and r["select/rounds"] >= 1
                        and np.isfinite(r["critic/value_loss"])
                        and r["rollout/tree_token_saving"] > 0
                        and r["rollout/kv_blocks_peak"] > 0 for r in rl)
-        and rl[-1]["replay/fraction"] > 0),
+        and rl[-1]["replay/fraction"] > 0
+        and rl[-1]["spec/drafted_rows"] > 0),
     # sGPO's profiling pass over the pool at the first step, then its
     # curriculum's group sizes (16 training prompts: a short pass; the
     # untrained tiny model solves few, so the unsolved ones are kept), with
@@ -469,10 +474,10 @@ COLUMN = {
     "async": "calculator-async-mc-spec",
     "sampler_devices": "slots-devices-async-greso",
     "env": "calculator-async-mc-spec", "spec_rl": "calculator-async-mc-spec",
-    "lora": "lora-critic-vigor-tree-dapo-replay", "padded": "default",
-    "dapo": "teachers", "critic": "lora-critic-vigor-tree-dapo-replay",
+    "lora": "lora-critic-vigor-tree-spec-dapo-replay", "padded": "default",
+    "dapo": "teachers", "critic": "lora-critic-vigor-tree-spec-dapo-replay",
     "reward_model": "teachers", "distillation": "teachers",
-    "tree": "teachers", "paged": "lora-critic-vigor-tree-dapo-replay",
+    "tree": "teachers", "paged": "lora-critic-vigor-tree-spec-dapo-replay",
     "latr": "online-dpo",
 }
 

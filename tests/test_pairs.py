@@ -111,7 +111,6 @@ SAME_FIELD = {frozenset(p) for p in itertools.combinations(
 # The pairs the table refuses, by its rule (docs/rollouts.md gives the
 # reasons).
 REFUSED = {
-    frozenset(("tree", "spec_rl")): "tree-speculative",
     frozenset(("latr", "spec_rl")): "latr-speculative",
 }
 

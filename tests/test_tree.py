@@ -292,7 +292,6 @@ def test_a_tree_that_does_not_fit_is_refused_before_any_compile():
 @pytest.mark.parametrize("overrides,rule", [
     ({"rl.advantage": "treepo"}, "treepo-without-tree"),
     ({"rl.rollout": "tree", "rl.advantage": "remax"}, "tree-with-greedy-row"),
-    ({"rl.rollout": "tree", "sampler.speculative": True}, "tree-speculative"),
     ({"rl.rollout": "tree", "rl.allocation.name": "sgpo"}, "tree-sgpo"),
 ])
 def test_what_a_tree_does_not_combine_with_is_refused(overrides, rule):

@@ -372,8 +372,8 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
 
   def sample_round(self, params, examples, key, version, on_dispatch,
                    more_examples, *, sampler=None, samples: int | None = None,
-                   longest: int | None = None, whole: bool = False
-                   ) -> Sampled:
+                   longest: int | None = None, whole: bool = False,
+                   real: int | None = None) -> Sampled:
     """Samples, decodes and scores one batch of prompts.
 
     ``examples``: this process's block of the batch, or with ``whole``
@@ -382,8 +382,8 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
     ``sampler``: the plan of the training rows (``episodes``, ``slots`` or
     the static sampler) drawing ``samples`` per prompt instead of the
     training rows' ``samples_per_prompt`` (rollout allocation's rounds);
-    ``longest``: pad the prompts as if one had this many tokens (the
-    static batch; the other plans pad to their buckets)."""
+    ``longest``: pad the prompts as if one had this many tokens (the static
+    batch; others pad to buckets); ``real``: ``Speculated._sample``'s."""
     g, group, mesh = samples or self.samples_per_prompt, self.group, self.mesh
     t_start = time.time()
     prompts = tok_lib.encode_prompts(self.tokenizer, examples["prompt"])
@@ -451,7 +451,7 @@ class Collector(process_blocks.ProcessBlocks, feeding.SelectionAndReplay,
       where = self.sample_mesh or mesh  # the sampler's devices
       rollout, spec_metrics = self._sample(
           params, prompts, group.global_array(tokens, where),
-          group.global_array(mask, where), key, sampler, where, g)
+          group.global_array(mask, where), key, sampler, where, g, real)
       rollout = self._to_trainer(rollout)
       if on_dispatch is not None:
         on_dispatch()

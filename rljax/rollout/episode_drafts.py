@@ -44,22 +44,66 @@ class Speculation:
     s_tokens, s_mask, s_lp, s_observed = self.stored
     b_tokens, b_observed, column = host
     t = s_tokens.shape[1]
-    for s in np.flatnonzero(slots_M):
+    starting = [s for s in np.flatnonzero(slots_M) if slot_row[s] >= 0]
+    for s in starting:
       r, c = slot_row[s], int(column[s])
-      if r < 0 or c >= t or not s_mask[r, c] or s_observed[r, c]:
-        continue  # the stored episode has no model turn here
-      if c and not (s_mask[r, :c].all()
-                    and np.array_equal(b_tokens[s, :c], s_tokens[r, :c])
-                    and np.array_equal(b_observed[s, :c], s_observed[r, :c])):
-        continue  # the history differs from the stored episode's
-      end = c
-      while end < t and s_mask[r, end] and not s_observed[r, end]:
-        end += 1
+      if c >= t:
+        continue
+      if self.sampler.tree is not None:
+        j = self._tree_source(s, c, starting, slot_row, host)
+      else:
+        j = r if self._follows(r, c, b_tokens[s], b_observed[s]) else -1
+      if j < 0:
+        continue  # no stored turn starts from this history
+      end = self._turn_end(j, c)
       k = min(end - c, d)
-      tokens[s, :k] = s_tokens[r, c:c + k]
-      logprobs[s, :k] = s_lp[r, c:c + k]
+      tokens[s, :k] = s_tokens[j, c:c + k]
+      logprobs[s, :k] = s_lp[j, c:c + k]
       length[s] = k
     return tokens, length, logprobs
+
+  def _follows(self, j, c, tokens_T, observed_T) -> bool:
+    """Whether stored episode ``j`` has a model turn at column ``c`` after
+    the history ``tokens_T[:c]`` (its observation mask ``observed_T``)."""
+    s_tokens, s_mask, _, s_observed = self.stored
+    if not s_mask[j, c] or s_observed[j, c]:
+      return False  # the stored episode has no model turn here
+    return not c or bool(s_mask[j, :c].all()
+                         and np.array_equal(tokens_T[:c], s_tokens[j, :c])
+                         and np.array_equal(observed_T[:c],
+                                            s_observed[j, :c]))
+
+  def _turn_end(self, j, c) -> int:
+    """The column where stored episode ``j``'s model turn from ``c`` ends."""
+    _, s_mask, _, s_observed = self.stored
+    end, t = c, s_mask.shape[1]
+    while end < t and s_mask[j, end] and not s_observed[j, end]:
+      end += 1
+    return end
+
+  def _tree_source(self, s, c, starting, slot_row, host) -> int:
+    """Tree episodes (``episode_tree``): the stored episode that slot
+    ``s``'s turn drafts from, or -1. A fork's children share their history,
+    so the ``k``-th of the rows that start a turn from the same history
+    takes the ``k``-th distinct turn that the prompt's stored episodes
+    played from it (in row order): siblings draft different branches, and
+    a tree drafted from a tree of the same policy is that tree again."""
+    b_tokens, b_observed, column = host
+    g, r = self.g, slot_row[s]
+    same = lambda o: (slot_row[o] // g == r // g and int(column[o]) == c
+                      and np.array_equal(b_tokens[o, :c], b_tokens[s, :c])
+                      and np.array_equal(b_observed[o, :c],
+                                         b_observed[s, :c]))
+    k = sum(1 for o in starting if slot_row[o] < r and same(o))
+    turns = []
+    for j in range((r // g) * g, (r // g + 1) * g):
+      if self._follows(j, c, b_tokens[s], b_observed[s]):
+        turn = self.stored[0][j, c:self._turn_end(j, c)].tobytes()
+        if turn not in turns:
+          turns.append(turn)
+          if len(turns) == k + 1:
+            return j
+    return -1
 
   def verify(self, params, state, slots_M, slot_row, prompt_width):
     """``turns.verify`` of the slots ``slots_M``' drafts (those with one)."""

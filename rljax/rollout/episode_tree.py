@@ -49,12 +49,12 @@ def check(tree: TreeConfig, num_samples: int, max_turns: int, *,
   Raises:
     ValueError: naming the fields, when the widths do not make
       ``num_samples`` or the ``D`` forks leave no turn after the last; and
-      unless ``plain`` (the static batch without SPEC-RL's drafts, where
-      tree episodes play: ``MultiTurnSampler``'s slots and drafts).
+      unless ``plain`` (the static batch, where tree episodes play:
+      ``MultiTurnSampler``'s slots).
   """
   if not plain:
-    raise ValueError("tree episodes play on the static batch, without "
-                     "SPEC-RL's drafts: pass no slots or drafts with tree.")
+    raise ValueError("tree episodes play on the static batch: pass no "
+                     "slots with tree.")
   forks = len(tree.widths(num_samples)) - 1
   if forks >= max_turns:
     raise ValueError(
@@ -89,7 +89,10 @@ class EpisodeTree:
            ep: Any, states: list) -> tuple[Any, np.ndarray]:
     """Holds the rows that ``resumed`` after their group's fork turn, and
     forks every group whose episodes are all held or over (``done``).
-    Returns the state and the rows that decode next."""
+    Returns the state, the rows that decode next and those of them that
+    start a turn now (resumed and not held, or forked): SPEC-RL drafts
+    their turns after the fork (``episode_drafts``), so that a fork's
+    children draft apart."""
     group = np.arange(len(decoding)) // self.g
     hold = resumed & (self.depth[group] < self.forks) & (
         ep.turns == self.depth[group] + 1)
@@ -111,10 +114,12 @@ class EpisodeTree:
             jnp.asarray(done[rows][None]), jnp.asarray(surprisal[rows][None]),
             self.widths[self.depth[i] + 1], self.tree.branch_by)))[0]
         self._fork(i, rows[parents], done, surprisal, src, forked, ep, states)
+    started = resumed & ~hold
     if hold.any() or forked.any():
       state = sampler._fork(state, src, forked, hold)
       decoding = decoding | (forked & ~done)
-    return state, decoding
+      started = (started & ~forked) | (forked & ~done)
+    return state, decoding, started
 
   def _fork(self, i, parent_L, done, surprisal, src, forked, ep, states):
     """Group ``i``'s next width: child ``j`` (row ``i * G + j``) a copy of

@@ -193,7 +193,7 @@ class MultiTurnSampler(env_steps.EnvSteps, turn_rounds.Rounds):
     self.carry = carry
     if tree is not None:
       episode_tree.check(tree, config.num_samples, turns.max_turns,
-                         plain=slots is None and drafts is None)
+                         plain=slots is None)
     if latr is not None:
       episode_latr.check(latr, config.num_samples,
                          plain=slots is None and drafts is None)
@@ -424,7 +424,7 @@ class MultiTurnSampler(env_steps.EnvSteps, turn_rounds.Rounds):
         if ended:
           inserts, resumed = self._apply(ended, states, ep, m)
           state = self._insert(params, state, *inserts, prompt_width=p)
-          if spec is not None:
+          if spec is not None and forest is None:  # a tree's: after forks
             state = spec.verify(params, state, resumed, slot_row, p)
         host = self._host((state.column, state.turn_start,
                            state.ended_turn, state.done))
@@ -445,8 +445,10 @@ class MultiTurnSampler(env_steps.EnvSteps, turn_rounds.Rounds):
         # (A resumed row whose observation found no block is over.)
         decoding = (decoding & ~stopped) | (resumed & ~done)
         if forest is not None:
-          state, decoding = forest.step(self, state, decoding,
-                                        resumed & ~done, done, ep, states)
+          state, decoding, started = forest.step(
+              self, state, decoding, resumed & ~done, done, ep, states)
+          if spec is not None and started.any():
+            state = spec.verify(params, state, started, slot_row, p)
         if out is not None:
           state, decoding = self._turnover(
               params, state, out, slot_row, queue, done & ~decoding,

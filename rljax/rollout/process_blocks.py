@@ -56,7 +56,8 @@ class ProcessBlocks:
         self.mesh)
     padded = {f: list(v) + [v[-1]] * pad for f, v in examples.items()}
     sampled = self.sample_round(params, self.block(padded), key, version,
-                                on_dispatch, None, **kwargs)
+                                on_dispatch, None, real=n if pad else None,
+                                **kwargs)
     completions = self.group.gather_blocks(sampled.completions, self.mesh)
     sampled = sampled._replace(examples=dict(examples), completions=[
         c for block in completions for c in block])

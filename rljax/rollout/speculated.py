@@ -20,10 +20,14 @@ class Speculated:
   ``group`` and ``mesh``."""
 
   def _sample(self, params, prompts, tokens, mask, key, sampler=None,
-              where=None, samples=None):
+              where=None, samples=None, real=None):
     """The rollout of ``samples`` rows per prompt (default the training
     rows'), speculative when the store has drafts (SPEC-RL), on the mesh
-    ``where`` (the sampler's; default the trainer's)."""
+    ``where`` (the sampler's; default the trainer's). ``real``: the global
+    batch's first ``real`` prompts are its own, the others copies of the
+    last one that pad it to the mesh (``sample_global``; None: none):
+    they look nothing up and store nothing, and their drafts are copies of
+    the last prompt's, as a sampler pads its own batch."""
     sampler = sampler or self.sampler
     spec = (self.speculation if sampler is self.sampler
             else self.allocation_speculation
@@ -41,20 +45,23 @@ class Speculated:
       blocks = group.gather_blocks([[int(t) for t in p] for p in prompts],
                                    where)
       all_prompts = [p for block in blocks for p in block]
-    draft = spec.store.lookup(all_prompts, g, spec.max_new_tokens)
+    real = len(all_prompts) if real is None else real
+    draft = spec.store.lookup(all_prompts[:real], g, spec.max_new_tokens)
     if draft is None:
       rollout, metrics = _plain(sampler, params, tokens, mask, key)
       metrics["spec/drafted_rows"] = 0.0
     else:
       drafted_N = draft.mask.sum(1)
+      extra = len(all_prompts) - real
       mine = (slice(None) if group.single
               else group.rows(where, len(all_prompts) * g))
-      draft = sampling.Draft(*(group.global_array(np.asarray(x)[mine], where)
-                               for x in draft))
+      draft = sampling.Draft(*(group.global_array(np.concatenate(
+          [x, np.tile(x[-g:], (extra, 1))])[mine], where) for x in draft))
       # A paged cache's sampler also returns its pool's figures.
       rollout, accepted_N, *pool = spec.sampler(params, tokens, mask, draft,
                                                 key)
-      accepted_N = group.gather_rows(group.local_rows(accepted_N), where)
+      accepted_N = group.gather_rows(group.local_rows(accepted_N),
+                                     where)[:real * g]
       has = drafted_N > 0
       metrics = {
           "spec/drafted_rows": float(has.sum()),
@@ -69,8 +76,9 @@ class Speculated:
     rows = distributed.local_rows_many(
         group, rollout.completion_tokens, rollout.completion_mask,
         rollout.sampler_logprobs)
-    spec.store.update(all_prompts, *distributed.gather_rows_many(
-        group, where, *rows))
+    spec.store.update(all_prompts[:real], *(
+        x[:real * g] for x in distributed.gather_rows_many(group, where,
+                                                           *rows)))
     return rollout, metrics
 
 

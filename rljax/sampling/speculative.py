@@ -196,20 +196,10 @@ def _verified_state(last_NxD, hidden_NxTxD, draft: Draft, key_accept, cache,
     argmax.append(jnp.argmax(logits, -1).astype(jnp.int32))
   sampler_lp = jnp.concatenate(sampler_lp, 1)
   policy_lp = jnp.concatenate(policy_lp, 1)
-  n = draft.tokens.shape[0]
   is_argmax = draft.tokens == jnp.concatenate(argmax, 1)
-  if sc.method.greedy:
-    accept = is_argmax
-  else:
-    log_u = jnp.log(jax.random.uniform(key_accept, (n, t)))
-    accept = log_u <= log_lenience + sampler_lp - draft.logprobs
-    every = getattr(sc.method, "greedy_every", 0)
-    if every:  # ReMax's greedy row of each group (SamplingMethod.greedy_every)
-      greedy_row = (jnp.arange(n) % every == every - 1)[:, None]
-      accept = jnp.where(greedy_row, is_argmax, accept)
-      sampler_lp = jnp.where(greedy_row, 0.0, sampler_lp)
-  accept = accept & draft_mask_NxT
-  accepted_N = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1)
+  accepted_N, sampler_lp = accept_prefix(
+      sampler_lp, is_argmax, draft.logprobs, draft_mask_NxT, key_accept, sc,
+      log_lenience)
   kept_NxT = cols_T[None] < accepted_N[:, None]
   tokens = jnp.where(kept_NxT, draft.tokens, sc.pad_id)
   next_NxD = jnp.take_along_axis(
@@ -230,6 +220,31 @@ def _verified_state(last_NxD, hidden_NxTxD, draft: Draft, key_accept, cache,
       sampler_logp=jnp.where(kept_NxT, sampler_lp, zero),
       column=accepted_N, done=ended | (accepted_N >= t), finished=ended,
       next_position=prompt_len_N + accepted_N)
+
+
+def accept_prefix(sampler_lp_NxS, is_argmax_NxS, draft_lp_NxS, draft_mask_NxS,
+                  key, sc: SamplerConfig, log_lenience: float):
+  """``(accepted_N, sampler_lp_NxS)``: how many draft tokens each row keeps
+  under the acceptance rule (the module docstring; greedy decoding and the
+  greedy rows of ``SamplingMethod.greedy_every`` keep the current argmax),
+  and the sampler logprobs with a greedy row's set to 0. ``sampler_lp``:
+  the draft tokens' logprobs under the current sampling distribution;
+  ``key``: the uniforms' (one per row and column). The static batch's
+  verification pass and the tree's per segment (``sampling.tree``)."""
+  n, s = draft_mask_NxS.shape
+  if sc.method.greedy:
+    accept = is_argmax_NxS
+  else:
+    log_u = jnp.log(jax.random.uniform(key, (n, s)))
+    accept = log_u <= log_lenience + sampler_lp_NxS - draft_lp_NxS
+    every = getattr(sc.method, "greedy_every", 0)
+    if every:  # ReMax's greedy row of each group (SamplingMethod.greedy_every)
+      greedy_row = (jnp.arange(n) % every == every - 1)[:, None]
+      accept = jnp.where(greedy_row, is_argmax_NxS, accept)
+      sampler_lp_NxS = jnp.where(greedy_row, 0.0, sampler_lp_NxS)
+  accept = accept & draft_mask_NxS.astype(jnp.bool_)
+  return (jnp.sum(jnp.cumprod(accept.astype(jnp.int32), 1), 1),
+          sampler_lp_NxS)
 
 
 def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
@@ -263,15 +278,30 @@ def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
           _speculative_paged_impl, paged=paged),
       model_config=model_config, config=config,
       log_lenience=float(log_lenience))
+  return jit_drafted(fn, config, mesh, param_shardings, rules,
+                     with_stats=paged is not None)
+
+
+def jit_drafted(fn, config: SamplerConfig, mesh: jax.sharding.Mesh | None,
+                param_shardings: Any = None,
+                rules: sharding.Rules = sharding.DEFAULT_RULES, *,
+                tree_nodes: bool = False, with_stats: bool = False):
+  """``fn(params, tokens_BxP, mask_BxP, draft, key[, row_multiple]) ->
+  (Rollout, accepted_N[, figures])`` jitted as ``make_sampler`` describes
+  (``jitting.jit_rows``), the draft's rows padded with the prompts'.
+  ``tree_nodes``: the ``Rollout`` has ``tree_nodes`` (the tree's drafted
+  sampler, ``sampling.tree``); ``with_stats``: ``fn`` also returns a dict
+  of scalars (a paged pool's figures), replicated."""
   if mesh is None:
     return jax.jit(fn)
   s = mesh_shardings(mesh, rules, config)
   b2 = s.batch2
+  rollout = s.rollout._replace(tree_nodes=b2) if tree_nodes else s.rollout
   jitted = jax.jit(functools.partial(fn, row_multiple=s.ways),
                    in_shardings=(param_shardings, b2, b2, Draft(b2, b2, b2),
                                  s.replicated),
-                   out_shardings=(s.rollout, s.batch1) + (
-                       () if paged is None else (s.replicated,)))
+                   out_shardings=(rollout, s.batch1) + (
+                       (s.replicated,) if with_stats else ()))
   g = config.num_samples
 
   def call(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft, key):

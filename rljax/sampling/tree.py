@@ -51,6 +51,8 @@ from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import (_cache_slots, _gather_cache, _grow,
                                          shrink_levels)
 from rljax.sampling.jitting import MeteredSampler, jit_rows
+from rljax.sampling.speculative import Draft, jit_drafted
+from rljax.sampling import tree_drafts
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
                                     decode_while, row_keys, shrink_rest)
@@ -180,7 +182,8 @@ def gather_rows(state, rows_n):
 def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                       model_config: ModelConfig, config: SamplerConfig,
                       tree: TreeConfig, paged: paged_lib.PagedConfig | None = None,
-                      row_multiple: int = 1):
+                      row_multiple: int = 1, draft: Draft | None = None,
+                      log_lenience: float = 0.0):
   mc, sc = model_config, config
   t, seg = sc.max_new_tokens, tree.segment_tokens
   widths = tree.widths(sc.num_samples, t)
@@ -207,31 +210,66 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   nodes = jnp.zeros((b * w0, forks), jnp.int32)
   run = functools.partial(decode_while, functools.partial(
       decode_step, params, model=model, w_DxV=w_DxV, mc=mc, sc=sc))
+  g = sc.num_samples
+  if draft is not None:  # SPEC-RL's drafts, node by node (tree_drafts)
+    levels_d = tree_drafts.draft_levels(draft, b, g, widths, seg)
+    src = tree_drafts.root_sources(levels_d, draft, b, g, w0)
+    accepted = jnp.zeros((b * w0,), jnp.int32)
+    accept_key = jax.random.split(key)[1]
+    used = 0  # dense cache slots that passes and loops may have written
 
   # The last width decodes to the end, in batches that halve as its rows
   # end (``sampler.shrink_batch_to``, as the static sampler's).
   levels = shrink_levels(b * widths[-1], sc.shrink_batch_to, row_multiple)
   cols_T = jnp.arange(t, dtype=jnp.int32)
+  figures = [peak, cut]  # a paged pool's, traced in order
+
+  def decode(state, keys, d, end, slots):
+    """The rows' decode loop of depth ``d`` until step ``end`` (a dense
+    cache grown to ``slots``: ``(needed, final)``)."""
+    if paged is not None:
+      if d == forks:
+        state, more_peak, more_cut = paged_lib.shrinking_decode(
+            params, state, keys, model=model, w_DxV=w_DxV, mc=mc, sc=sc,
+            row_multiple=row_multiple)
+      else:
+        state, more_peak, more_cut = paged_lib.paged_decode(
+            params, state, keys, end, model=model, w_DxV=w_DxV, mc=mc, sc=sc)
+      figures[:] = (jnp.maximum(figures[0], more_peak),
+                    figures[1] + more_cut)
+      return state
+    state = state._replace(cache=_grow(state.cache, _cache_slots(*slots)))
+    last = d == forks and len(levels) > 1
+    state = run(state, keys, end, levels[1] if last else 0)
+    if last:
+      state = shrink_rest(
+          state, keys, levels, lambda s, k, fits: run(s, k, t, fits),
+          lambda cache, pick_n: _gather_cache(cache, pick_n, widths[-1]))
+    return state
+
   for d, w in enumerate(widths):
     end = t if d == forks else (d + 1) * seg
     keys = row_keys(jax.random.fold_in(key, d), b * w)
-    if paged is not None and d == forks:
-      state, phase_peak, phase_cut = paged_lib.shrinking_decode(
-          params, state, keys, model=model, w_DxV=w_DxV, mc=mc, sc=sc,
-          row_multiple=row_multiple)
-    elif paged is not None:
-      state, phase_peak, phase_cut = paged_lib.paged_decode(
-          params, state, keys, end, model=model, w_DxV=w_DxV, mc=mc, sc=sc)
+    if draft is None:
+      state = decode(state, keys, d, end, (end, t))
     else:
-      state = state._replace(cache=_grow(state.cache, _cache_slots(end, t)))
-      last = d == forks and len(levels) > 1
-      state = run(state, keys, end, levels[1] if last else 0)
-      if last:
-        state = shrink_rest(
-            state, keys, levels, lambda s, k, fits: run(s, k, t, fits),
-            lambda cache, pick_n: _gather_cache(cache, pick_n, widths[-1]))
-    if paged is not None:
-      peak, cut = jnp.maximum(peak, phase_peak), cut + phase_cut
+      lo = d * seg
+      state, src, more, more_cut = tree_drafts.verify_segment(
+          params, state, src, draft, g, w, lo, end,
+          jax.random.fold_in(accept_key, d), model=model, w_DxV=w_DxV,
+          mc=mc, sc=sc, log_lenience=log_lenience,
+          slots=None if paged is not None else (used + end - lo, 2 * t))
+      accepted = accepted + more
+      if paged is not None:
+        figures[:] = (jnp.maximum(figures[0], pc.blocks_in_use(state.cache)),
+                      figures[1] + jnp.sum(more_cut).astype(jnp.int32))
+      slots = (used + 2 * (end - lo), 2 * t)
+      used += 2 * (end - lo)
+      # Steps count from 0: a row starts where its draft left it.
+      state = tree_drafts.hold_finished_rows(
+          lambda s: decode(s, keys, d, end - lo, slots),
+          state._replace(step=jnp.zeros((), jnp.int32)), end,
+          jnp.repeat(prompt_len_B, w), paged is not None)
     if d == forks:
       break
     in_seg = state.mask & (cols_T[None] >= d * seg)
@@ -242,7 +280,11 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
     rows = (jnp.arange(b, dtype=jnp.int32)[:, None] * w + parents).reshape(-1)
     state = gather_rows(state, rows)
     nodes = jnp.take(nodes, rows, axis=0).at[:, d].set(parents.reshape(-1))
-  g = sc.num_samples
+    if draft is not None:
+      src = tree_drafts.child_sources(levels_d, d, src.reshape(b, w),
+                                      parents).reshape(-1)
+      accepted = jnp.take(accepted, rows)
+  peak, cut = figures
   rollout = Rollout(
       prompt_tokens=jnp.repeat(prompt_tokens_BxP, g, axis=0),
       prompt_mask=jnp.repeat(prompt_mask_BxP, g, axis=0),
@@ -250,26 +292,44 @@ def _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
       lengths=state.mask.sum(-1).astype(jnp.int32), finished=state.finished,
       policy_logprobs=state.policy_logp, sampler_logprobs=state.sampler_logp,
       tree_nodes=nodes)
-  if paged is None:
-    return rollout
-  return rollout, paged_lib.pool_stats(state.cache, num_blocks, peak, cut)
+  out = (rollout,) if draft is None else (rollout, accepted)
+  if paged is not None:
+    out += (paged_lib.pool_stats(state.cache, num_blocks, peak, cut),)
+  return out[0] if len(out) == 1 else out
+
+
+def _sample_tree_drafted(params, prompt_tokens_BxP, prompt_mask_BxP,
+                         draft: Draft, key, **kwargs):
+  return _sample_tree_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key,
+                           draft=draft, **kwargs)
 
 
 def make_tree_sampler(model_config: ModelConfig, config: SamplerConfig,
                       tree: TreeConfig, mesh: jax.sharding.Mesh | None = None,
                       param_shardings=None,
                       rules: sharding.Rules = sharding.DEFAULT_RULES, *,
-                      paged: paged_lib.PagedConfig | None = None):
+                      paged: paged_lib.PagedConfig | None = None,
+                      speculative: bool = False, log_lenience: float = 0.0):
   """A jitted ``fn(params, prompt_tokens_BxP, prompt_mask_BxP, key) ->
   Rollout`` sampling ``config.num_samples`` leaves per prompt as a tree
   (the module docstring); shardings as ``sampling.make_sampler``'s.
   ``paged``: on a paged KV cache, a fork sharing its parent's blocks
-  (``sampling.paged``).
+  (``sampling.paged``). ``speculative``: SPEC-RL's drafted tree
+  (``sampling.tree_drafts``), ``fn(params, tokens_BxP, mask_BxP, draft,
+  key) -> (Rollout, accepted_N[, pool figures])`` as
+  ``make_speculative_sampler``'s, with the acceptance rule's
+  ``log_lenience``.
 
   Raises:
     ValueError: when the tree's widths do not fit (``TreeConfig.widths``).
   """
   tree.widths(config.num_samples, config.max_new_tokens)
+  if speculative:
+    fn = functools.partial(_sample_tree_drafted, model_config=model_config,
+                           config=config, tree=tree, paged=paged,
+                           log_lenience=float(log_lenience))
+    return jit_drafted(fn, config, mesh, param_shardings, rules,
+                       tree_nodes=True, with_stats=paged is not None)
   fn = functools.partial(_sample_tree_impl, model_config=model_config,
                          config=config, tree=tree, paged=paged)
   return MeteredSampler(jit_rows(fn, config, mesh, param_shardings, rules,

@@ -154,11 +154,7 @@ class Samplers:
                             record_policy_logprobs=record_policy_logprobs,
                             greedy_every=greedy_every)
     paged = self._paged()
-    # The training rows grow as trees (TreePO's or LATR's); with rollout
-    # allocation only its prompt entries' sampler does.
-    trees = training and not greedy and (
-        self.config.rl.allocation.name == "none"
-        or num_samples == allocation(self.config).sampler_samples)
+    trees = training and not greedy and self._trees(num_samples)
     tree = tree_config(self.config) if trees else None
     if tree is not None:
       return tree_lib.make_tree_sampler(self.model_config, config, tree,
@@ -172,6 +168,13 @@ class Samplers:
                                           *self._where(training))
     return sampling.make_sampler(self.model_config, config,
                                  *self._where(training))
+
+  def _trees(self, num_samples: int) -> bool:
+    """Whether training rows of ``num_samples`` per prompt grow as trees
+    (TreePO's or LATR's, with ``rl.rollout``): all of them, or with rollout
+    allocation only its prompt entries'."""
+    return (self.config.rl.allocation.name == "none"
+            or num_samples == allocation(self.config).sampler_samples)
 
   def _paged(self) -> paged_lib.PagedConfig | None:
     """``sampler.kv_cache="paged"``'s pool, or None (a dense cache)."""
@@ -260,7 +263,9 @@ class Samplers:
                   store: sampling.DraftStore | None = None
                   ) -> sampling.Speculation | None:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
-    the speculative twin of ``sampler(group_size + extra_samples)``, on
+    the speculative twin of ``sampler(group_size + extra_samples)`` (of a
+    tree rollout's sampler, its segments verified node by node:
+    ``sampling.tree_drafts``), on
     the same devices (the sampler's with ``rl.sampler_devices``), and a
     draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s;
     ``num_samples`` rows per prompt entry (rollout allocation's rounds)
@@ -270,10 +275,19 @@ class Samplers:
       return None
     config = self._training_sampler_config(record_policy_logprobs,
                                            num_samples)
+    tree = (tree_config(self.config)
+            if self._trees(config.num_samples) else None)
+    if tree is not None:  # each segment verified from the earlier tree's
+      sampler = tree_lib.make_tree_sampler(
+          self.model_config, config, tree, *self._where(True),
+          paged=self._paged(), speculative=True,
+          log_lenience=float(s.spec_log_lenience))
+    else:
+      sampler = sampling.make_speculative_sampler(
+          self.model_config, config, *self._where(True),
+          log_lenience=float(s.spec_log_lenience), paged=self._paged())
     return sampling.Speculation(
-        sampler=sampling.make_speculative_sampler(
-            self.model_config, config, *self._where(True),
-            log_lenience=float(s.spec_log_lenience), paged=self._paged()),
+        sampler=sampler,
         store=(store if store is not None
                else sampling.DraftStore(int(s.spec_store_prompts))),
         max_new_tokens=config.max_new_tokens)

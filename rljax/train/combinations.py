@@ -98,12 +98,6 @@ RULES: tuple[Rule, ...] = (
          "row of a tree shares its first segment with sampled siblings",
          "an advantage without a greedy row, or rl.rollout='static'",
          "meaningless"),
-    Rule("tree-speculative", ("rl.rollout", "sampler.speculative"),
-         lambda c, p: _tree(c) and bool(c.sampler.speculative),
-         "SPEC-RL verifies each row's draft in one pass from the prompt; a "
-         "tree's rows are made at forks, and the tree sampler has no "
-         "verification pass", "sampler.speculative=False",
-         "missing"),
     Rule("tree-sgpo", ("rl.rollout", _ALLOCATION),
          lambda c, p: _tree(c) and c.rl.allocation.name == "sgpo",
          "sGPO samples a prompt's group as single completions, one per "
