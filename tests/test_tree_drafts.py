@@ -239,3 +239,24 @@ def test_greedy_trees_are_exact_whatever_the_draft(params, prompts):
                                 plain.completion_tokens)
   np.testing.assert_array_equal(got.tree_nodes, plain.tree_nodes)
   assert 0 < accepted.sum() < plain.completion_mask.sum()
+
+
+def test_a_nan_draft_logprob_rejects_its_token_and_nothing_before_it(
+    samplers, params, prompts):
+  """A stored logprob that is NaN (a corrupt store) fails the acceptance
+  test at its column: every leaf keeps at most the 4 tokens before it,
+  each a draft leaf's, and decodes on from there."""
+  earlier = _plain(samplers, False, params, prompts, jax.random.key(3))
+  logprobs = np.array(earlier.sampler_logprobs)
+  logprobs[:, 4] = np.nan
+  draft = sampling.Draft(earlier.completion_tokens, earlier.completion_mask,
+                         jnp.asarray(logprobs))
+  got, accepted, _ = _drafted(samplers, False, params, prompts, draft,
+                              jax.random.key(11))
+  long_enough = earlier.lengths > 4
+  assert accepted.max() == 4 and long_enough.any()
+  g = BASE.num_samples
+  for i, a in enumerate(accepted):
+    group = np.asarray(earlier.completion_tokens)[(i // g) * g:(i // g + 1) * g]
+    assert (group[:, :a] == got.completion_tokens[i, :a]).all(1).any(), i
+  assert np.isfinite(got.sampler_logprobs).all()
