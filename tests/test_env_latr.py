@@ -19,7 +19,8 @@ from rljax import envs, models, sampling
 from rljax.rollout import multi_turn as mt
 from rljax.sampling.latr import LatrConfig
 from tests import env_fixtures
-from tests.test_envs import MC, SC, TOK, assert_same_episodes, play
+from tests.test_envs import (EXAMPLES, MC, SC, TOK, assert_same_episodes,
+                             play)
 
 G = 4
 CONFIG = SC.replace(num_samples=G, max_new_tokens=40)
@@ -127,15 +128,44 @@ def test_a_paged_cache_gives_the_dense_caches_branches(params, runs):
     assert got.metrics[k] == want.metrics[k], k
 
 
-def test_latr_episodes_refuse_slots_and_drafts():
+def test_latr_episodes_refuse_slots():
   runner = envs.EnvRunner(env_fixtures.Recorder(), num_workers=0)
   try:
-    for kwargs in ({"slots": 2}, {"drafts": sampling.DraftStore(8)}):
-      with pytest.raises(ValueError, match="static batch"):
-        mt.MultiTurnSampler(MC, CONFIG, TURNS, runner, TOK, (8,),
-                            latr=EVERY, **kwargs)
+    with pytest.raises(ValueError, match="static batch"):
+      mt.MultiTurnSampler(MC, CONFIG, TURNS, runner, TOK, (8,),
+                          latr=EVERY, slots=2)
     with pytest.raises(ValueError, match="rl.latr.mix_ratio"):
       mt.MultiTurnSampler(MC, CONFIG, TURNS, runner, TOK, (8,),
                           latr=EVERY.replace(mix_ratio=0.25))
   finally:
     runner.close()
+
+
+def test_the_rows_sampled_as_usual_draft_their_turns_and_the_tree_none(
+    params):
+  """SPEC-RL on LATR episodes: a row outside the tree drafts each turn
+  from its stored episode; the tree's rows, whose tokens are forced or
+  branch, draft nothing. With the same policy a drafted turn is kept whole
+  and the environment answers the same, so with another key the rows
+  sampled as usual play the first run's episodes again."""
+  latr = EVERY.replace(mix_ratio=0.5)
+  store = sampling.DraftStore(max_prompts=8)
+  runner = envs.EnvRunner(env_fixtures.Recorder(), num_workers=0)
+  try:
+    sampler = mt.MultiTurnSampler(MC, CONFIG, TURNS, runner, TOK, (8,),
+                                  latr=latr, drafts=store)
+    first = jax.device_get(sampler.run(params, EXAMPLES, jax.random.key(3)))
+    second = jax.device_get(sampler.run(params, EXAMPLES, jax.random.key(8)))
+  finally:
+    runner.close()
+  m = latr.tree_rows(G)
+  outside = np.arange(len(first.failed)) % G >= m
+  tokens = lambda out: np.asarray(out.rollout.completion_tokens)
+  np.testing.assert_array_equal(tokens(second)[outside],
+                                tokens(first)[outside])
+  assert second.metrics["spec/drafted_rows"] == outside.sum()
+  assert second.metrics["spec/full_accept_fraction"] == 1.0
+  # With the other key the sampled rows would differ had they not drafted.
+  third = play(params, env_fixtures.Recorder(), CONFIG, TURNS, latr=latr,
+               key=8)[1]
+  assert (tokens(third)[outside] != tokens(first)[outside]).any()

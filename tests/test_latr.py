@@ -265,3 +265,63 @@ def test_latrs_peak_is_blocks_held_at_once(params, prompts):
   assert below["rollout/kv_cut_rows"] >= 1
   assert below["rollout/kv_blocks_left"] == 0
   assert below["rollout/kv_blocks_peak"] <= peak - 1
+
+
+# --- SPEC-RL's drafts for the rows sampled as usual -------------------------
+
+HALF = BRANCHY.replace(mix_ratio=0.5)
+
+
+@pytest.fixture(scope="module")
+def drafted(params, prompts):
+  """``{paged: (plain sampler, drafted sampler)}`` of half-tree LATR."""
+  from rljax.sampling import paged as paged_lib  # pylint: disable=import-outside-toplevel
+  out = {}
+  for paged in (False, True):
+    pool = paged_lib.PagedConfig(block_size=4) if paged else None
+    out[paged] = (latr_lib.make_latr_sampler(MC, SC, HALF, paged=pool),
+                  latr_lib.make_latr_sampler(MC, SC, HALF, paged=pool,
+                                             speculative=True))
+  return out
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_an_empty_draft_gives_latrs_rollout(params, prompts, drafted, paged):
+  plain, spec = drafted[paged]
+  want, stats = plain.with_metrics(params, *prompts, jax.random.key(1))
+  n = want.completion_tokens.shape[0]
+  empty = sampling.Draft(jnp.zeros((n, T), jnp.int32),
+                         jnp.zeros((n, T), bool), jnp.zeros((n, T)))
+  got, accepted, got_stats = spec(params, *prompts, empty, jax.random.key(1))
+  np.testing.assert_array_equal(got.completion_tokens, want.completion_tokens)
+  np.testing.assert_allclose(got.sampler_logprobs, want.sampler_logprobs,
+                             atol=1e-5)
+  assert not np.asarray(accepted).any()
+  assert stats["latr/branches"] > 0
+  for k in ("latr/branches", "latr/pruned", "latr/copies"):
+    assert float(got_stats[k]) == stats[k], k
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_rows_sampled_as_usual_draft_and_the_trees_rows_do_not(
+    params, prompts, drafted, paged):
+  """A draft of the same policy: the rows outside the tree keep theirs
+  whole (p == q), so with another key they are the draft's; the tree's
+  rows draft nothing (their forced tokens and branches are LATR's)."""
+  plain, spec = drafted[paged]
+  earlier = plain(params, *prompts, jax.random.key(1))
+  draft = sampling.Draft(earlier.completion_tokens, earlier.completion_mask,
+                         earlier.sampler_logprobs)
+  got, accepted, _ = spec(params, *prompts, draft, jax.random.key(7))
+  n = got.completion_tokens.shape[0]
+  outside = np.arange(n) % G >= HALF.tree_rows(G)
+  np.testing.assert_array_equal(
+      np.asarray(got.completion_tokens)[outside],
+      np.asarray(earlier.completion_tokens)[outside])
+  np.testing.assert_array_equal(np.asarray(accepted)[outside],
+                                np.asarray(earlier.lengths)[outside])
+  assert not np.asarray(accepted)[~outside].any()
+  # Drawn with key 7 instead, they would differ.
+  other = plain(params, *prompts, jax.random.key(7))
+  assert (np.asarray(other.completion_tokens)[outside]
+          != np.asarray(earlier.completion_tokens)[outside]).any()

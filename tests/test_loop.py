@@ -234,14 +234,18 @@ def assert_stop_and_resume_matches(config, rows, workdir, stop_at):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout", ["static", "tree"])
+@pytest.mark.parametrize("rollout", ["static", "tree", "latr"])
 def test_spec_rl_drafts_from_the_previous_epoch_and_resumes_exactly(
     tmp_path, rollout):
   """One epoch per step: steps 2 and 3 resample step 1's prompts from their
-  drafts (a tree's segments node by node: ``sampling.tree_drafts``). The
-  draft store is checkpointed: a run stopped after step 1 and resumed
-  drafts, accepts and trains exactly as the uninterrupted one."""
+  drafts (a tree's segments node by node: ``sampling.tree_drafts``; LATR's
+  rows sampled as usual). The draft store is checkpointed: a run stopped
+  after step 1 and resumed drafts, accepts and trains exactly as the
+  uninterrupted one."""
   config = loop_config(**{"sampler.speculative": True, "rl.rollout": rollout})
+  if rollout == "latr":  # half the rows a tree, branching at every token
+    config.rl.latr.mix_ratio = 0.5
+    config.rl.latr.abs_threshold = config.rl.latr.rel_threshold = 0.0
   config.task.num_train = config.rl.prompts_per_step
   config.rl.num_steps = 3
   config.checkpoint.every = 1
@@ -249,12 +253,16 @@ def test_spec_rl_drafts_from_the_previous_epoch_and_resumes_exactly(
   train.run(config, str(full))
   rows = rl_rows(full)
   n = config.rl.prompts_per_step * config.rl.group_size
+  if rollout == "latr":  # the tree's rows draft nothing
+    n -= config.rl.prompts_per_step * config.rl.group_size // 2
   assert [r["spec/drafted_rows"] for r in rows] == [0, n, n]
   assert 0 < rows[1]["spec/accept_rate"] <= 1
   assert rows[1]["spec/accepted_tokens/mean"] > 0
   assert all(r["grad_norm"] > 0 and math.isfinite(r["pg_loss"]) for r in rows)
   if rollout == "tree":
     assert all(r["rollout/tree_token_saving"] > 0 for r in rows)
+  if rollout == "latr":
+    assert all(r["latr/branches"] > 0 for r in rows)
 
   assert_stop_and_resume_matches(config, rows, tmp_path / "split", 1)
 

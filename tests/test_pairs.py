@@ -59,9 +59,10 @@ def _lora_adapters(rows, workdir):
 
 
 # LATR with thresholds every token crosses (an untrained model's next-token
-# distributions are flat).
+# distributions are flat), half the rows a tree: the others sampled as
+# usual, which SPEC-RL drafts (the tree's rows draft nothing).
 LATR_SETTINGS = {"rl.rollout": "latr", "rl.latr.abs_threshold": 0.0,
-                 "rl.latr.rel_threshold": 0.0}
+                 "rl.latr.rel_threshold": 0.0, "rl.latr.mix_ratio": 0.5}
 
 FEATURES = {
     "continuous": Feature({"rl.rollout": "continuous"},
@@ -111,7 +112,6 @@ SAME_FIELD = {frozenset(p) for p in itertools.combinations(
 # The pairs the table refuses, by its rule (docs/rollouts.md gives the
 # reasons).
 REFUSED = {
-    frozenset(("latr", "spec_rl")): "latr-speculative",
 }
 
 MAX_FEATURES = 10  # per run

@@ -45,6 +45,10 @@ class Speculation:
     b_tokens, b_observed, column = host
     t = s_tokens.shape[1]
     starting = [s for s in np.flatnonzero(slots_M) if slot_row[s] >= 0]
+    latr = self.sampler.latr
+    if latr is not None:  # LATR's tree rows force or branch: no drafts
+      m = latr.tree_rows(self.g)
+      starting = [s for s in starting if slot_row[s] % self.g >= m]
     for s in starting:
       r, c = slot_row[s], int(column[s])
       if c >= t:

@@ -48,12 +48,12 @@ def check(latr: LatrConfig, num_samples: int, *, plain: bool = True) -> int:
 
   Raises:
     ValueError: naming the fields, for fewer than 2 tree rows, and unless
-      ``plain`` (the static batch without SPEC-RL's drafts, where LATR
-      episodes play: ``MultiTurnSampler``'s slots and drafts).
+      ``plain`` (the static batch, where LATR episodes play:
+      ``MultiTurnSampler``'s slots).
   """
   if not plain:
-    raise ValueError("LATR episodes play on the static batch, without "
-                     "SPEC-RL's drafts: pass no slots or drafts with latr.")
+    raise ValueError("LATR episodes play on the static batch: pass no "
+                     "slots with latr.")
   return latr.tree_rows(num_samples)
 
 

@@ -195,8 +195,7 @@ class MultiTurnSampler(env_steps.EnvSteps, turn_rounds.Rounds):
       episode_tree.check(tree, config.num_samples, turns.max_turns,
                          plain=slots is None)
     if latr is not None:
-      episode_latr.check(latr, config.num_samples,
-                         plain=slots is None and drafts is None)
+      episode_latr.check(latr, config.num_samples, plain=slots is None)
     self.tree, self.latr = tree, latr
     self.group = group or distributed.ProcessGroup()
     if not self.group.single and mesh is None:

@@ -51,6 +51,9 @@ class Speculated:
       rollout, metrics = _plain(sampler, params, tokens, mask, key)
       metrics["spec/drafted_rows"] = 0.0
     else:
+      if spec.draft_slots is not None:  # the rows that take no draft
+        draft = draft._replace(mask=draft.mask & np.tile(
+            spec.draft_slots, real)[:, None])
       drafted_N = draft.mask.sum(1)
       extra = len(all_prompts) - real
       mine = (slice(None) if group.single

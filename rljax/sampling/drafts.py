@@ -234,8 +234,11 @@ class Speculation(NamedTuple):
       settings as the plain sampler it stands in for.
     store: the prompts' latest rollouts.
     max_new_tokens: ``T`` of the rollouts (the drafts' width).
+    draft_slots: ``[G]`` bool, the rows of a group that take a draft (LATR:
+      its rows sampled as usual); None: every row.
   """
 
   sampler: Callable
   store: DraftStore
   max_new_tokens: int
+  draft_slots: np.ndarray | None = None

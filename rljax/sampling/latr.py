@@ -60,10 +60,12 @@ from rljax.models import paged_cache as pc
 from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import (_cache_slots, _gather_cache, _grow,
                                          shrink_levels)
+from rljax.sampling import tree_drafts
 from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
                                     decode_while, row_keys, shrink_rest)
+from rljax.sampling.speculative import Draft, jit_drafted
 from rljax.sampling.tree import gather_rows
 
 
@@ -171,7 +173,8 @@ def spawn_slots(ok_N, empty_N, g: int):
 def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
                model_config: ModelConfig, config: SamplerConfig,
                latr: LatrConfig, paged: paged_lib.PagedConfig | None = None,
-               row_multiple: int = 1):
+               row_multiple: int = 1, draft: Draft | None = None,
+               log_lenience: float = 0.0):
   mc, sc = model_config, config
   g, t = sc.num_samples, sc.max_new_tokens
   m = latr.tree_rows(g)
@@ -186,8 +189,9 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
       params, prompt_tokens_BxP, prompt_mask_BxP, model=model, mc=mc,
       rows_per_prompt=g, dtype=cache_dtype, paged=paged, pool_rows=n,
       max_new_tokens=t)
-  if paged is None:
-    cache = _grow(cache, _cache_slots(t, t))
+  if paged is None:  # (a draft's pass writes t slots before the decode)
+    slots = t if draft is None else 2 * t
+    cache = _grow(cache, _cache_slots(slots, slots))
   failed = jnp.repeat(failed_B, g)
   logits_B = compute_logits(hidden_BxD[:, None], w_DxV,
                             mc.final_logit_softcap)[:, 0]
@@ -198,13 +202,26 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   active = (slot == 0) | ~tree_N  # the root and the rows sampled as usual
   # Empty slots decode nothing until a branch takes them.
   state = state._replace(done=~active | failed)
+  accepted = jnp.zeros((n,), jnp.int32)
+  if draft is not None:
+    # SPEC-RL: the rows sampled as usual verify the draft of their own
+    # slot (a row the earlier rollout sampled as usual too) from the
+    # prompt, and decode on from their first rejected token; the tree's
+    # rows, whose tokens are forced or branch, draft nothing.
+    state, _, accepted, cut = tree_drafts.verify_segment(
+        params, state, jnp.where(tree_N, -1, slot), draft, g, g, 0, t,
+        jax.random.split(key)[1], model=model, w_DxV=w_DxV, mc=mc, sc=sc,
+        log_lenience=log_lenience,
+        slots=None if paged is not None else (2 * t, 2 * t))
   keys_N = row_keys(key, n)
   step_fn = functools.partial(decode_step, params, model=model, w_DxV=w_DxV,
                               mc=mc, sc=sc)
   longest = max(latr.lookahead)
   zero = jnp.zeros((), jnp.int32)
   counts = {"branches": zero, "pruned": zero, "branch_points": zero,
-            "tree_steps": zero, "cut": jnp.sum(failed).astype(jnp.int32),
+            "tree_steps": zero,
+            "cut": jnp.sum(failed).astype(jnp.int32) + (
+                0 if draft is None else jnp.sum(cut).astype(jnp.int32)),
             "peak": zero if paged is None else pc.blocks_in_use(cache)}
 
   def can_change(c):
@@ -327,26 +344,45 @@ def _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key, *,
   if paged is not None:
     stats.update(paged_lib.pool_stats(state.cache, num_blocks,
                                       counts["peak"], counts["cut"]))
+  if draft is not None:
+    return rollout, jnp.take(accepted, rows), stats
   return rollout, stats
+
+
+def _latr_drafted(params, prompt_tokens_BxP, prompt_mask_BxP, draft: Draft,
+                  key, **kwargs):
+  return _latr_impl(params, prompt_tokens_BxP, prompt_mask_BxP, key,
+                    draft=draft, **kwargs)
 
 
 def make_latr_sampler(model_config: ModelConfig, config: SamplerConfig,
                       latr: LatrConfig, mesh: jax.sharding.Mesh | None = None,
                       param_shardings=None,
                       rules: sharding.Rules = sharding.DEFAULT_RULES, *,
-                      paged: paged_lib.PagedConfig | None = None
+                      paged: paged_lib.PagedConfig | None = None,
+                      speculative: bool = False, log_lenience: float = 0.0
                       ) -> MeteredSampler:
   """A jitted ``fn(params, prompt_tokens_BxP, prompt_mask_BxP, key) ->
   Rollout`` sampling ``config.num_samples`` rows per prompt with LATR's
   branching (the module docstring); shardings as ``sampling.make_sampler``'s.
   ``with_metrics`` also returns its counts (``latr/*``) and, on a paged
-  cache, the pool's figures.
+  cache, the pool's figures. ``speculative``: SPEC-RL's drafts for the
+  rows sampled as usual (the tree's rows draft nothing), ``fn(params,
+  tokens_BxP, mask_BxP, draft, key) -> (Rollout, accepted_N, figures)`` as
+  ``make_speculative_sampler``'s, with the acceptance rule's
+  ``log_lenience``.
 
   Raises:
     ValueError: when the tree has fewer than 2 rows
       (``LatrConfig.tree_rows``).
   """
   latr.tree_rows(config.num_samples)
+  if speculative:
+    fn = functools.partial(_latr_drafted, model_config=model_config,
+                           config=config, latr=latr, paged=paged,
+                           log_lenience=float(log_lenience))
+    return jit_drafted(fn, config, mesh, param_shardings, rules,
+                       with_stats=True)
   fn = functools.partial(_latr_impl, model_config=model_config,
                          config=config, latr=latr, paged=paged)
   return MeteredSampler(jit_rows(fn, config, mesh, param_shardings, rules,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import numpy as np
 
 from rljax import rollout as rollout_lib
 from rljax import sampling
@@ -265,7 +266,7 @@ class Samplers:
     """SPEC-RL drafts for the training rollouts (``sampler.speculative``):
     the speculative twin of ``sampler(group_size + extra_samples)`` (of a
     tree rollout's sampler, its segments verified node by node:
-    ``sampling.tree_drafts``), on
+    ``sampling.tree_drafts``; of LATR's, its rows sampled as usual), on
     the same devices (the sampler's with ``rl.sampler_devices``), and a
     draft store; None when off. ``record_policy_logprobs`` as ``sampler``'s;
     ``num_samples`` rows per prompt entry (rollout allocation's rounds)
@@ -275,11 +276,17 @@ class Samplers:
       return None
     config = self._training_sampler_config(record_policy_logprobs,
                                            num_samples)
-    tree = (tree_config(self.config)
-            if self._trees(config.num_samples) else None)
+    trees = self._trees(config.num_samples)
+    tree = tree_config(self.config) if trees else None
+    latr = latr_config(self.config) if trees else None
     if tree is not None:  # each segment verified from the earlier tree's
       sampler = tree_lib.make_tree_sampler(
           self.model_config, config, tree, *self._where(True),
+          paged=self._paged(), speculative=True,
+          log_lenience=float(s.spec_log_lenience))
+    elif latr is not None:  # the rows sampled as usual draft
+      sampler = latr_lib.make_latr_sampler(
+          self.model_config, config, latr, *self._where(True),
           paged=self._paged(), speculative=True,
           log_lenience=float(s.spec_log_lenience))
     else:
@@ -287,7 +294,10 @@ class Samplers:
           self.model_config, config, *self._where(True),
           log_lenience=float(s.spec_log_lenience), paged=self._paged())
     return sampling.Speculation(
-        sampler=sampler,
+        sampler=sampler, draft_slots=(
+            None if latr is None else
+            np.arange(config.num_samples) >= latr.tree_rows(
+                config.num_samples)),
         store=(store if store is not None
                else sampling.DraftStore(int(s.spec_store_prompts))),
         max_new_tokens=config.max_new_tokens)

@@ -8,15 +8,14 @@ here, with its reason: ``build.validate`` (one process) and ``build.build``
 compiled, and ``docs/rollouts.md`` lists every rule by name
 (``tests/test_combinations.py`` checks both).
 
-A rule's ``kind`` is ``"meaningless"`` where the combination has no meaning
-(the reason says why), or ``"missing"`` where it has one but the code path it
-needs does not exist (the reason says which).
+A rule refuses only a combination that has no meaning, and its reason says
+why: no combination is refused because a code path is not built.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 
 class Rule(NamedTuple):
@@ -29,7 +28,6 @@ class Rule(NamedTuple):
     applies: ``(config, processes) -> bool``.
     reason: why, after the fields in the error.
     accepted: what the user may set instead.
-    kind: ``"meaningless"`` or ``"missing"`` (the module docstring).
   """
 
   name: str
@@ -37,7 +35,6 @@ class Rule(NamedTuple):
   applies: Callable[[Any, int], bool]
   reason: str
   accepted: str
-  kind: Literal["meaningless", "missing"]
 
 
 def _get(config: Any, field: str) -> Any:
@@ -60,6 +57,12 @@ def _tree(c: Any) -> bool:
   return c.rl.rollout == "tree"
 
 
+def _rows(c: Any) -> int:
+  """The training rows per prompt: ``rl.group_size`` and the advantage's
+  extra rows."""
+  return c.rl.group_size + _extra_samples(c)
+
+
 def _latr(c: Any) -> bool:
   return c.rl.rollout == "latr"
 
@@ -70,15 +73,14 @@ RULES: tuple[Rule, ...] = (
     Rule("shrink-on-slots", ("sampler.shrink_batch_to", "rl.rollout"),
          lambda c, p: c.sampler.shrink_batch_to is not None and _slots(c),
          "slots refill as rows end, so there is no batch to shrink",
-         "sampler.shrink_batch_to=None, or rl.rollout='static'",
-         "meaningless"),
+         "sampler.shrink_batch_to=None, or rl.rollout='static'"),
     Rule("allocation-with-partial", (_ALLOCATION, "rl.rollout"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and c.rl.rollout == "partial"),
          "allocation chooses each round's prompts from the rewards of every "
          "row of the rounds before, within the step; a row carried "
          "unfinished to the next step has no reward to choose by",
-         "rl.rollout='continuous' or 'static'", "meaningless"),
+         "rl.rollout='continuous' or 'static'"),
     Rule("sgpo-with-selection", (_ALLOCATION, "rl.selection.name"),
          lambda c, p: (c.rl.allocation.name == "sgpo"
                        and c.rl.selection.name != "none"),
@@ -86,43 +88,47 @@ RULES: tuple[Rule, ...] = (
          "sizes from its profile of the pool; DOTS and GRESO would choose "
          "the prompts instead, and DAPO's refills would draw prompts from "
          "outside the curriculum", "rl.selection.name='none', or "
-         "rl.allocation.name='vigor' or 'pilot_commit'", "meaningless"),
+         "rl.allocation.name='vigor' or 'pilot_commit'"),
     Rule("treepo-without-tree", ("rl.advantage", "rl.rollout"),
          lambda c, p: "treepo" in c.rl.advantage.split("+") and not _tree(c),
          "TreePO's advantage centres each row on the subtrees of a tree "
          "rollout; rows sampled independently have no subtrees",
-         "rl.rollout='tree'", "meaningless"),
+         "rl.rollout='tree'"),
     Rule("tree-with-greedy-row", ("rl.rollout", "rl.advantage"),
          lambda c, p: _tree(c) and c.rl.advantage == "remax",
          "ReMax's baseline row is decoded greedily from the prompt on; every "
          "row of a tree shares its first segment with sampled siblings",
-         "an advantage without a greedy row, or rl.rollout='static'",
-         "meaningless"),
+         "an advantage without a greedy row, or rl.rollout='static'"),
     Rule("tree-sgpo", ("rl.rollout", _ALLOCATION),
          lambda c, p: _tree(c) and c.rl.allocation.name == "sgpo",
          "sGPO samples a prompt's group as single completions, one per "
          "entry (any size from 2 to rl.allocation.max_group), and a tree "
          "of one leaf has no fork; VIGOR's and Pilot-Commit's entries are "
          "trees", "rl.allocation.name='vigor' or 'pilot_commit', or "
-         "rl.rollout='static'", "meaningless"),
-    Rule("latr-speculative", ("rl.rollout", "sampler.speculative"),
-         lambda c, p: _latr(c) and bool(c.sampler.speculative),
-         "SPEC-RL verifies each row's draft from the prompt and decodes on "
-         "with the row's own draws; LATR's forced tokens and branches have "
-         "no verification pass", "sampler.speculative=False", "missing"),
+         "rl.rollout='static'"),
+    Rule("latr-speculative-all-tree", ("sampler.speculative",
+                                       "rl.latr.mix_ratio"),
+         lambda c, p: _latr(c) and bool(c.sampler.speculative) and (
+             round(_rows(c) * c.rl.latr.mix_ratio) >= _rows(c)),
+         "SPEC-RL drafts the rows LATR samples as usual; with every row of "
+         "a group in LATR's tree (rl.latr.mix_ratio x the rows per prompt "
+         "rounds to all of them) no row draws its tokens, so none has a "
+         "draft to verify",
+         "rl.latr.mix_ratio that leaves rows outside the tree (0.5), or "
+         "sampler.speculative=False"),
     Rule("latr-sgpo", ("rl.rollout", _ALLOCATION),
          lambda c, p: _latr(c) and c.rl.allocation.name == "sgpo",
          "sGPO samples a prompt's group as single completions, one per "
          "entry, and a LATR tree of one row never branches; VIGOR's and "
          "Pilot-Commit's entries are LATR trees",
          "rl.allocation.name='vigor' or 'pilot_commit', or "
-         "rl.rollout='static'", "meaningless"),
+         "rl.rollout='static'"),
     Rule("allocation-with-extra-rows", (_ALLOCATION, "rl.advantage"),
          lambda c, p: (c.rl.allocation.name != "none"
                        and bool(_extra_samples(c))),
          "the advantage samples a pivot or greedy row per group of G; "
          "groups of unequal size have no such row",
-         "an advantage without extra samples", "meaningless"),
+         "an advantage without extra samples"),
 )
 
 
