@@ -34,6 +34,8 @@ node:
 
 ``accepted_N`` counts each leaf's tokens that came from the draft (its
 shared segments included, as the static sampler's rows count theirs).
+LATR (``sampling.latr``) verifies the drafts of its rows sampled as usual
+with ``verify_segment`` too, over the whole completion, before its loop.
 """
 
 from __future__ import annotations
