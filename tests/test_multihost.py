@@ -301,7 +301,8 @@ CASES = {
     # Partial rollouts carrying groups, replay (8 prompts, 6 fresh).
     # Online DPO (docs/preference.md): pairs sampled from the global
     # batch with LATR's branching (each process's rows, its block of the
-    # prompts' trees), labelled by the rewards, the half with the largest
+    # prompts' trees: half of each group, as the pairwise test's LATR),
+    # labelled by the rewards, the half with the largest
     # score gaps trained against the reference; held-out pairs scored on
     # both processes' rows.
     "online-dpo": ({"preference.loss": "dpo", "preference.online": True,
@@ -309,8 +310,8 @@ CASES = {
                     "preference.max_length": 22, "preference.num_pairs": 64,
                     "preference.num_heldout": 16, "eval.every": 2,
                     "rl.rollout": "latr", "rl.latr.abs_threshold": 0.0,
-                    "rl.latr.rel_threshold": 0.0, **_PARITY}, None,
-                   _check_online_dpo),
+                    "rl.latr.rel_threshold": 0.0, "rl.latr.mix_ratio": 0.5,
+                    **_PARITY}, None, _check_online_dpo),
     # DOTS choosing the prompts, and every metric writer: process 0 alone
     # logs to W&B and MLflow (offline; one run each, checked below).
     "partial-dots-replay": (
