@@ -260,3 +260,17 @@ def test_a_nan_draft_logprob_rejects_its_token_and_nothing_before_it(
     group = np.asarray(earlier.completion_tokens)[(i // g) * g:(i // g + 1) * g]
     assert (group[:, :a] == got.completion_tokens[i, :a]).all(1).any(), i
   assert np.isfinite(got.sampler_logprobs).all()
+
+
+@pytest.mark.parametrize("lenience", [-0.5, float("nan")])
+def test_a_bad_lenience_is_refused_before_compiling(lenience):
+  from rljax.sampling import latr as latr_lib  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ValueError, match=r"sampler\.spec_log_lenience="):
+    tree_lib.make_tree_sampler(TINY, BASE, TREE, speculative=True,
+                               log_lenience=lenience)
+  with pytest.raises(ValueError, match=r"sampler\.spec_log_lenience="):
+    latr_lib.make_latr_sampler(TINY, BASE, latr_lib.LatrConfig(mix_ratio=0.5),
+                               speculative=True, log_lenience=lenience)
+  # 0, the strict rule, is accepted (nothing compiles until a call).
+  tree_lib.make_tree_sampler(TINY, BASE, TREE, speculative=True,
+                             log_lenience=0.0)

@@ -65,7 +65,7 @@ from rljax.sampling.jitting import MeteredSampler, jit_rows
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
                                     decode_while, row_keys, shrink_rest)
-from rljax.sampling.speculative import Draft, jit_drafted
+from rljax.sampling.speculative import Draft, check_lenience, jit_drafted
 from rljax.sampling.tree import gather_rows
 
 
@@ -378,6 +378,7 @@ def make_latr_sampler(model_config: ModelConfig, config: SamplerConfig,
   """
   latr.tree_rows(config.num_samples)
   if speculative:
+    check_lenience(log_lenience)
     fn = functools.partial(_latr_drafted, model_config=model_config,
                            config=config, latr=latr, paged=paged,
                            log_lenience=float(log_lenience))

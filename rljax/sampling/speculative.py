@@ -222,6 +222,14 @@ def _verified_state(last_NxD, hidden_NxTxD, draft: Draft, key_accept, cache,
       next_position=prompt_len_N + accepted_N)
 
 
+def check_lenience(log_lenience: float) -> None:
+  """Raises a ``ValueError`` naming ``sampler.spec_log_lenience`` unless it
+  is a number >= 0 (the acceptance rule's ``log l``)."""
+  if not log_lenience >= 0:
+    raise ValueError(f"sampler.spec_log_lenience={log_lenience!r}: a number "
+                     ">= 0 is required.")
+
+
 def accept_prefix(sampler_lp_NxS, is_argmax_NxS, draft_lp_NxS, draft_mask_NxS,
                   key, sc: SamplerConfig, log_lenience: float):
   """``(accepted_N, sampler_lp_NxS)``: how many draft tokens each row keeps
@@ -270,9 +278,7 @@ def make_speculative_sampler(model_config: ModelConfig, config: SamplerConfig,
       function then returns ``(Rollout, accepted_N, pool figures)``
       (``paged.pool_stats``).
   """
-  if not log_lenience >= 0:
-    raise ValueError(f"sampler.spec_log_lenience={log_lenience!r}: a number "
-                     ">= 0 is required.")
+  check_lenience(log_lenience)
   fn = functools.partial(
       _speculative_impl if paged is None else functools.partial(
           _speculative_paged_impl, paged=paged),

@@ -51,7 +51,7 @@ from rljax.sampling import paged as paged_lib
 from rljax.sampling.decode_cache import (_cache_slots, _gather_cache, _grow,
                                          shrink_levels)
 from rljax.sampling.jitting import MeteredSampler, jit_rows
-from rljax.sampling.speculative import Draft, jit_drafted
+from rljax.sampling.speculative import Draft, check_lenience, jit_drafted
 from rljax.sampling import tree_drafts
 from rljax.sampling.sampler import (_ROW_FIELDS, Rollout, SamplerConfig,
                                     _empty_state, decode_setup, decode_step,
@@ -325,6 +325,7 @@ def make_tree_sampler(model_config: ModelConfig, config: SamplerConfig,
   """
   tree.widths(config.num_samples, config.max_new_tokens)
   if speculative:
+    check_lenience(log_lenience)
     fn = functools.partial(_sample_tree_drafted, model_config=model_config,
                            config=config, tree=tree, paged=paged,
                            log_lenience=float(log_lenience))
