@@ -18,21 +18,15 @@ from rljax import models, sampling
 from rljax.sampling import paged as paged_lib
 from rljax.sampling import tree as tree_lib
 from rljax.sampling import tree_drafts
+from tests import test_tree
 from tests.test_tree import BASE, T, TINY, TREE
 
 PAGED = paged_lib.PagedConfig(block_size=4)
 
 
-@pytest.fixture(scope="module")
-def params():
-  return models.init_params(TINY, jax.random.key(0))
-
-
-@pytest.fixture(scope="module")
-def prompts():
-  rng = np.random.RandomState(0)
-  lists = [list(rng.randint(40, TINY.vocab_size, size=n)) for n in (3, 11, 6)]
-  return sampling.pad_prompts(lists, (8, 16))
+# The tree tests' model and prompts (module-scoped fixtures, one copy here).
+params = test_tree.params
+prompts = test_tree.prompts
 
 
 @pytest.fixture(scope="module")
